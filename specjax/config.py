@@ -1,0 +1,130 @@
+"""Model configuration: one frozen (hashable) dataclass, usable as a static jit argument."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Hyper-parameters of a Llama-family decoder (Llama 2/3, SmolLM, TinyLlama, Mistral w/o sliding window).
+
+  `rope_freq_factors` divides the RoPE inverse frequencies element-wise (GGUF's `rope_freqs` tensor);
+  `rope_scaling` is HF's `rope_scaling` dict flattened into sorted (key, value) pairs.
+  """
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  rope_theta: float = 10000.0
+  rms_norm_eps: float = 1e-5
+  tie_embeddings: bool = True
+  max_position_embeddings: int = 2048
+  rope_scaling: tuple[tuple[str, Any], ...] | None = None
+  rope_freq_factors: tuple[float, ...] | None = None
+  dtype: str = "float32"
+
+  def __post_init__(self):
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+    if self.head_dim % 2:
+      raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+
+  @property
+  def rope_scaling_dict(self) -> dict[str, Any]:
+    return dict(self.rope_scaling or ())
+
+  def replace(self, **kwargs) -> "ModelConfig":
+    return dataclasses.replace(self, **kwargs)
+
+  @property
+  def num_params(self) -> int:
+    d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
+    attn = d * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+    per_layer = attn + 3 * d * f + 2 * d
+    head = 0 if self.tie_embeddings else v * d
+    return v * d + self.num_layers * per_layer + d + head
+
+  @classmethod
+  def from_hf(cls, hf: dict[str, Any], dtype: str = "float32") -> "ModelConfig":
+    """Builds a config from an HF `config.json` dict (LlamaForCausalLM and its look-alikes)."""
+    archs = hf.get("architectures") or []
+    model_type = hf.get("model_type", "")
+    if model_type not in ("llama", "mistral") and not any(a in ("LlamaForCausalLM", "MistralForCausalLM") for a in archs):
+      raise ValueError(f"unsupported architecture: model_type={model_type!r} architectures={archs}; "
+                       "specjax supports Llama-family decoders")
+    if hf.get("sliding_window") and model_type == "mistral":
+      raise ValueError("sliding-window attention is not supported")
+    num_heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+    scaling = hf.get("rope_scaling")
+    rope_theta = hf.get("rope_theta", 10000.0)
+    # transformers 5 moves rope settings into `rope_parameters`.
+    params = hf.get("rope_parameters")
+    if params:
+      rope_theta = params.get("rope_theta", rope_theta)
+      if params.get("rope_type", "default") != "default":
+        scaling = params
+    if scaling:
+      scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+      kind = scaling.get("rope_type", scaling.get("type"))
+      if kind == "default":
+        scaling = None
+      elif kind not in ("llama3", "linear"):
+        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: llama3, linear)")
+    return cls(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+        head_dim=head_dim,
+        rope_theta=float(rope_theta),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
+        dtype=dtype,
+    )
+
+  def to_json(self) -> str:
+    return json.dumps(dataclasses.asdict(self))
+
+  @classmethod
+  def from_json(cls, text: str) -> "ModelConfig":
+    d = json.loads(text)
+    for key in ("rope_scaling", "rope_freq_factors"):
+      if d.get(key) is not None:
+        d[key] = tuple(tuple(x) if isinstance(x, list) else x for x in d[key])
+    return cls(**d)
+
+
+def rope_inv_freq(config: ModelConfig):
+  """RoPE inverse frequencies (float64 numpy), with llama3/linear scaling and GGUF frequency factors."""
+  import numpy as np
+  dim = config.head_dim
+  inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+  if config.rope_freq_factors is not None:
+    inv_freq = inv_freq / np.asarray(config.rope_freq_factors, dtype=np.float64)
+  s = config.rope_scaling_dict
+  kind = s.get("rope_type", s.get("type"))
+  if kind == "linear":
+    inv_freq = inv_freq / s["factor"]
+  elif kind == "llama3":
+    # Llama 3.1: low frequencies divided by `factor`, high kept, a smooth ramp in between.
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    inv_freq = np.where(medium, smoothed, scaled)
+  return inv_freq

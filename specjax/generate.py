@@ -1,0 +1,217 @@
+"""`generate`: batched autoregressive or speculative decoding, each one jit-compiled program.
+
+The host only encodes prompts, pads them into a shape bucket and decodes the result; prefill and every
+decode step run inside one compiled `jax.lax.while_loop` (no host sync per token).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from specjax.loading import Model
+from specjax.model import KVCache, forward, init_cache, lm_head
+from specjax.sampling import SamplingParams, sample
+
+
+@dataclasses.dataclass
+class Output:
+  """tokens: generated ids per row (ending with the stop token when one was produced); texts: decoded."""
+  tokens: list[list[int]]
+  texts: list[str]
+  stats: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+  """Prompts padded into a shape bucket, ready for the compiled program."""
+  tokens: np.ndarray  # [B, T_bucket] int32, right-padded
+  lengths: np.ndarray  # [B] int32
+  cache_len: int
+
+
+def _round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
+
+
+def _bucket(n: int) -> int:
+  """Prompt-length bucket: powers of two from 16, so a new prompt rarely means a new compile."""
+  return max(16, 1 << (n - 1).bit_length())
+
+
+def prepare_batch(model: Model, prompts: Sequence[str | Sequence[int]], max_new_tokens: int,
+                  extra_positions: int = 0, max_len: int | None = None) -> Batch:
+  """Encodes and validates prompts; sizes the KV cache for prompt + max_new_tokens + extra_positions.
+
+  `max_len` caps the cache (default: the model's context length); exceeding it is an error, not a silent
+  truncation.
+  """
+  if isinstance(prompts, (str, bytes)) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
+    raise TypeError("prompts must be a list of strings or a list of token-id lists (one per row)")
+  if not len(prompts):
+    raise ValueError("prompts is empty")
+  if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+  rows = []
+  for i, p in enumerate(prompts):
+    if isinstance(p, str):
+      if model.tokenizer is None:
+        raise ValueError("this model has no tokenizer: pass prompts as token-id lists")
+      ids = model.tokenizer.encode(p)
+    else:
+      ids = [int(t) for t in p]
+    if not ids:
+      raise ValueError(f"prompt {i} is empty: give at least one token")
+    bad = [t for t in ids if not 0 <= t < model.config.vocab_size]
+    if bad:
+      raise ValueError(f"prompt {i} has token ids outside [0, {model.config.vocab_size}): {bad[:5]}")
+    rows.append(ids)
+  capacity = max_len or model.config.max_position_embeddings
+  longest = max(len(r) for r in rows)
+  needed = longest + max_new_tokens + extra_positions
+  if needed > capacity:
+    raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens})"
+                     f"{f' + {extra_positions} speculative positions' if extra_positions else ''} = {needed} "
+                     f"exceeds the cache capacity of {capacity} positions")
+  width = _bucket(longest)
+  tokens = np.zeros((len(rows), width), np.int32)
+  for i, r in enumerate(rows):
+    tokens[i, :len(r)] = r
+  cache_len = min(capacity, _round_up(max(needed, width), 128))
+  return Batch(tokens=tokens, lengths=np.array([len(r) for r in rows], np.int32), cache_len=cache_len)
+
+
+def prefill(params, config, tokens: jax.Array, lengths: jax.Array, cache: KVCache, **forward_kwargs):
+  """Runs the prompts; returns (next-token logits [B, V], last hidden [B, D], forward output)."""
+  out = forward(params, tokens, cache, jnp.zeros_like(lengths), config, compute_logits=False, **forward_kwargs)
+  rows = jnp.arange(tokens.shape[0])
+  last_hidden = out.hidden[rows, lengths - 1]
+  return lm_head(params, last_hidden, config), last_hidden, out
+
+
+def is_stop(tokens: jax.Array, stop_ids: tuple[int, ...]) -> jax.Array:
+  return jnp.isin(tokens, jnp.asarray(stop_ids, jnp.int32)) if stop_ids else jnp.zeros(tokens.shape, bool)
+
+
+@struct.dataclass
+class DecodeState:
+  tokens: jax.Array  # [B, max_new_tokens] generated ids (-1 = none yet)
+  num_generated: jax.Array  # [B]
+  positions: jax.Array  # [B] position of the last generated token (its K/V is not cached yet)
+  done: jax.Array  # [B]
+  cache: KVCache
+  key: jax.Array
+  steps: jax.Array  # scalar: decode forwards run
+
+
+@functools.partial(jax.jit, static_argnames=("config", "sampling", "max_new_tokens", "cache_len", "stop_ids"))
+def _generate_autoregressive(params, prompt_tokens, lengths, key, *, config, sampling, max_new_tokens, cache_len,
+                             stop_ids):
+  batch = prompt_tokens.shape[0]
+  rows = jnp.arange(batch)
+  cache = init_cache(config, batch, cache_len)
+  logits, _, out = prefill(params, config, prompt_tokens, lengths, cache)
+  key, sub = jax.random.split(key)
+  first = sample(sub, logits, sampling)
+  state = DecodeState(
+      tokens=jnp.full((batch, max_new_tokens), -1, jnp.int32).at[:, 0].set(first),
+      num_generated=jnp.ones(batch, jnp.int32),
+      positions=lengths,
+      done=is_stop(first, stop_ids) | (max_new_tokens == 1),
+      cache=out.cache, key=key, steps=jnp.zeros((), jnp.int32))
+
+  def cond(s: DecodeState):
+    return ~jnp.all(s.done)
+
+  def body(s: DecodeState):
+    last = s.tokens[rows, s.num_generated - 1]
+    out = forward(params, last[:, None], s.cache, s.positions, config)
+    key, sub = jax.random.split(s.key)
+    nxt = sample(sub, out.logits[:, 0], sampling)
+    live = ~s.done
+    index = jnp.where(live, s.num_generated, max_new_tokens)  # out of bounds -> dropped
+    num_generated = s.num_generated + live
+    return DecodeState(
+        tokens=s.tokens.at[rows, index].set(nxt, mode="drop"),
+        num_generated=num_generated,
+        positions=s.positions + live,
+        done=s.done | (live & (is_stop(nxt, stop_ids) | (num_generated >= max_new_tokens))),
+        cache=out.cache, key=key, steps=s.steps + 1)
+
+  state = jax.lax.while_loop(cond, body, state)
+  return state.tokens, state.num_generated, state.steps
+
+
+def decode_outputs(model: Model, tokens: np.ndarray, num_generated: np.ndarray) -> tuple[list[list[int]], list[str]]:
+  rows = [tokens[i, :n].tolist() for i, n in enumerate(num_generated)]
+  texts = [model.tokenizer.decode(r) if model.tokenizer else "" for r in rows]
+  return rows, texts
+
+
+def generate(model: Model, prompts: Sequence[str | Sequence[int]], *, max_new_tokens: int,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+             drafter=None, gamma: int = 4, mesh=None, max_len: int | None = None,
+             stop_ids: Sequence[int] | None = None) -> Output:
+  """Generates up to `max_new_tokens` per prompt; rows stop at a stop token (EOS, end of turn).
+
+  Args:
+    model: from `specjax.load`.
+    prompts: strings (encoded as given, no chat template) or lists of token ids; lengths may differ.
+    temperature, top_k, top_p: 0 temperature is greedy.
+    seed: PRNG seed for sampling.
+    drafter: from `specjax.make_drafter`; None decodes autoregressively.
+    gamma: draft tokens per speculative round.
+    mesh: a `jax.sharding.Mesh` from `specjax.make_mesh` to run sharded.
+    max_len: KV-cache capacity (default: the model's context length).
+    stop_ids: tokens that end a row (default: the tokenizer's EOS and end-of-turn tokens).
+  Returns:
+    Output(tokens, texts, stats). stats holds counts and `seconds` (wall time of the compiled call,
+    compilation included on the first call for a shape).
+  """
+  sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+  if stop_ids is None:
+    stop_ids = model.tokenizer.stop_ids if model.tokenizer else ()
+  stop_ids = tuple(sorted(int(t) for t in stop_ids))
+  if drafter is not None:
+    from specjax import speculative
+    return speculative.generate(model, prompts, drafter=drafter, gamma=gamma, sampling=sampling,
+                                max_new_tokens=max_new_tokens, seed=seed, mesh=mesh, max_len=max_len,
+                                stop_ids=stop_ids)
+  batch = prepare_batch(model, prompts, max_new_tokens, max_len=max_len)
+  start = time.perf_counter()
+  tokens, num_generated, steps = _generate_autoregressive(
+      model.params, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths), jax.random.PRNGKey(seed),
+      config=model.config, sampling=sampling, max_new_tokens=int(max_new_tokens), cache_len=batch.cache_len,
+      stop_ids=stop_ids)
+  tokens, num_generated, steps = jax.device_get((tokens, num_generated, steps))
+  seconds = time.perf_counter() - start
+  rows, texts = decode_outputs(model, tokens, num_generated)
+  new_tokens = int(num_generated.sum())
+  stats = {"rounds": int(steps), "target_calls": int(steps) + 1, "draft_calls": 0,
+           "new_tokens": new_tokens, "new_tokens_per_row": num_generated.tolist(),
+           "mean_accepted": 1.0, "seconds": seconds,
+           "tokens_per_second": new_tokens / seconds}
+  return Output(tokens=rows, texts=texts, stats=stats)
+
+
+def logits(model: Model, token_ids: Sequence[int]) -> jax.Array:
+  """Logits [T, vocab] (float32) of the model over one sequence."""
+  ids = jnp.asarray([list(token_ids)], jnp.int32)
+  if ids.shape[1] == 0:
+    raise ValueError("token_ids is empty")
+  if ids.shape[1] > model.config.max_position_embeddings:
+    raise ValueError(f"{ids.shape[1]} tokens exceed the context length {model.config.max_position_embeddings}")
+  return _logits(model.params, ids, config=model.config)[0]
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _logits(params, ids, *, config):
+  cache = init_cache(config, ids.shape[0], ids.shape[1])
+  return forward(params, ids, cache, jnp.zeros(ids.shape[0], jnp.int32), config).logits

@@ -1,0 +1,185 @@
+"""A Llama-family decoder as pure functions over a parameter pytree.
+
+Parameters are a plain nested dict (see `param_shapes` for every array's shape and logical axes):
+
+  embed [vocab, embed]; final_norm [embed]; lm_head [embed, vocab] (absent when tied);
+  layers: a list, one dict per layer, of
+    attn_norm [embed], wq [embed, heads, head_dim], wk/wv [embed, kv_heads, head_dim],
+    wo [heads, head_dim, embed], mlp_norm [embed], w_gate/w_up [embed, mlp], w_down [mlp, embed].
+
+The KV cache is an explicit pytree passed in and returned; each row writes its T new positions at its own
+offset (`positions[b]`), so rows of a batch may have different lengths. Query at absolute position p
+attends to cache slots 0..p, so stale entries past a row's length are never read before being overwritten.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from specjax.config import ModelConfig, rope_inv_freq
+
+Params = dict[str, Any]
+
+
+class ParamSpec(NamedTuple):
+  shape: tuple[int, ...]
+  axes: tuple[str, ...]  # logical axis names, mapped to mesh axes by specjax.sharding
+
+
+def param_shapes(config: ModelConfig) -> Params:
+  """The abstract parameter tree: shape and logical axes of every array."""
+  d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
+  h, kv, hd = config.num_heads, config.num_kv_heads, config.head_dim
+  layer = {
+      "attn_norm": ParamSpec((d,), ("norm",)),
+      "wq": ParamSpec((d, h, hd), ("embed", "heads", "head_dim")),
+      "wk": ParamSpec((d, kv, hd), ("embed", "kv_heads", "head_dim")),
+      "wv": ParamSpec((d, kv, hd), ("embed", "kv_heads", "head_dim")),
+      "wo": ParamSpec((h, hd, d), ("heads", "head_dim", "embed")),
+      "mlp_norm": ParamSpec((d,), ("norm",)),
+      "w_gate": ParamSpec((d, f), ("embed", "mlp")),
+      "w_up": ParamSpec((d, f), ("embed", "mlp")),
+      "w_down": ParamSpec((f, d), ("mlp", "embed")),
+  }
+  tree = {
+      "embed": ParamSpec((v, d), ("vocab", "embed")),
+      "layers": [dict(layer) for _ in range(config.num_layers)],
+      "final_norm": ParamSpec((d,), ("norm",)),
+  }
+  if not config.tie_embeddings:
+    tree["lm_head"] = ParamSpec((d, v), ("embed", "vocab"))
+  return tree
+
+
+def is_spec(x) -> bool:
+  return isinstance(x, ParamSpec)
+
+
+def init_params(config: ModelConfig, key: jax.Array, std: float = 0.02) -> Params:
+  """Random parameters (normal(0, std) matrices, unit norms) for tests and training from scratch."""
+  specs, treedef = jax.tree_util.tree_flatten(param_shapes(config), is_leaf=is_spec)
+  keys = jax.random.split(key, len(specs))
+  dtype = jnp.dtype(config.dtype)
+  leaves = [jnp.ones(s.shape, dtype) if s.axes == ("norm",) else
+            (std * jax.random.normal(k, s.shape, jnp.float32)).astype(dtype) for s, k in zip(specs, keys)]
+  return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+@struct.dataclass
+class KVCache:
+  """Per-layer keys and values, each [batch, max_len, kv_heads, head_dim]."""
+  k: list[jax.Array]
+  v: list[jax.Array]
+
+  @property
+  def max_len(self) -> int:
+    return self.k[0].shape[1]
+
+  @property
+  def batch_size(self) -> int:
+    return self.k[0].shape[0]
+
+
+def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=None) -> KVCache:
+  dtype = jnp.dtype(dtype or config.dtype)
+  shape = (batch_size, max_len, config.num_kv_heads, config.head_dim)
+  return KVCache(k=[jnp.zeros(shape, dtype) for _ in range(config.num_layers)],
+                 v=[jnp.zeros(shape, dtype) for _ in range(config.num_layers)])
+
+
+class ForwardOutput(NamedTuple):
+  logits: jax.Array | None  # [B, T, vocab] float32 (None when compute_logits=False)
+  hidden: jax.Array  # [B, T, embed] residual stream after the last layer run, before the final norm
+  cache: KVCache
+  layer_hidden: list[jax.Array] | None  # residual stream after each layer run (when requested)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+  xf = x.astype(jnp.float32)
+  xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  return weight * xf.astype(x.dtype)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+  """Rotary embedding, HF "rotate_half" layout. x [B, T, N, hd], positions [B, T]."""
+  angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, hd/2]
+  cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, :, None, :]
+  sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, :, None, :]
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+  return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
+
+
+def _write(cache_arr: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
+  """Writes new [B, T, ...] into cache_arr [B, S, ...] at rows' positions [B, T]."""
+  rows = jnp.arange(new.shape[0])[:, None]
+  return cache_arr.at[rows, positions].set(new.astype(cache_arr.dtype), mode="drop")
+
+
+def attention_block(layer: Params, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                    positions: jax.Array, inv_freq: jax.Array, config: ModelConfig):
+  """Pre-norm grouped-query self-attention over the cache. Returns (residual update, k_cache, v_cache)."""
+  b, t, _ = x.shape
+  kv, hd = config.num_kv_heads, config.head_dim
+  groups = config.num_heads // kv
+  h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
+  q = apply_rope(jnp.einsum("btd,dnh->btnh", h, layer["wq"]), positions, inv_freq)
+  k = apply_rope(jnp.einsum("btd,dnh->btnh", h, layer["wk"]), positions, inv_freq)
+  v = jnp.einsum("btd,dnh->btnh", h, layer["wv"])
+  k_cache = _write(k_cache, k, positions)
+  v_cache = _write(v_cache, v, positions)
+  q = q.reshape(b, t, kv, groups, hd)
+  scores = jnp.einsum("btkgh,bskh->bkgts", q, k_cache, preferred_element_type=jnp.float32) / np.sqrt(hd)
+  visible = jnp.arange(k_cache.shape[1])[None, None, :] <= positions[:, :, None]  # [B, T, S]
+  scores = jnp.where(visible[:, None, None], scores, -1e30)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
+  out = jnp.einsum("bkgts,bskh->btkgh", probs, v_cache).reshape(b, t, config.num_heads, hd)
+  return jnp.einsum("btnh,nhd->btd", out, layer["wo"]), k_cache, v_cache
+
+
+def mlp_block(layer: Params, x: jax.Array, config: ModelConfig) -> jax.Array:
+  h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
+  gate = jax.nn.silu(h @ layer["w_gate"])
+  return (gate * (h @ layer["w_up"])) @ layer["w_down"]
+
+
+def lm_head(params: Params, hidden: jax.Array, config: ModelConfig) -> jax.Array:
+  """Final norm + output projection; float32 logits."""
+  h = rms_norm(hidden, params["final_norm"], config.rms_norm_eps)
+  if config.tie_embeddings:
+    return jnp.einsum("...d,vd->...v", h, params["embed"], preferred_element_type=jnp.float32)
+  return jnp.einsum("...d,dv->...v", h, params["lm_head"], preferred_element_type=jnp.float32)
+
+
+def embed(params: Params, tokens: jax.Array) -> jax.Array:
+  return jnp.take(params["embed"], tokens, axis=0)
+
+
+def forward(params: Params, tokens: jax.Array, cache: KVCache, positions: jax.Array, config: ModelConfig, *,
+            layers: Sequence[int] | None = None, compute_logits: bool = True,
+            return_layer_hidden: bool = False) -> ForwardOutput:
+  """Runs tokens [B, T] written at per-row offsets `positions` [B] through the decoder.
+
+  `layers` (static) selects which layers run, in order (default: all); layers not run keep their cache.
+  Layer-skip drafters use it to run the first k layers, or all but a skipped set.
+  """
+  t = tokens.shape[1]
+  pos = positions[:, None].astype(jnp.int32) + jnp.arange(t, dtype=jnp.int32)[None, :]
+  inv_freq = jnp.asarray(rope_inv_freq(config), jnp.float32)
+  x = embed(params, tokens)
+  k_all, v_all = list(cache.k), list(cache.v)
+  layer_hidden = []
+  for i in (range(config.num_layers) if layers is None else layers):
+    layer = params["layers"][i]
+    attn, k_all[i], v_all[i] = attention_block(layer, x, k_all[i], v_all[i], pos, inv_freq, config)
+    x = x + attn
+    x = x + mlp_block(layer, x, config)
+    if return_layer_hidden:
+      layer_hidden.append(x)
+  logits = lm_head(params, x, config) if compute_logits else None
+  return ForwardOutput(logits, x, KVCache(k=k_all, v=v_all), layer_hidden if return_layer_hidden else None)
