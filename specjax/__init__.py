@@ -3,12 +3,14 @@
 Public API:
   load(name_or_path, dtype) -> Model
   logits(model, token_ids) -> [T, vocab]
+  make_drafter(name, model, **options) -> Drafter  ("draft_model", "layer_skip", "prompt_lookup")
   generate(model, prompts, *, max_new_tokens, temperature, top_k, top_p, seed, drafter, gamma, mesh) -> Output
 """
 
 from specjax.config import ModelConfig
+from specjax.drafters import Drafter, make_drafter
 from specjax.generate import Output, generate, logits
 from specjax.loading import CheckpointError, Model, load
 from specjax.sampling import SamplingParams
 
-__all__ = ["CheckpointError", "Model", "ModelConfig", "Output", "SamplingParams", "generate", "load", "logits"]
+__all__ = ["CheckpointError", "Drafter", "make_drafter", "Model", "ModelConfig", "Output", "SamplingParams", "generate", "load", "logits"]

@@ -1,0 +1,98 @@
+"""Drafters: a few pure functions over the drafter's own state pytree.
+
+A drafter is a `Drafter`: three functions, hashable static `options`, and a `params` pytree (arrays passed
+into the compiled program as arguments, never baked in as constants):
+
+  init(params, options, prompt: PromptInfo) -> state
+      after the target's prefill (e.g. a draft model prefills its own cache).
+  propose(params, options, state, inputs: DraftInputs, gamma, sampling) -> Proposal
+      gamma draft tokens and, when sampling, their processed draft distributions q.
+  update(params, options, state, result: RoundResult) -> state
+      after verification, given each row's accepted length and the target's hidden states at the verified
+      positions (what MTP heads draft from).
+
+Adding a drafter = adding one file that defines these functions and a `make(model, **options) -> Drafter`
+factory, and one line in `_FACTORIES` below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any, Callable, NamedTuple
+
+import jax
+from flax import struct
+
+from specjax.model import KVCache
+
+
+@struct.dataclass
+class PromptInfo:
+  """What a drafter may read after the target's prefill."""
+  tokens: jax.Array  # [B, T] prompts, right-padded
+  lengths: jax.Array  # [B]
+  last_hidden: jax.Array  # [B, D] target hidden state (before the final norm) at each prompt's last position
+  cache_len: int = struct.field(pytree_node=False)
+
+
+@struct.dataclass
+class DraftInputs:
+  """The decoding state a drafter proposes from."""
+  sequence: jax.Array  # [B, L] every token by position: prompt, committed output, pending token
+  position: jax.Array  # [B] position of the pending token (the last committed one; not in any cache yet)
+  target_cache: KVCache  # drafters that share the target's cache (layer skip) read and write it
+  key: jax.Array
+
+
+class Proposal(NamedTuple):
+  tokens: jax.Array  # [B, gamma]
+  probs: jax.Array | None  # [B, gamma, V] draft distributions q (None when greedy)
+  state: Any
+  target_cache: KVCache  # returned unchanged unless the drafter writes into it
+
+
+@struct.dataclass
+class RoundResult:
+  """What verification decided, for `update`."""
+  sequence: jax.Array  # [B, L] after committing this round's tokens
+  position: jax.Array  # [B] new pending position
+  accepted: jax.Array  # [B] draft tokens accepted this round (0 for finished rows)
+  verify_hidden: jax.Array  # [B, gamma+1, D] target hidden states over [pending, x_1..x_gamma]
+
+
+@dataclasses.dataclass(frozen=True)
+class Drafter:
+  """A drafter; everything but `params` is static (hashable), so equal drafters share one compilation."""
+  name: str
+  init: Callable
+  propose: Callable
+  update: Callable
+  options: Any = ()
+  params: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
+
+  def static(self) -> "Drafter":
+    return dataclasses.replace(self, params=None)
+
+
+def keep_state(params, options, state, result):
+  """`update` for drafters that carry no state across rounds."""
+  return state
+
+
+_FACTORIES = {
+    "draft_model": "specjax.drafters.draft_model",
+    "layer_skip": "specjax.drafters.layer_skip",
+    "prompt_lookup": "specjax.drafters.prompt_lookup",
+}
+
+
+def available() -> list[str]:
+  return sorted(_FACTORIES)
+
+
+def make_drafter(name: str, model, **options) -> Drafter:
+  """Builds a drafter for `model` (the target). Names: see `available()`; options: each module's `make`."""
+  if name not in _FACTORIES:
+    raise ValueError(f"unknown drafter {name!r}; available: {', '.join(available())}")
+  return importlib.import_module(_FACTORIES[name]).make(model, **options)

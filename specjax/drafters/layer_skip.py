@@ -1,0 +1,59 @@
+"""Layer-skip self-speculation: the target drafts with a subset of its own layers.
+
+`exit_layer=k` runs the first k layers, then the final norm and LM head (early exit, LayerSkip-style);
+`skip_layers=[...]` runs all layers but those (Draft & Verify, Zhang et al. 2023). The draft shares the
+target's KV cache: the layers it runs read the target's K/V for committed positions, and the K/V it writes
+for its speculative positions are overwritten by the target's verification forward, which covers every
+position the draft wrote. For an early exit these K/V are exactly the target's (same weights, same inputs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from specjax.config import ModelConfig
+from specjax.drafters import Drafter, DraftInputs, PromptInfo, Proposal, keep_state
+from specjax.model import forward
+from specjax.sampling import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  config: ModelConfig
+  layers: tuple[int, ...]
+
+
+def init(params, options: Options, prompt: PromptInfo):
+  return ()
+
+
+def propose(params, options: Options, state, inputs: DraftInputs, gamma: int, sampling: SamplingParams):
+  from specjax.drafters.draft_model import draft_tokens
+
+  def step(cache, tokens, positions):
+    # Only the pending token (the last one) is new to the shared cache; the one before it is committed.
+    out = forward(params, tokens[:, -1:], cache, positions + tokens.shape[1] - 1, options.config,
+                  layers=options.layers)
+    return out.logits[:, -1], out.cache
+
+  tokens, probs, cache = draft_tokens(step, inputs.target_cache, inputs, gamma, sampling)
+  return Proposal(tokens=tokens, probs=probs, state=state, target_cache=cache)
+
+
+def draft_layers(num_layers: int, exit_layer: int | None = None, skip_layers=None) -> tuple[int, ...]:
+  if (exit_layer is None) == (skip_layers is None):
+    raise ValueError("layer_skip needs exactly one of exit_layer=k or skip_layers=[...]")
+  if exit_layer is not None:
+    if not 1 <= exit_layer < num_layers:
+      raise ValueError(f"exit_layer must be in [1, {num_layers - 1}], got {exit_layer}")
+    return tuple(range(exit_layer))
+  skip = sorted(set(int(i) for i in skip_layers))
+  if not skip or skip[0] < 0 or skip[-1] >= num_layers or len(skip) >= num_layers:
+    raise ValueError(f"skip_layers must be a non-empty proper subset of 0..{num_layers - 1}, got {skip_layers}")
+  return tuple(i for i in range(num_layers) if i not in skip)
+
+
+def make(model, exit_layer: int | None = None, skip_layers=None) -> Drafter:
+  layers = draft_layers(model.config.num_layers, exit_layer, skip_layers)
+  return Drafter(name="layer_skip", init=init, propose=propose, update=keep_state,
+                 options=Options(config=model.config, layers=layers), params=model.params)
