@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from specjax import sharding
 from specjax.loading import Model
 from specjax.model import KVCache, forward, init_cache, lm_head
 from specjax.sampling import SamplingParams, sample
@@ -111,12 +112,13 @@ class DecodeState:
   steps: jax.Array  # scalar: decode forwards run
 
 
-@functools.partial(jax.jit, static_argnames=("config", "sampling", "max_new_tokens", "cache_len", "stop_ids"))
+@functools.partial(jax.jit, static_argnames=("config", "sampling", "max_new_tokens", "cache_len", "stop_ids",
+                                             "cache_sharding"))
 def _generate_autoregressive(params, prompt_tokens, lengths, key, *, config, sampling, max_new_tokens, cache_len,
-                             stop_ids):
+                             stop_ids, cache_sharding=None):
   batch = prompt_tokens.shape[0]
   rows = jnp.arange(batch)
-  cache = init_cache(config, batch, cache_len)
+  cache = sharding.constrain_cache(init_cache(config, batch, cache_len), cache_sharding)
   logits, _, out = prefill(params, config, prompt_tokens, lengths, cache)
   key, sub = jax.random.split(key)
   first = sample(sub, logits, sampling)
@@ -125,7 +127,7 @@ def _generate_autoregressive(params, prompt_tokens, lengths, key, *, config, sam
       num_generated=jnp.ones(batch, jnp.int32),
       positions=lengths,
       done=is_stop(first, stop_ids) | (max_new_tokens == 1),
-      cache=out.cache, key=key, steps=jnp.zeros((), jnp.int32))
+      cache=sharding.constrain_cache(out.cache, cache_sharding), key=key, steps=jnp.zeros((), jnp.int32))
 
   def cond(s: DecodeState):
     return ~jnp.all(s.done)
@@ -143,7 +145,7 @@ def _generate_autoregressive(params, prompt_tokens, lengths, key, *, config, sam
         num_generated=num_generated,
         positions=s.positions + live,
         done=s.done | (live & (is_stop(nxt, stop_ids) | (num_generated >= max_new_tokens))),
-        cache=out.cache, key=key, steps=s.steps + 1)
+        cache=sharding.constrain_cache(out.cache, cache_sharding), key=key, steps=s.steps + 1)
 
   state = jax.lax.while_loop(cond, body, state)
   return state.tokens, state.num_generated, state.steps
@@ -168,7 +170,9 @@ def generate(model: Model, prompts: Sequence[str | Sequence[int]], *, max_new_to
     seed: PRNG seed for sampling.
     drafter: from `specjax.make_drafter`; None decodes autoregressively.
     gamma: draft tokens per speculative round.
-    mesh: a `jax.sharding.Mesh` from `specjax.make_mesh` to run sharded.
+    mesh: a `jax.sharding.Mesh` from `specjax.sharding.make_mesh` to run sharded (rows over "data", heads /
+      MLP / vocab over "model"; the batch must divide the data axis). Parameters are placed on the mesh
+      each call unless already there: pass `sharding.shard_model(model, mesh)` to place them once.
     max_len: KV-cache capacity (default: the model's context length).
     stop_ids: tokens that end a row (default: the tokenizer's EOS and end-of-turn tokens).
   Returns:
@@ -186,10 +190,15 @@ def generate(model: Model, prompts: Sequence[str | Sequence[int]], *, max_new_to
                                 stop_ids=stop_ids)
   batch = prepare_batch(model, prompts, max_new_tokens, max_len=max_len)
   start = time.perf_counter()
+  params, prompt_tokens, lengths, cache_sharding = model.params, batch.tokens, batch.lengths, None
+  if mesh is not None:
+    params = sharding.shard_params(params, model.config, mesh)
+    prompt_tokens, lengths = sharding.shard_batch((prompt_tokens, lengths), mesh)
+    cache_sharding = sharding.cache_sharding(model.config, mesh, batch_size=len(lengths), max_len=batch.cache_len)
   tokens, num_generated, steps = _generate_autoregressive(
-      model.params, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths), jax.random.PRNGKey(seed),
+      params, jnp.asarray(prompt_tokens), jnp.asarray(lengths), jax.random.PRNGKey(seed),
       config=model.config, sampling=sampling, max_new_tokens=int(max_new_tokens), cache_len=batch.cache_len,
-      stop_ids=stop_ids)
+      stop_ids=stop_ids, cache_sharding=cache_sharding)
   tokens, num_generated, steps = jax.device_get((tokens, num_generated, steps))
   seconds = time.perf_counter() - start
   rows, texts = decode_outputs(model, tokens, num_generated)
@@ -208,6 +217,9 @@ def logits(model: Model, token_ids: Sequence[int]) -> jax.Array:
     raise ValueError("token_ids is empty")
   if ids.shape[1] > model.config.max_position_embeddings:
     raise ValueError(f"{ids.shape[1]} tokens exceed the context length {model.config.max_position_embeddings}")
+  bad = [int(t) for t in ids[0] if not 0 <= t < model.config.vocab_size]
+  if bad:  # an out-of-range id gathers NaNs (jnp.take's fill mode), which then poison every position
+    raise ValueError(f"token_ids has ids outside [0, {model.config.vocab_size}): {bad[:5]}")
   return _logits(model.params, ids, config=model.config)[0]
 
 

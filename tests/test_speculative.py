@@ -1,0 +1,200 @@
+"""The speculative engine: lossless greedy decoding for every drafter, stats, stopping, compilation."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import specjax
+from specjax import speculative
+from specjax.config import ModelConfig
+from specjax.loading import Model
+from specjax.model import init_params
+
+# test id -> (drafter name, options given the target and an independent draft model)
+DRAFTERS = {
+    "draft_model": ("draft_model", lambda draft: dict(draft=draft)),
+    "layer_skip_exit": ("layer_skip", lambda draft: dict(exit_layer=2)),
+    "layer_skip_skip": ("layer_skip", lambda draft: dict(skip_layers=[1, 2])),
+    "prompt_lookup": ("prompt_lookup", lambda draft: dict(ngram_sizes=(3, 2, 1))),
+}
+
+
+def tiny_model(seed=0, vocab_size=48, num_layers=4, std=0.3) -> Model:
+  config = ModelConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_layers=num_layers,
+                       num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256)
+  return Model(config, init_params(config, jax.random.PRNGKey(seed), std=std), None, f"tiny-{seed}")
+
+
+@pytest.fixture(scope="module")
+def target():
+  return tiny_model(0)
+
+
+@pytest.fixture(scope="module")
+def draft():
+  return tiny_model(1, num_layers=2)
+
+
+def ragged_prompts(batch, seed=0, vocab=48):
+  rng = np.random.RandomState(seed)
+  lengths = [7, 12, 3, 9][:batch]
+  # A repeated motif gives prompt lookup something to find.
+  return [list(rng.randint(0, vocab, size=n)) * 2 for n in lengths]
+
+
+def make(name, target, draft):
+  drafter_name, options = DRAFTERS[name]
+  return specjax.make_drafter(drafter_name, target, **options(draft))
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("gamma", [1, 3, 5])
+@pytest.mark.parametrize("name", sorted(DRAFTERS))
+def test_greedy_speculative_equals_autoregressive(name, gamma, batch, target, draft):
+  prompts = ragged_prompts(batch)
+  expected = specjax.generate(target, prompts, max_new_tokens=24, stop_ids=[])
+  out = specjax.generate(target, prompts, max_new_tokens=24, drafter=make(name, target, draft), gamma=gamma,
+                         stop_ids=[])
+  assert out.tokens == expected.tokens
+  assert all(len(t) == 24 for t in out.tokens)
+  assert out.stats["target_calls"] == out.stats["rounds"] + 1
+  assert 0.0 <= out.stats["acceptance_rate"] <= 1.0
+
+
+def test_target_as_its_own_draft_accepts_every_draft(target):
+  gamma, max_new = 3, 25
+  drafter = specjax.make_drafter("draft_model", target, draft=target)
+  out = specjax.generate(target, ragged_prompts(4), max_new_tokens=max_new, drafter=drafter, gamma=gamma,
+                         stop_ids=[])
+  assert out.stats["acceptance_rate"] == 1.0
+  assert out.stats["acceptance_per_position"] == [1.0] * gamma
+  # 24 tokens after the prefill's first one, gamma + 1 per round: 6 full rounds, no truncated round.
+  assert out.stats["rounds"] == (max_new - 1) // (gamma + 1)
+  assert out.stats["mean_accepted"] == gamma + 1
+
+
+def test_stats_count_accepted_tokens_per_row(target, draft):
+  out = specjax.generate(target, ragged_prompts(4), max_new_tokens=20, gamma=3, stop_ids=[],
+                         drafter=specjax.make_drafter("layer_skip", target, exit_layer=2))
+  s = out.stats
+  produced = np.array(s["new_tokens_per_row"]) - 1
+  accepted, rounds = np.array(s["accepted_per_row"]), np.array(s["rounds_per_row"])
+  # Each live round commits its accepted drafts plus one target token (the last round may be cut short).
+  assert np.all(produced <= accepted + rounds) and np.all(produced >= accepted + rounds - 4)
+  assert s["acceptance_rate"] == pytest.approx(accepted.sum() / (3 * rounds.sum()))
+  per_position = s["acceptance_per_position"]
+  assert all(a >= b for a, b in zip(per_position, per_position[1:]))  # accepting i+1 implies accepting i
+
+
+def test_stop_token_inside_an_accepted_block_ends_the_row_there(target):
+  prompts = ragged_prompts(4)
+  free = specjax.generate(target, prompts, max_new_tokens=24, stop_ids=[])
+  stop = free.tokens[0][5]  # a token the target emits mid-sequence
+  expected = specjax.generate(target, prompts, max_new_tokens=24, stop_ids=[stop])
+  out = specjax.generate(target, prompts, max_new_tokens=24, stop_ids=[stop], gamma=4,
+                         drafter=specjax.make_drafter("draft_model", target, draft=target))
+  assert out.tokens == expected.tokens
+  assert out.tokens[0][-1] == stop and len(out.tokens[0]) <= 6
+  for row in out.tokens:
+    assert stop not in row[:-1]
+
+
+def test_max_new_tokens_reached_mid_round_truncates(target):
+  drafter = specjax.make_drafter("draft_model", target, draft=target)
+  for max_new in (1, 2, 7, 9):
+    out = specjax.generate(target, ragged_prompts(2), max_new_tokens=max_new, drafter=drafter, gamma=4,
+                           stop_ids=[])
+    assert [len(t) for t in out.tokens] == [max_new, max_new]
+
+
+def test_cache_capacity_is_checked_with_gamma_slack(target):
+  drafter = specjax.make_drafter("prompt_lookup", target)
+  with pytest.raises(ValueError, match="exceeds the cache capacity"):
+    specjax.generate(target, [[1, 2, 3]], max_new_tokens=60, drafter=drafter, gamma=5, max_len=64)
+  with pytest.raises(ValueError, match="gamma must be a positive integer"):
+    specjax.generate(target, [[1, 2, 3]], max_new_tokens=4, drafter=drafter, gamma=0)
+
+
+def test_unknown_drafter_and_bad_options_are_rejected(target):
+  with pytest.raises(ValueError, match="unknown drafter"):
+    specjax.make_drafter("medusa9000", target)
+  with pytest.raises(ValueError, match="exactly one of"):
+    specjax.make_drafter("layer_skip", target)
+  with pytest.raises(ValueError, match="exit_layer"):
+    specjax.make_drafter("layer_skip", target, exit_layer=4)
+  with pytest.raises(ValueError, match="skip_layers"):
+    specjax.make_drafter("layer_skip", target, skip_layers=[0, 1, 2, 3])
+
+
+def test_draft_model_with_another_vocabulary_is_rejected(target):
+  with pytest.raises(ValueError, match="vocabulary"):
+    specjax.make_drafter("draft_model", target, draft=tiny_model(2, vocab_size=64))
+
+
+def test_draft_model_with_another_tokenizer_is_rejected(smollm2):
+  import dataclasses
+
+  class OtherTokenizer:
+    def fingerprint(self):
+      return "something-else"
+
+  other = dataclasses.replace(smollm2, tokenizer=OtherTokenizer(), name="other")
+  with pytest.raises(ValueError, match="different tokenizer"):
+    specjax.make_drafter("draft_model", smollm2, draft=other)
+
+
+def test_second_call_does_not_recompile_and_program_has_no_host_callbacks(target):
+  drafter = specjax.make_drafter("layer_skip", target, exit_layer=1)
+  prompts = ragged_prompts(4)
+  specjax.generate(target, prompts, max_new_tokens=10, drafter=drafter, gamma=2, stop_ids=[])
+  before = speculative._generate_speculative._cache_size()
+  # Same shapes, a new but equal drafter object, new prompt contents: no new compilation.
+  again = specjax.make_drafter("layer_skip", target, exit_layer=1)
+  specjax.generate(target, ragged_prompts(4, seed=1), max_new_tokens=10, drafter=again, gamma=2, stop_ids=[])
+  assert speculative._generate_speculative._cache_size() == before
+  text = speculative._generate_speculative.lower(
+      target.params, drafter.params, np.zeros((4, 16), np.int32), np.full(4, 5, np.int32),
+      jax.random.PRNGKey(0), config=target.config, drafter=drafter.static(), gamma=2,
+      sampling=specjax.SamplingParams(), max_new_tokens=10, cache_len=128, stop_ids=()).as_text()
+  assert "stablehlo.while" in text
+  assert "callback" not in text.lower() and "host" not in text.lower()
+
+
+# ------------------------------------------------------------------------------------------ SmolLM2
+
+def spec_bench_prompts(model, n=4):
+  import json
+  import pathlib
+  path = pathlib.Path(__file__).resolve().parents[1] / "data" / "spec_bench" / "question.jsonl"
+  rows = [json.loads(line) for line in path.read_text().splitlines()]
+  picked = [rows[i] for i in (0, 90, 170, 250, 330, 410)][:n]  # different categories
+  return [model.tokenizer.apply_chat_template([{"role": "user", "content": r["turns"][0]}]) for r in picked]
+
+
+@pytest.mark.parametrize("name,options,gamma", [
+    ("layer_skip", dict(exit_layer=20), 1),
+    ("layer_skip", dict(exit_layer=24), 3),
+    ("layer_skip", dict(skip_layers=[4, 9, 14, 19, 24]), 5),
+    ("prompt_lookup", dict(ngram_sizes=(3, 2, 1)), 3),
+])
+def test_greedy_speculative_equals_autoregressive_on_smollm2(name, options, gamma, smollm2, smollm2_ar_outputs):
+  prompts, expected = smollm2_ar_outputs
+  out = specjax.generate(smollm2, prompts, max_new_tokens=32, drafter=specjax.make_drafter(name, smollm2, **options),
+                         gamma=gamma)
+  assert out.tokens == expected.tokens
+
+
+def test_smollm2_as_its_own_draft_accepts_everything(smollm2, smollm2_ar_outputs):
+  prompts, expected = smollm2_ar_outputs
+  out = specjax.generate(smollm2, prompts[:1], max_new_tokens=32, gamma=3,
+                         drafter=specjax.make_drafter("draft_model", smollm2, draft=smollm2))
+  assert out.tokens == expected.tokens[:1]
+  assert out.stats["acceptance_rate"] == 1.0
+
+
+@pytest.fixture(scope="module")
+def smollm2_ar_outputs(smollm2):
+  prompts = spec_bench_prompts(smollm2)
+  return prompts, specjax.generate(smollm2, prompts, max_new_tokens=32)
