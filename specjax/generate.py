@@ -89,6 +89,16 @@ def prepare_batch(model: Model, prompts: Sequence[str | Sequence[int]], max_new_
   return Batch(tokens=tokens, lengths=np.array([len(r) for r in rows], np.int32), cache_len=cache_len)
 
 
+def place_on_mesh(model: Model, batch: Batch, mesh):
+  """(params, prompt tokens, lengths, cache sharding): placed on `mesh`, or as they are when it is None."""
+  if mesh is None:
+    return model.params, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths), None
+  params = sharding.shard_params(model.params, model.config, mesh)
+  tokens, lengths = sharding.shard_batch((batch.tokens, batch.lengths), mesh)
+  cache = sharding.cache_sharding(model.config, mesh, batch_size=len(batch.lengths), max_len=batch.cache_len)
+  return params, tokens, lengths, cache
+
+
 def prefill(params, config, tokens: jax.Array, lengths: jax.Array, cache: KVCache, **forward_kwargs):
   """Runs the prompts; returns (next-token logits [B, V], last hidden [B, D], forward output)."""
   out = forward(params, tokens, cache, jnp.zeros_like(lengths), config, compute_logits=False, **forward_kwargs)
@@ -190,13 +200,9 @@ def generate(model: Model, prompts: Sequence[str | Sequence[int]], *, max_new_to
                                 stop_ids=stop_ids)
   batch = prepare_batch(model, prompts, max_new_tokens, max_len=max_len)
   start = time.perf_counter()
-  params, prompt_tokens, lengths, cache_sharding = model.params, batch.tokens, batch.lengths, None
-  if mesh is not None:
-    params = sharding.shard_params(params, model.config, mesh)
-    prompt_tokens, lengths = sharding.shard_batch((prompt_tokens, lengths), mesh)
-    cache_sharding = sharding.cache_sharding(model.config, mesh, batch_size=len(lengths), max_len=batch.cache_len)
+  params, prompt_tokens, lengths, cache_sharding = place_on_mesh(model, batch, mesh)
   tokens, num_generated, steps = _generate_autoregressive(
-      params, jnp.asarray(prompt_tokens), jnp.asarray(lengths), jax.random.PRNGKey(seed),
+      params, prompt_tokens, lengths, jax.random.PRNGKey(seed),
       config=model.config, sampling=sampling, max_new_tokens=int(max_new_tokens), cache_len=batch.cache_len,
       stop_ids=stop_ids, cache_sharding=cache_sharding)
   tokens, num_generated, steps = jax.device_get((tokens, num_generated, steps))

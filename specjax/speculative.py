@@ -23,7 +23,8 @@ import numpy as np
 from flax import struct
 
 from specjax.drafters import Drafter, DraftInputs, PromptInfo, RoundResult
-from specjax.generate import Output, decode_outputs, is_stop, prefill, prepare_batch
+from specjax import sharding
+from specjax.generate import Output, decode_outputs, is_stop, place_on_mesh, prefill, prepare_batch
 from specjax.model import KVCache, forward, init_cache
 from specjax.sampling import SamplingParams, probabilities, sample
 from specjax.verify import greedy_verify, speculative_verify
@@ -64,12 +65,14 @@ def _commit(state: SpecState, draft_tokens, accepted_len, next_token, lengths, m
 
 
 @functools.partial(jax.jit, static_argnames=("config", "drafter", "gamma", "sampling", "max_new_tokens",
-                                             "cache_len", "stop_ids"))
+                                             "cache_len", "stop_ids", "cache_sharding"))
 def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, config, drafter: Drafter,
-                          gamma, sampling: SamplingParams, max_new_tokens, cache_len, stop_ids):
+                          gamma, sampling: SamplingParams, max_new_tokens, cache_len, stop_ids,
+                          cache_sharding=None):
   batch, width = prompt_tokens.shape
   rows = jnp.arange(batch)
-  logits, last_hidden, out = prefill(params, config, prompt_tokens, lengths, init_cache(config, batch, cache_len))
+  cache = sharding.constrain_cache(init_cache(config, batch, cache_len), cache_sharding)
+  logits, last_hidden, out = prefill(params, config, prompt_tokens, lengths, cache)
   key, first_key = jax.random.split(key)
   first = sample(first_key, logits, sampling)
   sequence = jnp.zeros((batch, cache_len), jnp.int32).at[:, :width].set(prompt_tokens)
@@ -77,7 +80,7 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
   prompt = PromptInfo(tokens=prompt_tokens, lengths=lengths, last_hidden=last_hidden, cache_len=cache_len)
   state = SpecState(
       sequence=sequence, position=lengths, done=is_stop(first, stop_ids) | (max_new_tokens == 1),
-      cache=out.cache, draft_state=drafter.init(draft_params, drafter.options, prompt), key=key,
+      cache=sharding.constrain_cache(out.cache, cache_sharding), draft_state=drafter.init(draft_params, drafter.options, prompt), key=key,
       rounds=jnp.zeros((), jnp.int32), live_rounds=jnp.zeros(batch, jnp.int32),
       accepted=jnp.zeros(batch, jnp.int32), accepted_at=jnp.zeros(gamma, jnp.int32))
 
@@ -102,7 +105,7 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
     accepted = jnp.where(live, accepted_len, 0)
     result = RoundResult(sequence=sequence, position=position, accepted=accepted, verify_hidden=out.hidden)
     return SpecState(
-        sequence=sequence, position=position, done=done, cache=out.cache,
+        sequence=sequence, position=position, done=done, cache=sharding.constrain_cache(out.cache, cache_sharding),
         draft_state=drafter.update(draft_params, drafter.options, proposal.state, result), key=key,
         rounds=s.rounds + 1, live_rounds=s.live_rounds + live, accepted=s.accepted + accepted,
         accepted_at=s.accepted_at + jnp.sum(jnp.arange(gamma)[None, :] < accepted[:, None], axis=0))
@@ -121,18 +124,30 @@ def generate(model, prompts, *, drafter: Drafter, gamma: int, sampling: Sampling
     raise TypeError(f"drafter must come from specjax.make_drafter, got {type(drafter).__name__}")
   if not isinstance(gamma, (int, np.integer)) or gamma < 1:
     raise ValueError(f"gamma must be a positive integer, got {gamma!r}")
-  if mesh is not None:
-    raise NotImplementedError("sharded speculative decoding is not available yet")
   batch = prepare_batch(model, prompts, max_new_tokens, extra_positions=gamma + 1, max_len=max_len)
   start = time.perf_counter()
+  params, prompt_tokens, lengths, cache_sharding = place_on_mesh(model, batch, mesh)
   tokens, num_generated, stats = _generate_speculative(
-      model.params, drafter.params, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths),
+      params, _place_draft_params(drafter, model, params, mesh), prompt_tokens, lengths,
       jax.random.PRNGKey(seed), config=model.config, drafter=drafter.static(), gamma=int(gamma),
-      sampling=sampling, max_new_tokens=int(max_new_tokens), cache_len=batch.cache_len, stop_ids=stop_ids)
+      sampling=sampling, max_new_tokens=int(max_new_tokens), cache_len=batch.cache_len, stop_ids=stop_ids,
+      cache_sharding=cache_sharding)
   tokens, num_generated, stats = jax.device_get((tokens, num_generated, stats))
   seconds = time.perf_counter() - start
   rows, texts = decode_outputs(model, tokens, num_generated)
   return Output(tokens=rows, texts=texts, stats=summarize(stats, num_generated, gamma, seconds))
+
+
+def _place_draft_params(drafter: Drafter, model, target_params, mesh):
+  """Draft parameters on the mesh: shared with the target, sharded by their model config, or replicated."""
+  if mesh is None:
+    return drafter.params
+  if drafter.params is model.params:
+    return target_params
+  config = getattr(drafter.options, "config", None)
+  if config is not None:
+    return sharding.shard_params(drafter.params, config, mesh)
+  return jax.device_put(drafter.params, sharding.replicated(mesh))
 
 
 def summarize(stats, num_generated, gamma: int, seconds: float) -> dict:
