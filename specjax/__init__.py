@@ -4,6 +4,7 @@ Public API:
   load(name_or_path, dtype) -> Model
   logits(model, token_ids) -> [T, vocab]
   make_drafter(name, model, **options) -> Drafter  ("draft_model", "layer_skip", "prompt_lookup")
+  make_mesh(data, model) -> jax.sharding.Mesh  (pass as generate(..., mesh=mesh))
   generate(model, prompts, *, max_new_tokens, temperature, top_k, top_p, seed, drafter, gamma, mesh) -> Output
 """
 
@@ -12,5 +13,6 @@ from specjax.drafters import Drafter, make_drafter
 from specjax.generate import Output, generate, logits
 from specjax.loading import CheckpointError, Model, load
 from specjax.sampling import SamplingParams
+from specjax.sharding import make_mesh
 
-__all__ = ["CheckpointError", "Drafter", "make_drafter", "Model", "ModelConfig", "Output", "SamplingParams", "generate", "load", "logits"]
+__all__ = ["CheckpointError", "Drafter", "make_drafter", "Model", "ModelConfig", "Output", "SamplingParams", "generate", "load", "logits", "make_mesh"]

@@ -61,6 +61,11 @@ class ModelConfig:
                        "specjax supports Llama-family decoders")
     if hf.get("sliding_window") and model_type == "mistral":
       raise ValueError("sliding-window attention is not supported")
+    # The forward has no bias terms and uses SiLU: anything else would load and silently compute wrong logits.
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+      raise ValueError("attention_bias / mlp_bias are not supported (specjax's Llama has no bias terms)")
+    if hf.get("hidden_act", "silu") != "silu":
+      raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
     num_heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
     scaling = hf.get("rope_scaling")

@@ -136,6 +136,10 @@ def _to_params(weights: dict[str, np.ndarray], config: ModelConfig, dtype: str) 
             "final_norm": cast(take("model.norm.weight"))}
   if not config.tie_embeddings:
     params["lm_head"] = cast(take("lm_head.weight").T)
+  # Leftovers (biases, extra layers) mean the checkpoint computes something this model would not.
+  unused = sorted(k for k in weights if not k.endswith("rotary_emb.inv_freq"))
+  if unused:
+    raise CheckpointError(f"{len(unused)} unexpected tensors, e.g. {unused[:3]}: not a plain Llama checkpoint")
   return params
 
 
@@ -177,6 +181,13 @@ def _field(reader, key, default=None):
   return default if field is None else field.contents()
 
 
+def _required_field(reader, path: str, key: str):
+  value = _field(reader, key)
+  if value is None:
+    raise CheckpointError(f"{path}: GGUF metadata {key!r} is missing")
+  return value
+
+
 def _load_gguf(path: str, dtype: str):
   import gguf
   reader = _gguf_reader(path)
@@ -184,21 +195,26 @@ def _load_gguf(path: str, dtype: str):
   if arch != "llama":
     raise CheckpointError(f"{path}: unsupported architecture {arch!r}; specjax loads llama-architecture GGUF files")
   tensors = {t.name: t for t in reader.tensors}
-  n_heads = _field(reader, "llama.attention.head_count")
+  n_heads = _required_field(reader, path, "llama.attention.head_count")
   n_kv = _field(reader, "llama.attention.head_count_kv", n_heads)
-  hidden = _field(reader, "llama.embedding_length")
-  vocab = _field(reader, "llama.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+  hidden = _required_field(reader, path, "llama.embedding_length")
+  vocab = _field(reader, "llama.vocab_size")
+  if vocab is None:  # older files: the vocabulary size is the tokenizer's
+    vocab = len(_required_field(reader, path, "tokenizer.ggml.tokens"))
   scaling = None
-  if _field(reader, "llama.rope.scaling.type") == "linear":
-    scaling = (("factor", float(_field(reader, "llama.rope.scaling.factor"))), ("rope_type", "linear"))
+  scaling_type = _field(reader, "llama.rope.scaling.type")
+  if scaling_type not in (None, "none", "linear"):
+    raise CheckpointError(f"{path}: unsupported RoPE scaling {scaling_type!r} (supported: linear, llama3 rope_freqs)")
+  if scaling_type == "linear":
+    scaling = (("factor", float(_required_field(reader, path, "llama.rope.scaling.factor"))), ("rope_type", "linear"))
   freq_factors = None
   if "rope_freqs.weight" in tensors:  # llama3-style scaling is stored as per-frequency divisors
     freq_factors = tuple(float(x) for x in _dequantize(tensors.pop("rope_freqs.weight")).reshape(-1))
   config = ModelConfig(
       vocab_size=int(vocab),
       hidden_size=int(hidden),
-      intermediate_size=int(_field(reader, "llama.feed_forward_length")),
-      num_layers=int(_field(reader, "llama.block_count")),
+      intermediate_size=int(_required_field(reader, path, "llama.feed_forward_length")),
+      num_layers=int(_required_field(reader, path, "llama.block_count")),
       num_heads=int(n_heads),
       num_kv_heads=int(n_kv),
       head_dim=int(_field(reader, "llama.attention.key_length", hidden // n_heads)),

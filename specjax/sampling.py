@@ -36,7 +36,8 @@ def probabilities(logits: jax.Array, params: SamplingParams) -> jax.Array:
   """float32 probabilities [..., V] after temperature, top-k and top-p. Not for greedy params."""
   logits = logits.astype(jnp.float32) / params.temperature
   if params.top_k:
-    kth = jax.lax.top_k(logits, params.top_k)[0][..., -1:]
+    # top_k past the vocabulary keeps every token (as HF's TopKLogitsWarper does) instead of failing in lax.top_k.
+    kth = jax.lax.top_k(logits, min(params.top_k, logits.shape[-1]))[0][..., -1:]
     logits = jnp.where(logits < kth, -jnp.inf, logits)
   if params.top_p < 1.0:
     # Keep the smallest set of most likely tokens whose mass reaches top_p (HF's TopPLogitsWarper rule).
