@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax import sharding
+from specjax import distributed, sharding
 from specjax.loading import Model
 from specjax.model import KVCache, forward, init_cache, lm_head
 from specjax.sampling import SamplingParams, sample
@@ -205,7 +205,7 @@ def generate(model: Model, prompts: Sequence[str | Sequence[int]], *, max_new_to
       params, prompt_tokens, lengths, jax.random.PRNGKey(seed),
       config=model.config, sampling=sampling, max_new_tokens=int(max_new_tokens), cache_len=batch.cache_len,
       stop_ids=stop_ids, cache_sharding=cache_sharding)
-  tokens, num_generated, steps = jax.device_get((tokens, num_generated, steps))
+  tokens, num_generated, steps = distributed.to_host((tokens, num_generated, steps))  # also multi-process arrays
   seconds = time.perf_counter() - start
   rows, texts = decode_outputs(model, tokens, num_generated)
   new_tokens = int(num_generated.sum())

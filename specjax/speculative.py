@@ -23,7 +23,7 @@ import numpy as np
 from flax import struct
 
 from specjax.drafters import Drafter, DraftInputs, PromptInfo, RoundResult
-from specjax import sharding
+from specjax import distributed, sharding
 from specjax.generate import Output, decode_outputs, is_stop, place_on_mesh, prefill, prepare_batch
 from specjax.model import KVCache, forward, init_cache
 from specjax.sampling import SamplingParams, probabilities, sample
@@ -132,7 +132,7 @@ def generate(model, prompts, *, drafter: Drafter, gamma: int, sampling: Sampling
       jax.random.PRNGKey(seed), config=model.config, drafter=drafter.static(), gamma=int(gamma),
       sampling=sampling, max_new_tokens=int(max_new_tokens), cache_len=batch.cache_len, stop_ids=stop_ids,
       cache_sharding=cache_sharding)
-  tokens, num_generated, stats = jax.device_get((tokens, num_generated, stats))
+  tokens, num_generated, stats = distributed.to_host((tokens, num_generated, stats))  # also multi-process arrays
   seconds = time.perf_counter() - start
   rows, texts = decode_outputs(model, tokens, num_generated)
   return Output(tokens=rows, texts=texts, stats=summarize(stats, num_generated, gamma, seconds))

@@ -1,0 +1,66 @@
+"""notebooks/colab_tpu_quickstart.ipynb runs top to bottom (its SMALL variant, on CPU) and reports its stats."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOTEBOOK = os.path.join(REPO_ROOT, "notebooks", "colab_tpu_quickstart.ipynb")
+
+
+def stream_text(cell) -> str:
+  return "".join(o.get("text", "") for o in cell.get("outputs", []) if o.output_type == "stream")
+
+
+@pytest.fixture(scope="module")
+def executed(monkeypatch_module):
+  """The notebook after execution by a python3 kernel started in the repository root."""
+  monkeypatch_module.setenv("SPECJAX_NOTEBOOK_SMALL", "1")
+  monkeypatch_module.setenv("JAX_PLATFORMS", "cpu")
+  notebook = nbformat.read(NOTEBOOK, as_version=4)
+  # Raises CellExecutionError, with the failing cell's traceback, if any cell fails.
+  NotebookClient(notebook, timeout=300, kernel_name="python3", startup_timeout=120,
+                 resources={"metadata": {"path": REPO_ROOT}}).execute()
+  return notebook
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+  with pytest.MonkeyPatch.context() as patch:
+    yield patch
+
+
+def test_notebook_is_valid_nbformat_v4_for_a_colab_tpu():
+  notebook = nbformat.read(NOTEBOOK, as_version=4)
+  nbformat.validate(notebook)
+  assert notebook.nbformat == 4
+  assert notebook.metadata["accelerator"] == "TPU"
+  assert all(not cell.get("outputs") for cell in notebook.cells if cell.cell_type == "code")  # stored clean
+
+
+def test_notebook_runs_without_errors(executed):
+  for cell in executed.cells:
+    if cell.cell_type == "code":
+      assert not [o for o in cell.outputs if o.output_type == "error"], cell.source
+
+
+def test_notebook_reports_speculative_stats(executed):
+  text = "\n".join(stream_text(cell) for cell in executed.cells if cell.cell_type == "code")
+  assert "specjax is already installed" in text  # the install cell is skipped inside the checkout
+  assert "backend: cpu" in text
+  summary = json.loads(next(line for line in text.splitlines() if line.startswith("SUMMARY "))[len("SUMMARY "):])
+  assert list(summary) == ["autoregressive", "prompt_lookup", "layer_skip"]
+  for name, stats in summary.items():
+    assert set(stats) == {"tokens_per_second", "speedup", "acceptance_rate", "mean_accepted", "lossless"}
+    assert stats["tokens_per_second"] > 0
+    assert stats["lossless"], f"{name}: greedy speculative tokens differ from autoregressive"
+  assert summary["autoregressive"]["acceptance_rate"] is None and summary["autoregressive"]["mean_accepted"] == 1
+  for name in ("prompt_lookup", "layer_skip"):
+    assert 0 <= summary[name]["acceptance_rate"] <= 1
+    assert 1 <= summary[name]["mean_accepted"] <= 5  # at most gamma + 1 tokens per target forward
+  assert "mean_accepted" in text and "acceptance_rate" in text
