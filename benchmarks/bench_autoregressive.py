@@ -1,0 +1,170 @@
+r"""Autoregressive decode speed of specjax on SmolLM2-135M, against the memory-bandwidth roofline and HF.
+
+  python benchmarks/bench_autoregressive.py [--new_tokens=64] [--repeats=3] [--batch_sizes=1,8]
+      [--dtypes=float32,bfloat16] [--hf=true]
+
+For each case (dtype x batch size) it times greedy `specjax.generate` for exactly `new_tokens` tokens
+(stop_ids=(), so no row stops early) and for 1 token (prefill only). Then
+  decode step time     = (t(new_tokens) - t(1)) / (new_tokens - 1)
+  compile time         = first call - median of the later calls (for each of the two programs)
+  bytes per step       = all parameter bytes + KV bytes attended (layers x {K,V} x batch x positions in use,
+                         averaged over the decode, x kv_heads x head_dim x itemsize)
+  roofline fraction    = bytes per step / step time / copy bandwidth,
+where copy bandwidth is a numpy copy of a large array (read + write counted), measured in the same run.
+A decode step reads every weight once whatever the batch, so at batch 1 on CPU the step is memory-bound and
+the fraction says how close to the hardware limit the compiled program runs.
+Cases run interleaved (one call of each per round), and every figure is a median over rounds. With
+`--hf`, HF transformers (torch CPU, fp32, batch 1) decodes the same GGUF for the same number of tokens, with
+the faster of 1 and all torch threads (shown as tN).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import jax
+import numpy as np
+from absl import app, flags
+
+import specjax
+from experiments import spec_bench
+from specjax.loading import resolve_path
+
+_NEW_TOKENS = flags.DEFINE_integer("new_tokens", 64, "Tokens generated per row.")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed rounds after the compile call.")
+_BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "8"], "Batch sizes.")
+_DTYPES = flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "Parameter dtypes.")
+_HF = flags.DEFINE_bool("hf", True, "Also time HF transformers (fp32, batch 1) when it is importable.")
+_HF_THREADS = flags.DEFINE_integer("hf_threads", 0, "torch CPU threads for HF (0: the faster of 1 and all).")
+_COPY_MB = flags.DEFINE_integer("copy_mb", 512, "Array size for the copy-bandwidth measurement.")
+_MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model name or path for specjax.load.")
+
+
+def copy_bandwidth(src: np.ndarray, dst: np.ndarray) -> float:
+  """Bytes/s of one numpy copy, read + write counted."""
+  start = time.perf_counter()
+  np.copyto(dst, src)
+  return 2 * src.nbytes / (time.perf_counter() - start)
+
+
+class SpecjaxCase:
+  """Greedy specjax decode of one prompt repeated `batch` times."""
+
+  def __init__(self, model: specjax.Model, prompt: list[int], batch: int):
+    self.model, self.prompts, self.batch = model, [prompt] * batch, batch
+    self.name = f"specjax {model.config.dtype} b{batch}"
+    self.param_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(model.params))
+    self.kv_bytes_per_position = (2 * model.config.num_layers * model.config.num_kv_heads * model.config.head_dim
+                                  * np.dtype(model.config.dtype).itemsize)
+
+  def __call__(self, new_tokens: int) -> tuple[float, list[int]]:
+    start = time.perf_counter()
+    out = specjax.generate(self.model, self.prompts, max_new_tokens=new_tokens, stop_ids=())
+    seconds = time.perf_counter() - start
+    assert all(len(t) == new_tokens for t in out.tokens), "a row stopped early"
+    return seconds, out.tokens[0]
+
+
+class HFCase:
+  """transformers' greedy `generate` on the same GGUF, fp32, batch 1, with its faster torch thread count."""
+
+  def __init__(self, prompt: list[int]):
+    import torch
+    from transformers import AutoModelForCausalLM
+    path = resolve_path(_MODEL.value)
+    self.torch = torch
+    self.model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                      dtype=torch.float32).eval()
+    self.input_ids = torch.tensor([prompt])
+    # torch's CPU threads spin-wait: on a busy machine one thread can be ~5x faster than all cores.
+    threads = _HF_THREADS.value or min({1, os.cpu_count()}, key=lambda n: self._probe(n))
+    torch.set_num_threads(threads)
+    self.name, self.batch = f"HF transformers float32 b1 t{threads}", 1
+    self.param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+    config = self.model.config
+    self.kv_bytes_per_position = 2 * config.num_hidden_layers * config.num_key_value_heads * (
+        config.hidden_size // config.num_attention_heads) * 4
+
+  def _probe(self, threads: int) -> float:
+    self.torch.set_num_threads(threads)
+    self(4)
+    return self(8)[0]
+
+  def __call__(self, new_tokens: int) -> tuple[float, list[int]]:
+    start = time.perf_counter()
+    with self.torch.inference_mode():
+      out = self.model.generate(self.input_ids, attention_mask=self.torch.ones_like(self.input_ids),
+                                max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                pad_token_id=0)
+    seconds = time.perf_counter() - start
+    return seconds, out[0, self.input_ids.shape[1]:].tolist()
+
+
+def main(argv):
+  del argv
+  n = _NEW_TOKENS.value
+  if n < 2:
+    raise app.UsageError("--new_tokens must be at least 2 (the decode step is t(n) - t(1) over n - 1 steps)")
+  models = {dtype: specjax.load(_MODEL.value, dtype=dtype) for dtype in _DTYPES.value}
+  tokenizer = next(iter(models.values())).tokenizer
+  question = spec_bench.select(spec_bench.load_questions(), categories=["writing"], per_category=1)[0]
+  prompt = spec_bench.prompt_ids(question, tokenizer, chat=True)
+  cases = [SpecjaxCase(models[d], prompt, int(b)) for d in _DTYPES.value for b in _BATCH_SIZES.value]
+  if _HF.value:
+    try:
+      cases.append(HFCase(prompt))
+    except ImportError as e:
+      print(f"HF transformers not timed: {e}")
+  src = np.ones(_COPY_MB.value * 2**20 // 4, np.float32)
+  dst = np.empty_like(src)
+  copy_bandwidth(src, dst)  # first touch of dst pages
+
+  first = {(c.name, k): c(k)[0] for c in cases for k in (n, 1)}  # compile (+ run)
+  times = {key: [] for key in first}
+  tokens = {}
+  bandwidths = []
+  for _ in range(_REPEATS.value):
+    bandwidths += [copy_bandwidth(src, dst) for _ in range(3)]
+    for c in cases:
+      seconds, tokens[c.name] = c(n)
+      times[(c.name, n)].append(seconds)
+      times[(c.name, 1)].append(c(1)[0])
+    bandwidths += [copy_bandwidth(src, dst) for _ in range(3)]
+  bandwidth = statistics.median(bandwidths)
+
+  print(f"\nSmolLM2-135M ({_MODEL.value}) greedy decode, prompt {len(prompt)} tokens (Spec-Bench q"
+        f"{question.question_id}, chat), {n} new tokens, median of {_REPEATS.value} interleaved rounds")
+  print(f"jax {jax.__version__} on {jax.devices()}, {os.cpu_count()} CPUs; numpy copy bandwidth "
+        f"{bandwidth / 1e9:.1f} GB/s (read + write, median of {len(bandwidths)})\n")
+  header = (f"{'case':<31} {'tokens/s':>9} {'decode ms/step':>15} {'decode tok/s':>13} {'compile s':>10} "
+            f"{'MB/step':>8} {'GB/s':>6} {'roofline':>9}")
+  print(header)
+  print("-" * len(header))
+  rows = {}
+  for c in cases:
+    t_n, t_1 = statistics.median(times[(c.name, n)]), statistics.median(times[(c.name, 1)])
+    step = (t_n - t_1) / (n - 1)
+    compile_s = first[(c.name, n)] - t_n + first[(c.name, 1)] - t_1
+    positions_in_use = len(prompt) + n / 2  # mean over the decode steps
+    step_bytes = c.param_bytes + c.batch * positions_in_use * c.kv_bytes_per_position
+    rows[c.name] = c.batch * n / t_n
+    compile_text = "–" if isinstance(c, HFCase) else f"{compile_s:.1f}"  # torch eager: nothing to compile
+    print(f"{c.name:<31} {c.batch * n / t_n:>9.1f} {1e3 * step:>15.1f} {c.batch / step:>13.1f} "
+          f"{compile_text:>10} {step_bytes / 1e6:>8.0f} {step_bytes / step / 1e9:>6.1f} "
+          f"{step_bytes / step / bandwidth:>8.0%}")
+  print("\ntokens/s: batch x new tokens / wall time of the whole call (prefill included); decode: per step, "
+        "prefill excluded;\ncompile s: first calls minus median calls (both programs); roofline: "
+        "(MB/step / step time) / copy bandwidth.")
+  hf = next((c for c in cases if isinstance(c, HFCase)), None)
+  ours = next((c for c in cases if isinstance(c, SpecjaxCase) and c.model.config.dtype == "float32"
+               and c.batch == 1), None)
+  if hf and ours:
+    agree = next((i for i, (a, b) in enumerate(zip(tokens[ours.name], tokens[hf.name])) if a != b), n)
+    print(f"\nspecjax / HF (fp32, batch 1): {rows[ours.name] / rows[hf.name]:.2f}x tokens/s; "
+          f"greedy tokens agree for the first {agree} of {n}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,1 @@
+"""Experiment configs: each file has `get_config(arg=None)` and shows its command at the top."""

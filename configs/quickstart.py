@@ -1,0 +1,47 @@
+r"""Quickstart: autoregressive vs prompt lookup vs layer skip on a few Spec-Bench prompts (2-4 min on 2 CPUs).
+
+  python -m experiments.run --config=configs/quickstart.py
+
+Overrides go on the command line, e.g. `--config.max_new_tokens=16 --config.only=autoregressive`;
+tuples are Python literals: `--config.prompts.categories="('qa','rag')"`.
+SmolLM2-135M-Instruct (fp32: XLA:CPU decodes bf16 ~10x slower), greedy, batch 1, one prompt from each of
+five categories, chat template on the first turn. Results go to workdirs/quickstart-<time>/ (or --workdir).
+"""
+
+import ml_collections
+
+
+def get_config(arg=None):
+  if arg:
+    raise ValueError(f"configs/quickstart.py takes no argument, got {arg!r}")
+  config = ml_collections.ConfigDict()
+  config.model = "smollm2-135m"
+  config.dtype = "float32"
+
+  config.prompts = ml_collections.ConfigDict()
+  # Short prompts share one compiled shape; extraction shows copying from the prompt.
+  config.prompts.categories = ("writing", "coding", "qa", "humanities", "extraction")
+  config.prompts.per_category = 1  # the first N of each category (0: all)
+  config.prompts.question_ids = ()  # explicit ids instead of categories/per_category
+  config.prompts.max_prompts = 0  # 0: no cap
+  config.chat = True  # apply the model's chat template to the first turn
+
+  config.max_new_tokens = 64
+  config.temperature = 0.0  # 0: greedy, and every method is checked token-for-token against autoregressive
+  config.top_k = 0
+  config.top_p = 1.0
+  config.seed = 0
+  config.batch_size = 1
+  config.gamma = 4  # draft tokens per round, unless a method sets its own
+  config.mesh_shape = ml_collections.config_dict.placeholder(tuple)  # (data, model); None: one device
+
+  # name: label in the report; drafter: a `specjax.make_drafter` name (absent: autoregressive).
+  config.methods = (
+      {"name": "autoregressive"},
+      {"name": "prompt_lookup", "drafter": "prompt_lookup", "options": {}},
+      {"name": "layer_skip_24", "drafter": "layer_skip", "options": {"exit_layer": 24}},
+  )
+  config.only = ""  # comma-separated method names to run (the autoregressive baseline always runs)
+  config.repeats = 1  # timed runs of every method per prompt batch
+  config.warmup = True  # one untimed (compile + run) call per method on the first batch
+  return config

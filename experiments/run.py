@@ -1,0 +1,233 @@
+r"""Runs an experiment config: decoding methods on Spec-Bench prompts, timed against autoregressive decoding.
+
+  python -m experiments.run --config=configs/quickstart.py [--workdir=DIR] [--config.max_new_tokens=16]
+
+Writes to the workdir (default workdirs/<config>-<time>/): results.json (config, environment, every timed
+call, every prompt's output per method, summary), results.md (the table), speedup.png and
+speedup_by_category.png; prints the table.
+
+Timing, so that the comparison is fair on a noisy shared machine:
+  * warmup: every method runs once on the first prompt batch; that call's wall time (compile + run) is
+    reported as "compile s" and is not part of any timing;
+  * methods are interleaved: for each prompt batch, every method runs in turn (`repeats` times), so slow
+    drifts of the machine hit all methods alike;
+  * a timed call that compiled (a new prompt-length bucket) is run again and only the rerun counts;
+  * tokens/s is the median over batches, speedup is relative to the autoregressive baseline of this run.
+With temperature 0 every method's tokens are compared with the baseline's, token for token (`lossless`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import subprocess
+import sys
+import time
+from typing import Any, Sequence
+
+import jax
+import ml_collections
+import numpy as np
+from absl import app, flags, logging
+from ml_collections import config_flags
+from tqdm import tqdm
+
+import specjax
+from specjax import distributed, sharding
+from experiments import report, spec_bench
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config: configs/<name>.py[:arg].",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (default: workdirs/<config>-<time>).")
+distributed.define_flags()  # --coordinator_address, --num_processes, --process_id (multi-process runs)
+
+METHOD_KEYS = {"name", "drafter", "options", "gamma"}
+
+# Counts XLA compilations, so a timed call that compiled can be detected and rerun.
+_compilations = [0]
+
+
+def _count_compilation(event: str, duration: float, **kwargs) -> None:
+  if event == "/jax/core/compile/backend_compile_duration":
+    _compilations[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compilation)
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+  name: str
+  drafter: Any  # from specjax.make_drafter; None decodes autoregressively
+  gamma: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptBatch:
+  index: int
+  category: str
+  questions: tuple[spec_bench.Question, ...]
+  prompts: tuple[tuple[int, ...], ...]  # token ids
+
+
+def make_methods(config: ml_collections.ConfigDict, model: specjax.Model) -> list[Method]:
+  """The methods to run, the autoregressive baseline (the first method without a drafter) first."""
+  specs = [dict(m) for m in config.methods]
+  for spec in specs:
+    if "name" not in spec or set(spec) - METHOD_KEYS:
+      raise ValueError(f"a method is a dict with 'name' and optionally {sorted(METHOD_KEYS - {'name'})}, "
+                       f"got {spec}")
+  names = [s["name"] for s in specs]
+  if len(set(names)) != len(names):
+    raise ValueError(f"method names must be unique, got {names}")
+  baselines = [s for s in specs if not s.get("drafter")]
+  if not baselines:
+    raise ValueError("config.methods needs an autoregressive baseline (a method without a drafter)")
+  only = [n.strip() for n in config.only.split(",") if n.strip()]
+  unknown = sorted(set(only) - set(names))
+  if unknown:
+    raise ValueError(f"config.only names unknown methods {unknown}; methods: {names}")
+  chosen = [baselines[0]] + [s for s in specs if s is not baselines[0] and (not only or s["name"] in only)]
+  methods = []
+  for spec in chosen:
+    drafter = (specjax.make_drafter(spec["drafter"], model, **dict(spec.get("options", {})))
+               if spec.get("drafter") else None)
+    methods.append(Method(spec["name"], drafter, int(spec.get("gamma", config.gamma))))
+  return methods
+
+
+def make_batches(questions: Sequence[spec_bench.Question], prompts: Sequence[Sequence[int]],
+                 batch_size: int) -> list[PromptBatch]:
+  """Consecutive prompts of one category per batch, so per-category speedups are clean."""
+  if batch_size < 1:
+    raise ValueError(f"batch_size must be positive, got {batch_size}")
+  batches: list[PromptBatch] = []
+  for category in dict.fromkeys(q.category for q in questions):
+    rows = [(q, tuple(p)) for q, p in zip(questions, prompts) if q.category == category]
+    for start in range(0, len(rows), batch_size):
+      chunk = rows[start:start + batch_size]
+      batches.append(PromptBatch(len(batches), category, tuple(q for q, _ in chunk), tuple(p for _, p in chunk)))
+  return batches
+
+
+def environment() -> dict[str, Any]:
+  try:
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip() or None
+  except OSError:
+    commit = None
+  return {"jax": jax.__version__, "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
+          "cpu_count": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
+          "numpy": np.__version__, "specjax_commit": commit}
+
+
+def run(config: ml_collections.ConfigDict, workdir: str, *, model: specjax.Model | None = None,
+        name: str = "experiment") -> dict[str, Any]:
+  """Runs `config`, writes the results into `workdir` and returns them. `model`: reuse an already loaded one."""
+  if model is None:
+    logging.info("loading %s (%s)", config.model, config.dtype)
+    model = specjax.load(config.model, dtype=config.dtype)
+  if model.tokenizer is None:
+    raise ValueError(f"{config.model} has no tokenizer; Spec-Bench prompts are text")
+  questions = spec_bench.select(spec_bench.load_questions(), **config.prompts.to_dict())
+  if not questions:
+    raise ValueError("the prompt selection is empty")
+  prompts = [spec_bench.prompt_ids(q, model.tokenizer, config.chat) for q in questions]
+  batches = make_batches(questions, prompts, config.batch_size)
+  mesh = None
+  if config.mesh_shape:
+    mesh = sharding.make_mesh(*config.mesh_shape)
+    model = sharding.shard_model(model, mesh)  # place the parameters once, not in every timed call
+  methods = make_methods(config, model)
+  baseline = methods[0].name
+  greedy = config.temperature == 0
+
+  def call(method: Method, batch: PromptBatch) -> tuple[specjax.Output, float, int]:
+    """One generate call: (output, wall seconds, compilations it triggered)."""
+    compiled_before = _compilations[0]
+    start = time.perf_counter()
+    out = specjax.generate(model, list(batch.prompts), max_new_tokens=config.max_new_tokens,
+                           temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
+                           seed=config.seed, drafter=method.drafter, gamma=method.gamma, mesh=mesh)
+    return out, time.perf_counter() - start, _compilations[0] - compiled_before
+
+  compile_seconds: dict[str, float | None] = {m.name: None for m in methods}
+  if config.warmup:
+    for method in methods:
+      _, compile_seconds[method.name], _ = call(method, batches[0])
+      logging.info("warmup %s: %.1f s (compile + run)", method.name, compile_seconds[method.name])
+
+  records, outputs = [], []
+  lossless: dict[str, bool | None] = {m.name: (True if greedy else None) for m in methods}
+  for batch in tqdm(batches, desc="prompt batches", unit="batch", disable=not distributed.is_main_process()):
+    reference = None  # the baseline's tokens for this batch
+    for repeat in range(config.repeats):
+      for method in methods:
+        out, seconds, compilations = call(method, batch)
+        compile_call_seconds = None
+        if compilations:  # this call compiled a new shape: time a second, compiled call instead
+          compile_call_seconds = seconds
+          out, seconds, _ = call(method, batch)
+        if reference is None:
+          reference = out.tokens
+        matches = out.tokens == reference if greedy else None
+        if greedy and not matches:
+          lossless[method.name] = False
+          logging.warning("%s differs from %s on batch %d (questions %s)", method.name, baseline, batch.index,
+                          [q.question_id for q in batch.questions])
+        stats = out.stats
+        records.append({
+            "method": method.name, "batch": batch.index, "repeat": repeat, "category": batch.category,
+            "question_ids": [q.question_id for q in batch.questions], "seconds": seconds,
+            "new_tokens": stats["new_tokens"], "tokens_per_second": stats["new_tokens"] / seconds,
+            "target_calls": stats["target_calls"], "mean_accepted": stats["mean_accepted"],
+            "acceptance_rate": stats.get("acceptance_rate"), "compile_call_seconds": compile_call_seconds,
+            "matches_baseline": matches})
+        if repeat == 0:
+          for row, q in enumerate(batch.questions):
+            outputs.append({
+                "method": method.name, "question_id": q.question_id, "category": q.category,
+                "prompt_tokens": len(batch.prompts[row]), "new_tokens": len(out.tokens[row]),
+                "matches_baseline": out.tokens[row] == reference[row] if greedy else None,
+                "tokens": out.tokens[row], "text": out.texts[row]})
+
+  names = [m.name for m in methods]
+  results = {
+      "name": name,
+      "config": config.to_dict(),
+      "environment": environment(),
+      "prompts": [{"question_id": q.question_id, "category": q.category, "prompt_tokens": len(p)}
+                  for q, p in zip(questions, prompts)],
+      "summary": report.summarize(records, names, baseline, compile_seconds, lossless),
+      "records": records,
+      "outputs": outputs,
+  }
+  if distributed.is_main_process():  # every process computed the same results; one writes them
+    table = report.write(workdir, results)
+    print(f"\n{table}\n\nresults in {workdir}")
+  return results
+
+
+def main(argv: Sequence[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  distributed.initialize_from_flags()  # before any JAX computation; a no-op for a single process
+  config_file = config_flags.get_config_filename(flags.FLAGS["config"])
+  name = os.path.basename(config_file).replace(".py", "").replace(":", "-")
+  workdir = _WORKDIR.value or os.path.join("workdirs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+  run(_CONFIG.value, workdir, name=name)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's parser, with a one-line error for a --config.<field> override the config does not have."""
+  try:
+    return app.parse_flags_with_usage(argv)
+  except AttributeError as e:  # ml_collections wraps a KeyError whose message suggests the closest field
+    message = e.args[0].args[0] if e.args and isinstance(e.args[0], KeyError) else str(e)
+    sys.exit(f"FATAL config override: no such field {message}")
+
+
+if __name__ == "__main__":
+  flags.mark_flags_as_required(["config"])
+  app.run(main, flags_parser=parse_flags)

@@ -1,0 +1,75 @@
+"""Spec-Bench prompts (Xia et al., 2024): the 480 questions of `data/spec_bench/question.jsonl`.
+
+Thirteen categories: the eight MT-bench ones (10 questions each, "multi-turn conversation"; we use the
+first turn) and translation, summarization, qa, math_reasoning, rag (80 each). Provenance and license:
+data/spec_bench/SOURCE.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Sequence
+
+# The data lives at the repository root (next to `experiments/`); the package is installed editable.
+QUESTIONS_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                              "data", "spec_bench", "question.jsonl")
+
+CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities",
+              "translation", "summarization", "qa", "math_reasoning", "rag")
+
+
+@dataclasses.dataclass(frozen=True)
+class Question:
+  question_id: int
+  category: str
+  turns: tuple[str, ...]
+
+
+def load_questions(path: str = QUESTIONS_PATH) -> list[Question]:
+  """All questions, in file order."""
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"Spec-Bench questions not found at {path}; specjax expects a source checkout "
+                            "(pip install -e .) with data/spec_bench/question.jsonl")
+  with open(path, encoding="utf-8") as f:
+    rows = [json.loads(line) for line in f if line.strip()]
+  return [Question(int(r["question_id"]), r["category"], tuple(r["turns"])) for r in rows]
+
+
+def select(questions: Sequence[Question], *, categories: Sequence[str] = (), per_category: int = 0,
+           question_ids: Sequence[int] = (), max_prompts: int = 0) -> list[Question]:
+  """Picks questions deterministically (file order).
+
+  Args:
+    categories: categories to draw from, in this order (empty: all thirteen).
+    per_category: the first this many questions of each category (0: all of them).
+    question_ids: explicit ids; when given, `categories` and `per_category` are ignored.
+    max_prompts: cap on the total (0: no cap).
+  """
+  if question_ids:
+    by_id = {q.question_id: q for q in questions}
+    unknown = [i for i in question_ids if i not in by_id]
+    if unknown:
+      raise ValueError(f"unknown Spec-Bench question ids: {unknown}")
+    chosen = [by_id[i] for i in question_ids]
+  else:
+    categories = tuple(categories) or CATEGORIES
+    unknown = [c for c in categories if c not in CATEGORIES]
+    if unknown:
+      raise ValueError(f"unknown Spec-Bench categories {unknown}; choose from {', '.join(CATEGORIES)}")
+    chosen = []
+    for category in categories:
+      pool = [q for q in questions if q.category == category]
+      if per_category > len(pool):
+        raise ValueError(f"category {category!r} has {len(pool)} questions, asked for {per_category}")
+      chosen += pool[:per_category or len(pool)]
+  return chosen[:max_prompts] if max_prompts else chosen
+
+
+def prompt_ids(question: Question, tokenizer, chat: bool) -> list[int]:
+  """Token ids of the question's first turn: as a one-message chat (with the generation prompt) or raw."""
+  text = question.turns[0]
+  if chat:
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+  return tokenizer.encode(text)
