@@ -1,0 +1,165 @@
+"""Layer-skip search: greedy selection, the speedup model, and saved skip sets that make_drafter accepts."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+import specjax
+from specjax import layer_skip_search as lss
+from specjax.layer_skip_search import Evaluation
+
+
+def planted(optimum, num_layers):
+  """An objective peaked at `optimum`: +1 per optimum layer skipped, -1 per other; counts its calls."""
+  calls = []
+
+  def objective(skip):
+    calls.append(skip)
+    assert list(skip) == sorted(set(skip)) and 0 < len(skip) < num_layers
+    return Evaluation(speedup=len(set(skip) & optimum) - len(set(skip) - optimum))
+  return objective, calls
+
+
+def test_greedy_search_finds_planted_optimum():
+  objective, calls = planted({1, 3, 4}, num_layers=6)
+  result = lss.greedy_search(6, objective, budget=100)
+  assert result.skip_layers == (1, 3, 4)
+  assert result.evaluation.speedup == 3
+  assert result.stopped == "no improvement"
+  assert len(calls) == len(set(calls)) == result.evaluations == 6 + 5 + 4 + 3  # four full steps
+  assert [skip for skip, _ in result.history] == calls
+
+
+def test_greedy_search_respects_budget_and_candidate_order():
+  objective, calls = planted({1, 3, 4}, num_layers=6)
+  result = lss.greedy_search(6, objective, budget=3, candidate_layers=[4, 0, 5, 1, 2, 3])
+  assert calls == [(4,), (0,), (5,)]
+  assert result.skip_layers == (4,) and result.stopped == "budget"
+
+
+def test_greedy_search_keeps_the_least_bad_single_layer():
+  """Skipping nothing is no drafter: with every set slower than autoregressive, the best single one wins."""
+  def objective(skip):
+    return Evaluation(speedup=0.9 - 0.1 * len(skip) - 0.01 * skip[0])
+  result = lss.greedy_search(4, objective, budget=50)
+  assert result.skip_layers == (0,)
+  assert result.evaluation.speedup < 1
+
+
+def test_exit_layer_sweep_is_a_suffix_skip_set():
+  seen = []
+
+  def objective(skip):
+    seen.append(skip)
+    return Evaluation(speedup=-abs(skip[0] - 4))
+  results = lss.exit_layer_sweep(6, objective, [2, 4, 5])
+  assert seen == [(2, 3, 4, 5), (4, 5), (5,)]
+  assert max(results, key=lambda r: r[1].speedup)[0] == 4
+  assert lss.drafter_options(6, (4, 5)) == {"exit_layer": 4}
+  assert lss.drafter_options(6, (5, 1)) == {"skip_layers": [1, 5]}
+
+
+@pytest.mark.parametrize("alpha,gamma", [(0.0, 3), (0.5, 4), (0.8, 2), (0.99, 5)])
+def test_alpha_from_stats_recovers_leviathan_alpha(alpha, gamma):
+  """On simulated i.i.d. acceptances the estimate converges to α, and E matches the mean tokens per round."""
+  rng = np.random.default_rng(0)
+  rounds = 20000
+  draws = rng.random((rounds, gamma)) < alpha
+  accepted = np.cumprod(draws, axis=1).sum(axis=1)
+  stats = {"accepted_per_row": [int(accepted.sum())], "rounds_per_row": [rounds],
+           "acceptance_per_position": [float(np.mean(accepted > i)) for i in range(gamma)]}
+  estimate = lss.alpha_from_stats(stats, gamma)
+  assert estimate == pytest.approx(alpha, abs=0.01)
+  assert lss.expected_tokens_per_round(estimate, gamma) == pytest.approx(1 + accepted.mean(), rel=0.01)
+
+
+def test_predicted_speedup_limits():
+  assert lss.expected_tokens_per_round(1.0, 4) == 5
+  assert lss.expected_tokens_per_round(0.0, 4) == 1
+  assert lss.predicted_speedup(1.0, 4, draft_cost=0.0) == 5  # free perfect draft: gamma + 1 per forward
+  assert lss.predicted_speedup(0.0, 4, draft_cost=0.5) == pytest.approx(1 / 3)
+
+
+def test_draft_cost_counts_layers_and_head(tiny):
+  config = tiny.config
+  assert lss.draft_cost(tiny.params, config, range(config.num_layers)) == pytest.approx(1.0)
+  one = lss.draft_cost(tiny.params, config, [0])
+  assert 1 / config.num_layers < one < 1  # the LM head is read whatever the layers
+
+
+@pytest.fixture(scope="module")
+def proxy_record(tiny):
+  prompts = [[5, 9, 2, 7, 5, 9, 2, 7, 1], [3, 3, 8, 1, 4, 3, 3, 8]]
+  return lss.search(tiny, prompts, gamma=3, max_new_tokens=12, budget=4, objective="proxy",
+                    exit_layers=[2])
+
+
+def test_proxy_search_returns_a_valid_skip_set(proxy_record, tiny):
+  num_layers = tiny.config.num_layers
+  search = proxy_record["search"]
+  assert search["evaluations"] <= 4
+  assert search["exit_layer_sweep"][0]["exit_layer"] == 2
+  options = proxy_record["options"]
+  skip = options["skip_layers"] if "skip_layers" in options else list(range(options["exit_layer"], num_layers))
+  assert skip == sorted(set(skip)) and 0 < len(skip) < num_layers and set(skip) <= set(range(num_layers))
+  scores = [r["speedup"] for r in search["greedy_history"] + search["exit_layer_sweep"]]
+  assert proxy_record["proxy_speedup"] == max(scores)
+  assert 0 <= proxy_record["alpha"] <= 1 and 0 < proxy_record["draft_cost"] < 1
+  expected = lss.predicted_speedup(proxy_record["alpha"], 3, proxy_record["draft_cost"])
+  assert proxy_record["proxy_speedup"] == pytest.approx(expected)
+
+
+def test_saved_skip_set_round_trips_into_make_drafter(proxy_record, tiny, tmp_path):
+  path = str(tmp_path / "sets" / "tiny.json")
+  lss.save_skip_set(path, proxy_record)
+  options = lss.load_skip_set(path, model=tiny)
+  assert options == proxy_record["options"]
+  drafter = specjax.make_drafter("layer_skip", tiny, **options)
+  prompt = [[5, 9, 2, 7, 5, 9, 2, 7, 1]]
+  expected = specjax.generate(tiny, prompt, max_new_tokens=10, stop_ids=[])
+  out = specjax.generate(tiny, prompt, max_new_tokens=10, drafter=drafter, gamma=proxy_record["gamma"], stop_ids=[])
+  assert out.tokens == expected.tokens
+  with open(path) as f:
+    assert json.load(f)["model"] == "tiny"
+
+
+def test_load_skip_set_rejects_another_model(tmp_path, tiny):
+  path = str(tmp_path / "other.json")
+  lss.save_skip_set(path, {"drafter": "layer_skip", "options": {"skip_layers": [7]}, "num_layers": 30})
+  assert lss.load_skip_set(path) == {"skip_layers": [7]}
+  with pytest.raises(ValueError, match="30-layer"):
+    lss.load_skip_set(path, model=tiny)
+
+
+def test_save_is_atomic(tmp_path, monkeypatch):
+  path = str(tmp_path / "set.json")
+  good = {"drafter": "layer_skip", "options": {"exit_layer": 2}, "measured_speedup": math.nan}
+  replaced = []
+  real_replace = os.replace
+
+  def spy(src, dst):
+    replaced.append((src, dst, os.path.exists(dst)))
+    with open(src) as f:  # complete before it takes the final name
+      assert json.load(f)["options"] == {"exit_layer": 2}
+    real_replace(src, dst)
+  monkeypatch.setattr(os, "replace", spy)
+  lss.save_skip_set(path, good)
+  assert len(replaced) == 1
+  src, dst, existed = replaced[0]
+  assert dst == path and not existed and os.path.dirname(src) == str(tmp_path) and not os.path.exists(src)
+  assert json.load(open(path))["measured_speedup"] is None  # nan is not JSON
+  umask = os.umask(0)
+  os.umask(umask)
+  assert os.stat(path).st_mode & 0o777 == 0o666 & ~umask  # as open() would create it, not mkstemp's 0600
+
+  # A record that fails to serialize leaves the previous file untouched and no temporary behind.
+  with pytest.raises(TypeError):
+    lss.save_skip_set(path, {**good, "options": {"exit_layer": 3}, "bad": object()})
+  assert json.load(open(path))["options"] == {"exit_layer": 2}
+  assert os.listdir(tmp_path) == ["set.json"]
+  assert len(replaced) == 1
