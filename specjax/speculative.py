@@ -41,6 +41,7 @@ class SpecState:
   rounds: jax.Array  # scalar
   live_rounds: jax.Array  # [B] rounds in which the row was still generating
   accepted: jax.Array  # [B] accepted draft tokens
+  rejections: jax.Array  # [B] rounds that ended at a rejected draft (not all gamma accepted)
   accepted_at: jax.Array  # [gamma] rounds (summed over live rows) in which draft i was accepted
 
 
@@ -82,7 +83,8 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
       sequence=sequence, position=lengths, done=is_stop(first, stop_ids) | (max_new_tokens == 1),
       cache=sharding.constrain_cache(out.cache, cache_sharding), draft_state=drafter.init(draft_params, drafter.options, prompt), key=key,
       rounds=jnp.zeros((), jnp.int32), live_rounds=jnp.zeros(batch, jnp.int32),
-      accepted=jnp.zeros(batch, jnp.int32), accepted_at=jnp.zeros(gamma, jnp.int32))
+      accepted=jnp.zeros(batch, jnp.int32), rejections=jnp.zeros(batch, jnp.int32),
+      accepted_at=jnp.zeros(gamma, jnp.int32))
 
   def cond(s: SpecState):
     return ~jnp.all(s.done)
@@ -108,12 +110,14 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
         sequence=sequence, position=position, done=done, cache=sharding.constrain_cache(out.cache, cache_sharding),
         draft_state=drafter.update(draft_params, drafter.options, proposal.state, result), key=key,
         rounds=s.rounds + 1, live_rounds=s.live_rounds + live, accepted=s.accepted + accepted,
+        rejections=s.rejections + (live & (accepted_len < gamma)),
         accepted_at=s.accepted_at + jnp.sum(jnp.arange(gamma)[None, :] < accepted[:, None], axis=0))
 
   s = jax.lax.while_loop(cond, body, state)
   num_generated = s.position - lengths + 1
   tokens = jnp.take_along_axis(s.sequence, lengths[:, None] + jnp.arange(max_new_tokens)[None, :], axis=1)
-  stats = {"rounds": s.rounds, "live_rounds": s.live_rounds, "accepted": s.accepted, "accepted_at": s.accepted_at}
+  stats = {"rounds": s.rounds, "live_rounds": s.live_rounds, "accepted": s.accepted, "rejections": s.rejections,
+           "accepted_at": s.accepted_at}
   return tokens, num_generated, stats
 
 
@@ -158,6 +162,8 @@ def summarize(stats, num_generated, gamma: int, seconds: float) -> dict:
   # The first token of every row comes from the prefill; each later one from a verification round.
   from_rounds = num_generated.astype(np.int64) - 1
   proposed = int(live_rounds.sum()) * gamma
+  # Drafts the verifier actually tested: every accepted one plus the one rejected in each rejecting round.
+  checked = int(accepted.sum() + stats["rejections"].sum())
   new_tokens = int(num_generated.sum())
   return {
       "rounds": rounds,
@@ -165,11 +171,14 @@ def summarize(stats, num_generated, gamma: int, seconds: float) -> dict:
       "draft_calls": rounds * gamma,
       "new_tokens": new_tokens,
       "acceptance_rate": float(accepted.sum() / proposed) if proposed else float("nan"),
+      # Leviathan et al.'s alpha, the chance a tested draft is accepted: E[tokens/round] = (1-a^(g+1))/(1-a).
+      "alpha": float(accepted.sum() / checked) if checked else float("nan"),
       "mean_accepted": float(from_rounds.sum() / live_rounds.sum()) if live_rounds.sum() else float("nan"),
       "acceptance_per_position": (stats["accepted_at"] / max(1, int(live_rounds.sum()))).tolist(),
       "new_tokens_per_row": num_generated.tolist(),
       "rounds_per_row": live_rounds.tolist(),
       "accepted_per_row": accepted.tolist(),
+      "rejections_per_row": stats["rejections"].tolist(),
       "seconds": seconds,
       "tokens_per_second": new_tokens / seconds,
   }

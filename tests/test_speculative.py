@@ -68,7 +68,7 @@ def test_target_as_its_own_draft_accepts_every_draft(target):
   drafter = specjax.make_drafter("draft_model", target, draft=target)
   out = specjax.generate(target, ragged_prompts(4), max_new_tokens=max_new, drafter=drafter, gamma=gamma,
                          stop_ids=[])
-  assert out.stats["acceptance_rate"] == 1.0
+  assert out.stats["acceptance_rate"] == 1.0 and out.stats["alpha"] == 1.0
   assert out.stats["acceptance_per_position"] == [1.0] * gamma
   # 24 tokens after the prefill's first one, gamma + 1 per round: 6 full rounds, no truncated round.
   assert out.stats["rounds"] == (max_new - 1) // (gamma + 1)
@@ -84,6 +84,11 @@ def test_stats_count_accepted_tokens_per_row(target, draft):
   # Each live round commits its accepted drafts plus one target token (the last round may be cut short).
   assert np.all(produced <= accepted + rounds) and np.all(produced >= accepted + rounds - 4)
   assert s["acceptance_rate"] == pytest.approx(accepted.sum() / (3 * rounds.sum()))
+  # alpha counts only the drafts the verifier tested: the accepted ones and one rejected per rejecting round.
+  rejections = np.array(s["rejections_per_row"])
+  assert np.all(rejections <= rounds) and np.all(accepted >= 3 * (rounds - rejections))
+  assert s["alpha"] == pytest.approx(accepted.sum() / (accepted.sum() + rejections.sum()))
+  assert s["alpha"] >= s["acceptance_rate"]
   per_position = s["acceptance_per_position"]
   assert all(a >= b for a, b in zip(per_position, per_position[1:]))  # accepting i+1 implies accepting i
 
