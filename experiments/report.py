@@ -56,6 +56,7 @@ def summarize(records: Sequence[dict], methods: Sequence[str], baseline: str,
                                         for i, b in batches.items()),
         "mean_accepted": _median(r["mean_accepted"] for r in rs),
         "acceptance_rate": _median(r["acceptance_rate"] for r in rs),
+        "alpha": _median(r.get("alpha") for r in rs),
         "target_calls_per_batch": _median(r["target_calls"] for r in rs),
         "compile_seconds": compile_seconds.get(method),
         "recompiles": sum(r["compile_call_seconds"] is not None for r in rs),
@@ -81,12 +82,12 @@ def _fmt(x, spec: str) -> str:
 
 
 def markdown_table(summary: dict[str, Any]) -> str:
-  rows = ["| method | tokens/s | speedup | mean accepted | acceptance rate | compile s | lossless |",
-          "|---|---:|---:|---:|---:|---:|:---:|"]
+  rows = ["| method | tokens/s | speedup | mean accepted | acceptance rate | alpha | compile s | lossless |",
+          "|---|---:|---:|---:|---:|---:|---:|:---:|"]
   for method, s in summary["methods"].items():
     rows.append(f"| {method} | {_fmt(s['tokens_per_second'], '.1f')} | {_fmt(s['speedup'], '.2f')}x | "
                 f"{_fmt(s['mean_accepted'], '.2f')} | {_fmt(s['acceptance_rate'], '.2f')} | "
-                f"{_fmt(s['compile_seconds'], '.1f')} | {_fmt(s['lossless'], '')} |")
+                f"{_fmt(s['alpha'], '.2f')} | {_fmt(s['compile_seconds'], '.1f')} | {_fmt(s['lossless'], '')} |")
   return "\n".join(rows)
 
 

@@ -182,7 +182,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model: specjax.Model
             "question_ids": [q.question_id for q in batch.questions], "seconds": seconds,
             "new_tokens": stats["new_tokens"], "tokens_per_second": stats["new_tokens"] / seconds,
             "target_calls": stats["target_calls"], "mean_accepted": stats["mean_accepted"],
-            "acceptance_rate": stats.get("acceptance_rate"), "compile_call_seconds": compile_call_seconds,
+            "acceptance_rate": stats.get("acceptance_rate"), "alpha": stats.get("alpha"),
+            "compile_call_seconds": compile_call_seconds,
             "matches_baseline": matches})
         if repeat == 0:
           for row, q in enumerate(batch.questions):
