@@ -11,7 +11,8 @@ into the compiled program as arguments, never baked in as constants):
       after verification, given each row's accepted length and the target's hidden states at the verified
       positions (what MTP heads draft from).
 
-Adding a drafter = adding one file that defines these functions and a `make(model, **options) -> Drafter`
+`draft_tokens` is the autoregressive drafting loop shared by model-based drafters (draft model, layer
+skip): they only supply one forward step. Adding a drafter = adding one file that defines these functions and a `make(model, **options) -> Drafter`
 factory, and one line in `_FACTORIES` below.
 """
 
@@ -22,9 +23,11 @@ import importlib
 from typing import Any, Callable, NamedTuple
 
 import jax
+import jax.numpy as jnp
 from flax import struct
 
 from specjax.model import KVCache
+from specjax.sampling import SamplingParams, probabilities, sample, sample_from_probs
 
 
 @struct.dataclass
@@ -78,6 +81,37 @@ class Drafter:
 def keep_state(params, options, state, result):
   """`update` for drafters that carry no state across rounds."""
   return state
+
+
+def draft_tokens(step, cache, inputs: DraftInputs, gamma: int, sampling: SamplingParams):
+  """Shared autoregressive drafting loop: `step(cache, tokens [B, T], positions [B]) -> (logits [B, V], cache)`.
+
+  The first step reads tokens at positions pending-1 and pending; later steps read the previous draft.
+  Returns (tokens [B, gamma], q [B, gamma, V] or None, cache).
+  """
+  rows = jnp.arange(inputs.sequence.shape[0])
+  first_tokens = jnp.stack([inputs.sequence[rows, inputs.position - 1], inputs.sequence[rows, inputs.position]], 1)
+  keys = jax.random.split(inputs.key, gamma)
+
+  def choose(logits, key):
+    if sampling.greedy:
+      return sample(key, logits, sampling), None
+    q = probabilities(logits, sampling)
+    return sample_from_probs(key, q), q
+
+  logits, cache = step(cache, first_tokens, inputs.position - 1)
+  token, q = choose(logits, keys[0])
+
+  def one(carry, key):
+    cache, token, position = carry
+    logits, cache = step(cache, token[:, None], position)
+    nxt, q = choose(logits, key)
+    return (cache, nxt, position + 1), (nxt, q)
+
+  (cache, _, _), (tokens, qs) = jax.lax.scan(one, (cache, token, inputs.position + 1), keys[1:])
+  tokens = jnp.concatenate([token[:, None], tokens.T], axis=1)
+  probs = None if sampling.greedy else jnp.concatenate([q[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)
+  return tokens, probs, cache
 
 
 _FACTORIES = {

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 
 from specjax.config import ModelConfig
-from specjax.drafters import Drafter, DraftInputs, PromptInfo, Proposal, keep_state
+from specjax.drafters import Drafter, DraftInputs, PromptInfo, Proposal, draft_tokens, keep_state
 from specjax.model import forward, init_cache
-from specjax.sampling import SamplingParams, probabilities, sample
+from specjax.sampling import SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,37 +27,6 @@ def init(params, options: Options, prompt: PromptInfo):
   cache = init_cache(options.config, prompt.tokens.shape[0], prompt.cache_len)
   return forward(params, prompt.tokens, cache, jnp.zeros_like(prompt.lengths), options.config,
                  layers=options.layers, compute_logits=False).cache
-
-
-def draft_tokens(step, cache, inputs: DraftInputs, gamma: int, sampling: SamplingParams):
-  """Shared autoregressive drafting loop: `step(cache, tokens [B, T], positions [B]) -> (logits [B, V], cache)`.
-
-  The first step reads tokens at positions pending-1 and pending; later steps read the previous draft.
-  Returns (tokens [B, gamma], q [B, gamma, V] or None, cache).
-  """
-  rows = jnp.arange(inputs.sequence.shape[0])
-  first_tokens = jnp.stack([inputs.sequence[rows, inputs.position - 1], inputs.sequence[rows, inputs.position]], 1)
-  keys = jax.random.split(inputs.key, gamma)
-
-  def choose(logits, key):
-    if sampling.greedy:
-      return sample(key, logits, sampling), None
-    q = probabilities(logits, sampling)
-    return jax.random.categorical(key, jnp.log(q), axis=-1).astype(jnp.int32), q
-
-  logits, cache = step(cache, first_tokens, inputs.position - 1)
-  token, q = choose(logits, keys[0])
-
-  def one(carry, key):
-    cache, token, position = carry
-    logits, cache = step(cache, token[:, None], position)
-    nxt, q = choose(logits, key)
-    return (cache, nxt, position + 1), (nxt, q)
-
-  (cache, _, _), (tokens, qs) = jax.lax.scan(one, (cache, token, inputs.position + 1), keys[1:])
-  tokens = jnp.concatenate([token[:, None], tokens.T], axis=1)
-  probs = None if sampling.greedy else jnp.concatenate([q[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)
-  return tokens, probs, cache
 
 
 def propose(params, options: Options, cache, inputs: DraftInputs, gamma: int, sampling: SamplingParams):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from specjax.config import ModelConfig
-from specjax.drafters import Drafter, DraftInputs, PromptInfo, Proposal, keep_state
+from specjax.drafters import Drafter, DraftInputs, PromptInfo, Proposal, draft_tokens, keep_state
 from specjax.model import forward
 from specjax.sampling import SamplingParams
 
@@ -28,8 +28,6 @@ def init(params, options: Options, prompt: PromptInfo):
 
 
 def propose(params, options: Options, state, inputs: DraftInputs, gamma: int, sampling: SamplingParams):
-  from specjax.drafters.draft_model import draft_tokens
-
   def step(cache, tokens, positions):
     # Only the pending token (the last one) is new to the shared cache; the one before it is committed.
     out = forward(params, tokens[:, -1:], cache, positions + tokens.shape[1] - 1, options.config,
