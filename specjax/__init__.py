@@ -15,4 +15,5 @@ from specjax.loading import CheckpointError, Model, load
 from specjax.sampling import SamplingParams
 from specjax.sharding import make_mesh
 
-__all__ = ["CheckpointError", "Drafter", "make_drafter", "Model", "ModelConfig", "Output", "SamplingParams", "generate", "load", "logits", "make_mesh"]
+__all__ = ["CheckpointError", "Drafter", "Model", "ModelConfig", "Output", "SamplingParams", "generate", "load",
+           "logits", "make_drafter", "make_mesh"]

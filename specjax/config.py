@@ -56,7 +56,8 @@ class ModelConfig:
     """Builds a config from an HF `config.json` dict (LlamaForCausalLM and its look-alikes)."""
     archs = hf.get("architectures") or []
     model_type = hf.get("model_type", "")
-    if model_type not in ("llama", "mistral") and not any(a in ("LlamaForCausalLM", "MistralForCausalLM") for a in archs):
+    known = any(a in ("LlamaForCausalLM", "MistralForCausalLM") for a in archs)
+    if model_type not in ("llama", "mistral") and not known:
       raise ValueError(f"unsupported architecture: model_type={model_type!r} architectures={archs}; "
                        "specjax supports Llama-family decoders")
     if hf.get("sliding_window") and model_type == "mistral":

@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax.drafters import Drafter, DraftInputs, PromptInfo, RoundResult
 from specjax import distributed, sharding
+from specjax.drafters import Drafter, DraftInputs, PromptInfo, RoundResult
 from specjax.generate import Output, decode_outputs, is_stop, place_on_mesh, prefill, prepare_batch
 from specjax.model import KVCache, forward, init_cache
 from specjax.sampling import SamplingParams, probabilities, sample
@@ -62,7 +62,7 @@ def _commit(state: SpecState, draft_tokens, accepted_len, next_token, lengths, m
   target_pos = jnp.where(write, state.position[:, None] + 1 + offsets[None, :], state.sequence.shape[1])
   sequence = state.sequence.at[rows[:, None], target_pos].set(block, mode="drop")
   done = state.done | (first_stop < count) | (produced + count >= max_new_tokens)
-  return sequence, state.position + count, done, count
+  return sequence, state.position + count, done
 
 
 @functools.partial(jax.jit, static_argnames=("config", "drafter", "gamma", "sampling", "max_new_tokens",
@@ -81,7 +81,8 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
   prompt = PromptInfo(tokens=prompt_tokens, lengths=lengths, last_hidden=last_hidden, cache_len=cache_len)
   state = SpecState(
       sequence=sequence, position=lengths, done=is_stop(first, stop_ids) | (max_new_tokens == 1),
-      cache=sharding.constrain_cache(out.cache, cache_sharding), draft_state=drafter.init(draft_params, drafter.options, prompt), key=key,
+      cache=sharding.constrain_cache(out.cache, cache_sharding),
+      draft_state=drafter.init(draft_params, drafter.options, prompt), key=key,
       rounds=jnp.zeros((), jnp.int32), live_rounds=jnp.zeros(batch, jnp.int32),
       accepted=jnp.zeros(batch, jnp.int32), rejections=jnp.zeros(batch, jnp.int32),
       accepted_at=jnp.zeros(gamma, jnp.int32))
@@ -101,13 +102,14 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
     else:
       accepted_len, next_token = speculative_verify(verify_key, proposal.tokens, proposal.probs,
                                                     probabilities(out.logits, sampling))
-    sequence, position, done, _ = _commit(s, proposal.tokens, accepted_len, next_token, lengths,
+    sequence, position, done = _commit(s, proposal.tokens, accepted_len, next_token, lengths,
                                           max_new_tokens, stop_ids)
     live = ~s.done
     accepted = jnp.where(live, accepted_len, 0)
     result = RoundResult(sequence=sequence, position=position, accepted=accepted, verify_hidden=out.hidden)
     return SpecState(
-        sequence=sequence, position=position, done=done, cache=sharding.constrain_cache(out.cache, cache_sharding),
+        sequence=sequence, position=position, done=done,
+        cache=sharding.constrain_cache(out.cache, cache_sharding),
         draft_state=drafter.update(draft_params, drafter.options, proposal.state, result), key=key,
         rounds=s.rounds + 1, live_rounds=s.live_rounds + live, accepted=s.accepted + accepted,
         rejections=s.rejections + (live & (accepted_len < gamma)),

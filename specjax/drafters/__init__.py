@@ -12,8 +12,8 @@ into the compiled program as arguments, never baked in as constants):
       positions (what MTP heads draft from).
 
 `draft_tokens` is the autoregressive drafting loop shared by model-based drafters (draft model, layer
-skip): they only supply one forward step. Adding a drafter = adding one file that defines these functions and a `make(model, **options) -> Drafter`
-factory, and one line in `_FACTORIES` below.
+skip): they only supply one forward step. Adding a drafter = adding one file that defines these functions
+and a `make(model, **options) -> Drafter` factory, and one line in `_FACTORIES` below.
 """
 
 from __future__ import annotations
