@@ -198,11 +198,11 @@ def measure_costs(model: specjax.Model, methods: list[Method], context: list[int
   for m in methods:
     if m.drafter is None:
       continue
-    static = m.drafter.static()
-    draft = {"state": _draft_init(m.drafter.params, prompt, drafter=static)}
+    static, draft_params = m.drafter.static(), m.drafter.params_for(model.params)
+    draft = {"state": _draft_init(draft_params, prompt, drafter=static)}
 
     def run(calls):
-      draft["state"], state["cache"], _ = _propose_loop(m.drafter.params, draft["state"], state["cache"], sequence,
+      draft["state"], state["cache"], _ = _propose_loop(draft_params, draft["state"], state["cache"], sequence,
                                                         positions, key, calls, drafter=static, gamma=m.gamma)
       return state["cache"]
     costs["draft_seconds"][m.name] = _seconds_per_iteration(run, repeats)

@@ -4,7 +4,7 @@ r"""Quickstart: autoregressive vs prompt lookup vs layer skip on a few Spec-Benc
 
 Overrides go on the command line, e.g. `--config.max_new_tokens=16 --config.only=autoregressive`;
 tuples are Python literals: `--config.prompts.categories="('qa','rag')"`.
-SmolLM2-135M-Instruct (fp32: XLA:CPU decodes bf16 ~10x slower), greedy, batch 1, one prompt from each of
+SmolLM2-135M-Instruct in float32 (the dtype tested for parity with HF), greedy, batch 1, one prompt from each of
 five categories, chat template on the first turn. Results go to workdirs/quickstart-<time>/ (or --workdir).
 """
 

@@ -1,11 +1,12 @@
-"""specjax: lossless speculative decoding and multi-token prediction in JAX.
+"""specjax: lossless speculative decoding in JAX.
 
 Public API:
   load(name_or_path, dtype) -> Model
   logits(model, token_ids) -> [T, vocab]
   make_drafter(name, model, **options) -> Drafter  ("draft_model", "layer_skip", "prompt_lookup")
   make_mesh(data, model) -> jax.sharding.Mesh  (pass as generate(..., mesh=mesh))
-  generate(model, prompts, *, max_new_tokens, temperature, top_k, top_p, seed, drafter, gamma, mesh) -> Output
+  generate(model, prompts, *, max_new_tokens, temperature, top_k, top_p, seed, drafter, gamma, mesh, max_len,
+           stop_ids) -> Output
 """
 
 from specjax.config import ModelConfig

@@ -81,11 +81,11 @@ def prepare_batch(model: Model, prompts: Sequence[str | Sequence[int]], max_new_
     raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens})"
                      f"{f' + {extra_positions} speculative positions' if extra_positions else ''} = {needed} "
                      f"exceeds the cache capacity of {capacity} positions")
-  width = _bucket(longest)
+  cache_len = min(capacity, _round_up(max(needed, _bucket(longest)), 128))
+  width = min(_bucket(longest), cache_len)  # the pad never outgrows the cache (capacity need not be 2^k)
   tokens = np.zeros((len(rows), width), np.int32)
   for i, r in enumerate(rows):
     tokens[i, :len(r)] = r
-  cache_len = min(capacity, _round_up(max(needed, width), 128))
   return Batch(tokens=tokens, lengths=np.array([len(r) for r in rows], np.int32), cache_len=cache_len)
 
 
@@ -218,12 +218,13 @@ def generate(model: Model, prompts: Sequence[str | Sequence[int]], *, max_new_to
 
 def logits(model: Model, token_ids: Sequence[int]) -> jax.Array:
   """Logits [T, vocab] (float32) of the model over one sequence."""
-  ids = jnp.asarray([list(token_ids)], jnp.int32)
+  token_ids = [int(t) for t in token_ids]
+  ids = jnp.asarray([token_ids], jnp.int32)
   if ids.shape[1] == 0:
     raise ValueError("token_ids is empty")
   if ids.shape[1] > model.config.max_position_embeddings:
     raise ValueError(f"{ids.shape[1]} tokens exceed the context length {model.config.max_position_embeddings}")
-  bad = [int(t) for t in ids[0] if not 0 <= t < model.config.vocab_size]
+  bad = [t for t in token_ids if not 0 <= t < model.config.vocab_size]
   if bad:  # an out-of-range id gathers NaNs (jnp.take's fill mode), which then poison every position
     raise ValueError(f"token_ids has ids outside [0, {model.config.vocab_size}): {bad[:5]}")
   return _logits(model.params, ids, config=model.config)[0]

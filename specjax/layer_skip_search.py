@@ -110,13 +110,12 @@ def alpha_from_stats(stats: dict, gamma: int) -> float:
 
   Under Leviathan's i.i.d. model each round accepts drafts with probability α until the first rejection, so
   every accepted draft is a success and every round that stopped short of γ is one failure:
-  α = accepted / (accepted + rounds with a rejection). This is not `acceptance_rate` (accepted / proposed),
-  which also counts the drafts after a rejection, never examined: at α = 0.5, γ = 4 it is 0.23.
+  α = accepted / (accepted + rounds with a rejection) -- the engine's `alpha`, here from per-row counts so
+  that runs can be pooled. This is not `acceptance_rate` (accepted / proposed), which also counts the drafts
+  after a rejection, never examined: at α = 0.5, γ = 4 it is 0.23.
   """
   accepted = float(np.sum(stats["accepted_per_row"]))
-  live_rounds = float(np.sum(stats["rounds_per_row"]))
-  full_rounds = round(stats["acceptance_per_position"][gamma - 1] * live_rounds)
-  rejections = live_rounds - full_rounds
+  rejections = float(np.sum(stats["rejections_per_row"]))
   return accepted / (accepted + rejections) if accepted + rejections else math.nan
 
 
@@ -269,8 +268,8 @@ def proxy_objective(model, prompts: Sequence[Sequence[int]], *, gamma: int, max_
   """Leviathan-model speedup from the acceptance of one greedy speculative run over all prompts (one batch).
 
   verify_cost: a verification forward (gamma + 1 tokens) over one autoregressive step. 1 is the memory-bound
-  ideal; benchmarks/bench_speculative.py measures it (on XLA:CPU it is ~1.4-1.8: small matmuls with more
-  than one row take a slower kernel than matrix-vector products).
+  ideal; benchmarks/bench_speculative.py measures it (on XLA:CPU 1.34-1.54 for 3-6 tokens: small matmuls
+  with more than one row take a slower kernel than matrix-vector products).
   """
   def evaluate(skip: SkipSet) -> Evaluation:
     drafter = specjax.make_drafter("layer_skip", model, skip_layers=list(skip))
@@ -335,7 +334,9 @@ def merge_stats(stats: list[dict], gamma: int) -> dict:
   from_rounds = sum(sum(s["new_tokens_per_row"]) - len(s["new_tokens_per_row"]) for s in stats)
   per_position = [sum(s["acceptance_per_position"][i] * sum(s["rounds_per_row"]) for s in stats) / max(live, 1)
                   for i in range(gamma)]
-  return {"rounds_per_row": [live], "accepted_per_row": [accepted], "acceptance_per_position": per_position,
+  rejections = sum(sum(s["rejections_per_row"]) for s in stats)
+  return {"rounds_per_row": [live], "accepted_per_row": [accepted], "rejections_per_row": [rejections],
+          "acceptance_per_position": per_position,
           "acceptance_rate": accepted / (live * gamma) if live else math.nan,
           "mean_accepted": from_rounds / live if live else math.nan}
 

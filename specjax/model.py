@@ -76,14 +76,6 @@ class KVCache:
   k: list[jax.Array]
   v: list[jax.Array]
 
-  @property
-  def max_len(self) -> int:
-    return self.k[0].shape[1]
-
-  @property
-  def batch_size(self) -> int:
-    return self.k[0].shape[0]
-
 
 def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=None) -> KVCache:
   dtype = jnp.dtype(dtype or config.dtype)

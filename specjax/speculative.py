@@ -134,29 +134,29 @@ def generate(model, prompts, *, drafter: Drafter, gamma: int, sampling: Sampling
   start = time.perf_counter()
   params, prompt_tokens, lengths, cache_sharding = place_on_mesh(model, batch, mesh)
   tokens, num_generated, stats = _generate_speculative(
-      params, _place_draft_params(drafter, model, params, mesh), prompt_tokens, lengths,
+      params, _place_draft_params(drafter, params, mesh), prompt_tokens, lengths,
       jax.random.PRNGKey(seed), config=model.config, drafter=drafter.static(), gamma=int(gamma),
       sampling=sampling, max_new_tokens=int(max_new_tokens), cache_len=batch.cache_len, stop_ids=stop_ids,
       cache_sharding=cache_sharding)
   tokens, num_generated, stats = distributed.to_host((tokens, num_generated, stats))  # also multi-process arrays
   seconds = time.perf_counter() - start
   rows, texts = decode_outputs(model, tokens, num_generated)
-  return Output(tokens=rows, texts=texts, stats=summarize(stats, num_generated, gamma, seconds))
+  stats = summarize(stats, num_generated, gamma, seconds, forwards_per_step=drafter.forwards_per_step)
+  return Output(tokens=rows, texts=texts, stats=stats)
 
 
-def _place_draft_params(drafter: Drafter, model, target_params, mesh):
-  """Draft parameters on the mesh: shared with the target, sharded by their model config, or replicated."""
-  if mesh is None:
-    return drafter.params
-  if drafter.params is model.params:
-    return target_params
+def _place_draft_params(drafter: Drafter, target_params, mesh):
+  """Draft parameters: the target's own (already placed), sharded by their model config, or replicated."""
+  params = drafter.params_for(target_params)
+  if mesh is None or drafter.uses_target_params:
+    return params
   config = getattr(drafter.options, "config", None)
   if config is not None:
-    return sharding.shard_params(drafter.params, config, mesh)
-  return jax.device_put(drafter.params, sharding.replicated(mesh))
+    return sharding.shard_params(params, config, mesh)
+  return jax.device_put(params, sharding.replicated(mesh))
 
 
-def summarize(stats, num_generated, gamma: int, seconds: float) -> dict:
+def summarize(stats, num_generated, gamma: int, seconds: float, forwards_per_step: int = 1) -> dict:
   """Host-side stats from the arrays the compiled loop returns."""
   rounds = int(stats["rounds"])
   live_rounds = stats["live_rounds"].astype(np.int64)
@@ -170,7 +170,7 @@ def summarize(stats, num_generated, gamma: int, seconds: float) -> dict:
   return {
       "rounds": rounds,
       "target_calls": rounds + 1,
-      "draft_calls": rounds * gamma,
+      "draft_calls": rounds * gamma * forwards_per_step,
       "new_tokens": new_tokens,
       "acceptance_rate": float(accepted.sum() / proposed) if proposed else float("nan"),
       # Leviathan et al.'s alpha, the chance a tested draft is accepted: E[tokens/round] = (1-a^(g+1))/(1-a).

@@ -160,7 +160,7 @@ def test_second_call_does_not_recompile_and_program_has_no_host_callbacks(target
   specjax.generate(target, ragged_prompts(4, seed=1), max_new_tokens=10, drafter=again, gamma=2, stop_ids=[])
   assert speculative._generate_speculative._cache_size() == before
   text = speculative._generate_speculative.lower(
-      target.params, drafter.params, np.zeros((4, 16), np.int32), np.full(4, 5, np.int32),
+      target.params, drafter.params_for(target.params), np.zeros((4, 16), np.int32), np.full(4, 5, np.int32),
       jax.random.PRNGKey(0), config=target.config, drafter=drafter.static(), gamma=2,
       sampling=specjax.SamplingParams(), max_new_tokens=10, cache_len=128, stop_ids=()).as_text()
   assert "stablehlo.while" in text
@@ -210,3 +210,23 @@ def test_greedy_speculative_equals_autoregressive_on_smollm2_batch_of_one(smollm
 def smollm2_ar_outputs(smollm2):
   prompts = spec_bench_prompts(smollm2)
   return prompts, specjax.generate(smollm2, prompts, max_new_tokens=32)
+
+
+def test_prompt_padding_never_outgrows_a_cache_that_is_not_a_power_of_two():
+  """A 260-token prompt pads to the 512 bucket, but the cache holds only 300 positions."""
+  model = tiny_model(0)
+  model = Model(model.config.replace(max_position_embeddings=300), model.params, None, "tiny-300")
+  prompt = list(np.random.RandomState(0).randint(0, 48, size=260))
+  expected = specjax.generate(model, [prompt], max_new_tokens=8, stop_ids=[])
+  out = specjax.generate(model, [prompt], max_new_tokens=8, stop_ids=[], gamma=3,
+                         drafter=specjax.make_drafter("prompt_lookup", model, ngram_sizes=2))
+  assert out.tokens == expected.tokens and len(out.tokens[0]) == 8
+
+
+def test_draft_calls_count_model_forwards_only(target):
+  lookup = specjax.generate(target, ragged_prompts(1), max_new_tokens=10, gamma=3, stop_ids=[],
+                            drafter=specjax.make_drafter("prompt_lookup", target))
+  skip = specjax.generate(target, ragged_prompts(1), max_new_tokens=10, gamma=3, stop_ids=[],
+                          drafter=specjax.make_drafter("layer_skip", target, exit_layer=2))
+  assert lookup.stats["draft_calls"] == 0
+  assert skip.stats["draft_calls"] == 3 * skip.stats["rounds"]

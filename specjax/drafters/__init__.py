@@ -73,9 +73,15 @@ class Drafter:
   update: Callable
   options: Any = ()
   params: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
+  uses_target_params: bool = False  # params are the target's own (layer skip): passed in, never copied
+  forwards_per_step: int = 1  # model forwards per draft token (0 for lookup drafters), for `draft_calls`
 
   def static(self) -> "Drafter":
     return dataclasses.replace(self, params=None)
+
+  def params_for(self, target_params):
+    """The pytree passed to this drafter's functions, given the target's parameters."""
+    return target_params if self.uses_target_params else self.params
 
 
 def keep_state(params, options, state, result):

@@ -20,18 +20,17 @@ from specjax.sampling import SamplingParams
 @dataclasses.dataclass(frozen=True)
 class Options:
   config: ModelConfig
-  layers: tuple[int, ...] | None = None  # None: all the draft model's layers
 
 
 def init(params, options: Options, prompt: PromptInfo):
   cache = init_cache(options.config, prompt.tokens.shape[0], prompt.cache_len)
   return forward(params, prompt.tokens, cache, jnp.zeros_like(prompt.lengths), options.config,
-                 layers=options.layers, compute_logits=False).cache
+                 compute_logits=False).cache
 
 
 def propose(params, options: Options, cache, inputs: DraftInputs, gamma: int, sampling: SamplingParams):
   def step(cache, tokens, positions):
-    out = forward(params, tokens, cache, positions, options.config, layers=options.layers)
+    out = forward(params, tokens, cache, positions, options.config)
     return out.logits[:, -1], out.cache
 
   tokens, probs, cache = draft_tokens(step, cache, inputs, gamma, sampling)

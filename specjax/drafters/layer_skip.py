@@ -54,4 +54,4 @@ def draft_layers(num_layers: int, exit_layer: int | None = None, skip_layers=Non
 def make(model, exit_layer: int | None = None, skip_layers=None) -> Drafter:
   layers = draft_layers(model.config.num_layers, exit_layer, skip_layers)
   return Drafter(name="layer_skip", init=init, propose=propose, update=keep_state,
-                 options=Options(config=model.config, layers=layers), params=model.params)
+                 options=Options(config=model.config, layers=layers), uses_target_params=True)

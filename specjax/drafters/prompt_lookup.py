@@ -55,8 +55,11 @@ def propose(params, options: Options, state, inputs: DraftInputs, gamma: int, sa
 
 
 def make(model, ngram_sizes=(3, 2, 1)) -> Drafter:
+  if isinstance(ngram_sizes, int):
+    ngram_sizes = (ngram_sizes,)
   sizes = tuple(sorted({int(n) for n in ngram_sizes}, reverse=True))
   if not sizes or sizes[-1] < 1:
     raise ValueError(f"ngram_sizes must be positive integers, got {ngram_sizes}")
   return Drafter(name="prompt_lookup", init=init, propose=propose, update=keep_state,
-                 options=Options(ngram_sizes=sizes, vocab_size=model.config.vocab_size), params=())
+                 options=Options(ngram_sizes=sizes, vocab_size=model.config.vocab_size), params=(),
+                 forwards_per_step=0)
