@@ -50,7 +50,7 @@ from absl import app, flags
 from tqdm import tqdm
 
 import specjax
-from experiments import spec_bench
+from experiments import compilations, spec_bench
 from specjax import layer_skip_search as lss
 from specjax.drafters import DraftInputs, PromptInfo
 from specjax.generate import prepare_batch
@@ -79,17 +79,6 @@ _COMPILATION_CACHE = flags.DEFINE_string("compilation_cache", "", "JAX persisten
 _FLAG_HOLDERS = (_MODEL, _PER_CATEGORY, _CATEGORIES, _MAX_NEW_TOKENS, _QUICK, _REPEATS, _GAMMA, _PL_GAMMAS,
                  _EXIT_LAYERS, _LAYER_SKIP_GAMMA, _SKIP_SET, _METHODS, _COSTS_FROM, _COST_REPEATS, _OUT,
                  _COMPILATION_CACHE)
-
-_compilations = [0]
-
-
-def _count_compilation(event: str, duration: float, **kwargs) -> None:
-  # Tracing too: with a persistent compilation cache a new shape is traced and loaded, not compiled.
-  if event in ("/jax/core/compile/backend_compile_duration", "/jax/core/compile/jaxpr_trace_duration"):
-    _compilations[0] += 1
-
-
-jax.monitoring.register_event_duration_secs_listener(_count_compilation)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,11 +203,11 @@ def measure_costs(model: specjax.Model, methods: list[Method], context: list[int
 def decode(model, methods: list[Method], questions, prompts, max_new_tokens: int) -> tuple[list, dict, float]:
   """Every prompt through every method in turn; returns (records, compile seconds per method, wall seconds)."""
   def call(method, ids):
-    before = _compilations[0]
+    before = compilations.count()
     start = time.perf_counter()
     out = specjax.generate(model, [ids], max_new_tokens=max_new_tokens, drafter=method.drafter,
                            gamma=method.gamma)
-    return out, time.perf_counter() - start, _compilations[0] - before
+    return out, time.perf_counter() - start, compilations.count() - before
 
   compile_seconds = {m.name: 0.0 for m in methods}
   records = []

@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 import specjax
 from specjax import distributed, sharding
-from experiments import report, spec_bench
+from experiments import compilations, report, spec_bench
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config: configs/<name>.py[:arg].",
                                           lock_config=True)
@@ -43,17 +43,6 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (default: workdir
 distributed.define_flags()  # --coordinator_address, --num_processes, --process_id (multi-process runs)
 
 METHOD_KEYS = {"name", "drafter", "options", "gamma"}
-
-# Counts XLA compilations, so a timed call that compiled can be detected and rerun.
-_compilations = [0]
-
-
-def _count_compilation(event: str, duration: float, **kwargs) -> None:
-  if event == "/jax/core/compile/backend_compile_duration":
-    _compilations[0] += 1
-
-
-jax.monitoring.register_event_duration_secs_listener(_count_compilation)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,12 +134,12 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model: specjax.Model
 
   def call(method: Method, batch: PromptBatch) -> tuple[specjax.Output, float, int]:
     """One generate call: (output, wall seconds, compilations it triggered)."""
-    compiled_before = _compilations[0]
+    compiled_before = compilations.count()
     start = time.perf_counter()
     out = specjax.generate(model, list(batch.prompts), max_new_tokens=config.max_new_tokens,
                            temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
                            seed=config.seed, drafter=method.drafter, gamma=method.gamma, mesh=mesh)
-    return out, time.perf_counter() - start, _compilations[0] - compiled_before
+    return out, time.perf_counter() - start, compilations.count() - compiled_before
 
   compile_seconds: dict[str, float | None] = {m.name: None for m in methods}
   if config.warmup:
@@ -164,9 +153,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model: specjax.Model
     reference = None  # the baseline's tokens for this batch
     for repeat in range(config.repeats):
       for method in methods:
-        out, seconds, compilations = call(method, batch)
+        out, seconds, new_programs = call(method, batch)
         compile_call_seconds = None
-        if compilations:  # this call compiled a new shape: time a second, compiled call instead
+        if new_programs:  # this call compiled a new shape: time a second, compiled call instead
           compile_call_seconds = seconds
           out, seconds, _ = call(method, batch)
         if reference is None:
