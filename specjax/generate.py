@@ -70,9 +70,7 @@ def prepare_batch(model: Model, prompts: Sequence[str | Sequence[int]], max_new_
       ids = [int(t) for t in p]
     if not ids:
       raise ValueError(f"prompt {i} is empty: give at least one token")
-    bad = [t for t in ids if not 0 <= t < model.config.vocab_size]
-    if bad:
-      raise ValueError(f"prompt {i} has token ids outside [0, {model.config.vocab_size}): {bad[:5]}")
+    _check_ids(ids, model.config.vocab_size, f"prompt {i}")
     rows.append(ids)
   capacity = max_len or model.config.max_position_embeddings
   longest = max(len(r) for r in rows)
@@ -87,6 +85,13 @@ def prepare_batch(model: Model, prompts: Sequence[str | Sequence[int]], max_new_
   for i, r in enumerate(rows):
     tokens[i, :len(r)] = r
   return Batch(tokens=tokens, lengths=np.array([len(r) for r in rows], np.int32), cache_len=cache_len)
+
+
+def _check_ids(ids: Sequence[int], vocab_size: int, what: str) -> None:
+  # An out-of-range id gathers NaNs (jnp.take's fill mode), which then poison every position.
+  bad = [t for t in ids if not 0 <= t < vocab_size]
+  if bad:
+    raise ValueError(f"{what} has token ids outside [0, {vocab_size}): {bad[:5]}")
 
 
 def place_on_mesh(model: Model, batch: Batch, mesh):
@@ -219,15 +224,12 @@ def generate(model: Model, prompts: Sequence[str | Sequence[int]], *, max_new_to
 def logits(model: Model, token_ids: Sequence[int]) -> jax.Array:
   """Logits [T, vocab] (float32) of the model over one sequence."""
   token_ids = [int(t) for t in token_ids]
-  ids = jnp.asarray([token_ids], jnp.int32)
-  if ids.shape[1] == 0:
+  if not token_ids:
     raise ValueError("token_ids is empty")
-  if ids.shape[1] > model.config.max_position_embeddings:
-    raise ValueError(f"{ids.shape[1]} tokens exceed the context length {model.config.max_position_embeddings}")
-  bad = [t for t in token_ids if not 0 <= t < model.config.vocab_size]
-  if bad:  # an out-of-range id gathers NaNs (jnp.take's fill mode), which then poison every position
-    raise ValueError(f"token_ids has ids outside [0, {model.config.vocab_size}): {bad[:5]}")
-  return _logits(model.params, ids, config=model.config)[0]
+  if len(token_ids) > model.config.max_position_embeddings:
+    raise ValueError(f"{len(token_ids)} tokens exceed the context length {model.config.max_position_embeddings}")
+  _check_ids(token_ids, model.config.vocab_size, "token_ids")
+  return _logits(model.params, jnp.asarray([token_ids], jnp.int32), config=model.config)[0]
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
