@@ -124,22 +124,22 @@ def _target_loop(params, cache, tokens, position, calls, *, config):
   return jax.lax.fori_loop(0, calls, body, (tokens, cache))
 
 
-@functools.partial(jax.jit, static_argnames=("drafter", "gamma"), donate_argnums=(1, 2))
-def _propose_loop(params, state, target_cache, sequence, position, key, calls, *, drafter, gamma):
+@functools.partial(jax.jit, static_argnames=("drafter", "gamma"), donate_argnums=(2, 3))
+def _propose_loop(target_params, params, state, target_cache, sequence, position, key, calls, *, drafter, gamma):
   rows = jnp.arange(sequence.shape[0])
 
   def body(i, carry):
     state, cache, sequence = carry
     inputs = DraftInputs(sequence=sequence, position=position, target_cache=cache, key=key)
-    proposal = drafter.propose(params, drafter.options, state, inputs, gamma, SamplingParams())
+    proposal = drafter.propose(target_params, params, drafter.options, state, inputs, gamma, SamplingParams())
     # Feeding a proposed token back as the pending one keeps the loop from hoisting a constant proposal.
     return proposal.state, proposal.target_cache, sequence.at[rows, position].set(proposal.tokens[:, -1])
   return jax.lax.fori_loop(0, calls, body, (state, target_cache, sequence))
 
 
 @functools.partial(jax.jit, static_argnames=("drafter",))
-def _draft_init(params, prompt, *, drafter):
-  return drafter.init(params, drafter.options, prompt)
+def _draft_init(target_params, params, prompt, *, drafter):
+  return drafter.init(target_params, params, drafter.options, prompt)
 
 
 def _seconds_per_iteration(run, repeats: int, short: int = 2, long: int = 10) -> float:
@@ -183,16 +183,19 @@ def measure_costs(model: specjax.Model, methods: list[Method], context: list[int
     costs["target_seconds"][g + 1] = target(g + 1)
   costs["draft_seconds"] = {}
   prompt = PromptInfo(tokens=jnp.asarray([context]), lengths=jnp.asarray([position], jnp.int32),
-                      last_hidden=jnp.zeros((1, config.hidden_size), jnp.dtype(config.dtype)), cache_len=cache_len)
+                      first_token=jnp.asarray([context[-1]], jnp.int32),
+                      last_hidden=jnp.zeros((1, config.hidden_size), jnp.dtype(config.dtype)), features=None,
+                      cache_len=cache_len)
   for m in methods:
     if m.drafter is None:
       continue
-    static, draft_params = m.drafter.static(), m.drafter.params_for(model.params)
-    draft = {"state": _draft_init(draft_params, prompt, drafter=static)}
+    static, draft_params = m.drafter.static(), m.drafter.params
+    draft = {"state": _draft_init(params, draft_params, prompt, drafter=static)}
 
     def run(calls):
-      draft["state"], state["cache"], _ = _propose_loop(draft_params, draft["state"], state["cache"], sequence,
-                                                        positions, key, calls, drafter=static, gamma=m.gamma)
+      draft["state"], state["cache"], _ = _propose_loop(params, draft_params, draft["state"], state["cache"],
+                                                        sequence, positions, key, calls, drafter=static,
+                                                        gamma=m.gamma)
       return state["cache"]
     costs["draft_seconds"][m.name] = _seconds_per_iteration(run, repeats)
   return costs

@@ -103,15 +103,25 @@ def logical_to_spec(axes: Sequence[str], shape: Sequence[int], mesh: Mesh,
   return PartitionSpec(*spec)
 
 
+def spec_shardings(specs: Any, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES) -> Any:
+  """A pytree of NamedSharding for a pytree of `ParamSpec` (any parameter declaration: a model's, a drafter's)."""
+  return jax.tree.map(lambda s: NamedSharding(mesh, logical_to_spec(s.axes, s.shape, mesh, rules)), specs,
+                      is_leaf=is_spec)
+
+
+def shard_tree(params: Any, specs: Any, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES) -> Any:
+  """Places a parameter pytree on the mesh by its declaration `specs` (same structure, `ParamSpec` leaves)."""
+  return jax.device_put(params, spec_shardings(specs, mesh, rules))
+
+
 def param_shardings(config: ModelConfig, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES) -> Params:
   """A pytree of NamedSharding with the structure of the model's parameters."""
-  return jax.tree.map(lambda s: NamedSharding(mesh, logical_to_spec(s.axes, s.shape, mesh, rules)),
-                      param_shapes(config), is_leaf=is_spec)
+  return spec_shardings(param_shapes(config), mesh, rules)
 
 
 def shard_params(params: Params, config: ModelConfig, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES) -> Params:
   """Places parameters on the mesh (a no-op for arrays that already have their target sharding)."""
-  return jax.device_put(params, param_shardings(config, mesh, rules))
+  return shard_tree(params, param_shapes(config), mesh, rules)
 
 
 def shard_model(model, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES):

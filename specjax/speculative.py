@@ -73,16 +73,18 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
   batch, width = prompt_tokens.shape
   rows = jnp.arange(batch)
   cache = sharding.constrain_cache(init_cache(config, batch, cache_len), cache_sharding)
-  logits, last_hidden, out = prefill(params, config, prompt_tokens, lengths, cache)
+  with_layers = bool(drafter.feature_layers)
+  logits, last_hidden, out = prefill(params, config, prompt_tokens, lengths, cache, return_layer_hidden=with_layers)
   key, first_key = jax.random.split(key)
   first = sample(first_key, logits, sampling)
   sequence = jnp.zeros((batch, cache_len), jnp.int32).at[:, :width].set(prompt_tokens)
   sequence = sequence.at[rows, lengths].set(first)
-  prompt = PromptInfo(tokens=prompt_tokens, lengths=lengths, last_hidden=last_hidden, cache_len=cache_len)
+  prompt = PromptInfo(tokens=prompt_tokens, lengths=lengths, first_token=first, last_hidden=last_hidden,
+                      features=_features(out, drafter.feature_layers), cache_len=cache_len)
   state = SpecState(
       sequence=sequence, position=lengths, done=is_stop(first, stop_ids) | (max_new_tokens == 1),
       cache=sharding.constrain_cache(out.cache, cache_sharding),
-      draft_state=drafter.init(draft_params, drafter.options, prompt), key=key,
+      draft_state=drafter.init(params, draft_params, drafter.options, prompt), key=key,
       rounds=jnp.zeros((), jnp.int32), live_rounds=jnp.zeros(batch, jnp.int32),
       accepted=jnp.zeros(batch, jnp.int32), rejections=jnp.zeros(batch, jnp.int32),
       accepted_at=jnp.zeros(gamma, jnp.int32))
@@ -93,10 +95,10 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
   def body(s: SpecState):
     key, draft_key, verify_key = jax.random.split(s.key, 3)
     inputs = DraftInputs(sequence=s.sequence, position=s.position, target_cache=s.cache, key=draft_key)
-    proposal = drafter.propose(draft_params, drafter.options, s.draft_state, inputs, gamma, sampling)
+    proposal = drafter.propose(params, draft_params, drafter.options, s.draft_state, inputs, gamma, sampling)
     pending = s.sequence[rows, s.position]
     verify_tokens = jnp.concatenate([pending[:, None], proposal.tokens], axis=1)
-    out = forward(params, verify_tokens, proposal.target_cache, s.position, config)
+    out = forward(params, verify_tokens, proposal.target_cache, s.position, config, return_layer_hidden=with_layers)
     if sampling.greedy:
       accepted_len, next_token = greedy_verify(proposal.tokens, out.logits)
     else:
@@ -106,11 +108,12 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
                                           max_new_tokens, stop_ids)
     live = ~s.done
     accepted = jnp.where(live, accepted_len, 0)
-    result = RoundResult(sequence=sequence, position=position, accepted=accepted, verify_hidden=out.hidden)
+    result = RoundResult(sequence=sequence, position=position, accepted=accepted, verify_hidden=out.hidden,
+                         features=_features(out, drafter.feature_layers))
     return SpecState(
         sequence=sequence, position=position, done=done,
         cache=sharding.constrain_cache(out.cache, cache_sharding),
-        draft_state=drafter.update(draft_params, drafter.options, proposal.state, result), key=key,
+        draft_state=drafter.update(params, draft_params, drafter.options, proposal.state, result), key=key,
         rounds=s.rounds + 1, live_rounds=s.live_rounds + live, accepted=s.accepted + accepted,
         rejections=s.rejections + (live & (accepted_len < gamma)),
         accepted_at=s.accepted_at + jnp.sum(jnp.arange(gamma)[None, :] < accepted[:, None], axis=0))
@@ -123,6 +126,11 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
   return tokens, num_generated, stats
 
 
+def _features(out, layers: tuple[int, ...]):
+  """[B, T, F, D]: the residual stream after each of `layers` (None when the drafter reads none)."""
+  return jnp.stack([out.layer_hidden[i] for i in layers], axis=2) if layers else None
+
+
 def generate(model, prompts, *, drafter: Drafter, gamma: int, sampling: SamplingParams, max_new_tokens: int,
              seed: int, mesh, max_len, stop_ids) -> Output:
   """Speculative counterpart of `specjax.generate` (which validates arguments and calls this)."""
@@ -130,11 +138,14 @@ def generate(model, prompts, *, drafter: Drafter, gamma: int, sampling: Sampling
     raise TypeError(f"drafter must come from specjax.make_drafter, got {type(drafter).__name__}")
   if not isinstance(gamma, (int, np.integer)) or gamma < 1:
     raise ValueError(f"gamma must be a positive integer, got {gamma!r}")
+  if drafter.max_gamma is not None and gamma > drafter.max_gamma:
+    raise ValueError(f"drafter {drafter.name!r} proposes at most {drafter.max_gamma} tokens a round, got "
+                     f"gamma={gamma}")
   batch = prepare_batch(model, prompts, max_new_tokens, extra_positions=gamma + 1, max_len=max_len)
   start = time.perf_counter()
   params, prompt_tokens, lengths, cache_sharding = place_on_mesh(model, batch, mesh)
   tokens, num_generated, stats = _generate_speculative(
-      params, _place_draft_params(drafter, params, mesh), prompt_tokens, lengths,
+      params, _place_draft_params(drafter, mesh), prompt_tokens, lengths,
       jax.random.PRNGKey(seed), config=model.config, drafter=drafter.static(), gamma=int(gamma),
       sampling=sampling, max_new_tokens=int(max_new_tokens), cache_len=batch.cache_len, stop_ids=stop_ids,
       cache_sharding=cache_sharding)
@@ -145,15 +156,11 @@ def generate(model, prompts, *, drafter: Drafter, gamma: int, sampling: Sampling
   return Output(tokens=rows, texts=texts, stats=stats)
 
 
-def _place_draft_params(drafter: Drafter, target_params, mesh):
-  """Draft parameters: the target's own (already placed), sharded by their model config, or replicated."""
-  params = drafter.params_for(target_params)
-  if mesh is None or drafter.uses_target_params:
-    return params
-  config = getattr(drafter.options, "config", None)
-  if config is not None:
-    return sharding.shard_params(params, config, mesh)
-  return jax.device_put(params, sharding.replicated(mesh))
+def _place_draft_params(drafter: Drafter, mesh):
+  """The drafter's own parameters, placed on the mesh by their declared logical axes."""
+  if mesh is None or not jax.tree.leaves(drafter.params):
+    return drafter.params
+  return sharding.shard_tree(drafter.params, drafter.param_specs, mesh)
 
 
 def summarize(stats, num_generated, gamma: int, seconds: float, forwards_per_step: int = 1) -> dict:

@@ -160,7 +160,7 @@ def test_second_call_does_not_recompile_and_program_has_no_host_callbacks(target
   specjax.generate(target, ragged_prompts(4, seed=1), max_new_tokens=10, drafter=again, gamma=2, stop_ids=[])
   assert speculative._generate_speculative._cache_size() == before
   text = speculative._generate_speculative.lower(
-      target.params, drafter.params_for(target.params), np.zeros((4, 16), np.int32), np.full(4, 5, np.int32),
+      target.params, drafter.params, np.zeros((4, 16), np.int32), np.full(4, 5, np.int32),
       jax.random.PRNGKey(0), config=target.config, drafter=drafter.static(), gamma=2,
       sampling=specjax.SamplingParams(), max_new_tokens=10, cache_len=128, stop_ids=()).as_text()
   assert "stablehlo.while" in text

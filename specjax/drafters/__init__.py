@@ -1,15 +1,21 @@
 """Drafters: a few pure functions over the drafter's own state pytree.
 
-A drafter is a `Drafter`: three functions, hashable static `options`, and a `params` pytree (arrays passed
-into the compiled program as arguments, never baked in as constants):
+A drafter is a `Drafter`: three functions, hashable static `options`, its own `params` pytree (arrays
+passed into the compiled program as arguments, never baked in as constants) and their declaration
+`param_specs` (shape and logical axes of every array, like `specjax.model.param_shapes` for the target).
+Every function receives the target's parameters and the drafter's own, so a drafter may read both (layer
+skip runs the target's layers and owns nothing; an MTP head owns its head and reads the target's LM head):
 
-  init(params, options, prompt: PromptInfo) -> state
+  init(target_params, params, options, prompt: PromptInfo) -> state
       after the target's prefill (e.g. a draft model prefills its own cache).
-  propose(params, options, state, inputs: DraftInputs, gamma, sampling) -> Proposal
+  propose(target_params, params, options, state, inputs: DraftInputs, gamma, sampling) -> Proposal
       gamma draft tokens and, when sampling, their processed draft distributions q.
-  update(params, options, state, result: RoundResult) -> state
+  update(target_params, params, options, state, result: RoundResult) -> state
       after verification, given each row's accepted length and the target's hidden states at the verified
       positions (what MTP heads draft from).
+
+A trainable drafter also has `loss(target_params, params, options, batch) -> (loss, metrics)` over a batch
+of cached target features (`specjax.features`); `specjax.train` trains `params` with the target frozen.
 
 `draft_tokens` is the autoregressive drafting loop shared by model-based drafters (draft model, layer
 skip): they only supply one forward step. Adding a drafter = adding one file that defines these functions
@@ -35,7 +41,9 @@ class PromptInfo:
   """What a drafter may read after the target's prefill."""
   tokens: jax.Array  # [B, T] prompts, right-padded
   lengths: jax.Array  # [B]
+  first_token: jax.Array  # [B] the token the prefill produced (the first pending token, at position lengths)
   last_hidden: jax.Array  # [B, D] target hidden state (before the final norm) at each prompt's last position
+  features: jax.Array | None  # [B, T, F, D] residual stream after each of `Drafter.feature_layers` (or None)
   cache_len: int = struct.field(pytree_node=False)
 
 
@@ -62,6 +70,7 @@ class RoundResult:
   position: jax.Array  # [B] new pending position
   accepted: jax.Array  # [B] draft tokens accepted this round (0 for finished rows)
   verify_hidden: jax.Array  # [B, gamma+1, D] target hidden states over [pending, x_1..x_gamma]
+  features: jax.Array | None  # [B, gamma+1, F, D] after each of `Drafter.feature_layers` (or None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,21 +81,43 @@ class Drafter:
   propose: Callable
   update: Callable
   options: Any = ()
-  params: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
-  uses_target_params: bool = False  # params are the target's own (layer skip): passed in, never copied
+  params: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)  # the drafter's own
+  param_specs: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)  # ParamSpec tree
+  loss: Callable | None = None  # loss(target_params, params, options, batch) -> (loss, metrics); None: untrainable
   forwards_per_step: int = 1  # model forwards per draft token (0 for lookup drafters), for `draft_calls`
+  feature_layers: tuple[int, ...] = ()  # target layers whose outputs the drafter reads (PromptInfo/RoundResult)
+  max_gamma: int | None = None  # most draft tokens one round can propose (None: unbounded)
 
   def static(self) -> "Drafter":
-    return dataclasses.replace(self, params=None)
-
-  def params_for(self, target_params):
-    """The pytree passed to this drafter's functions, given the target's parameters."""
-    return target_params if self.uses_target_params else self.params
+    return dataclasses.replace(self, params=None, param_specs=None)
 
 
-def keep_state(params, options, state, result):
+def keep_state(target_params, params, options, state, result):
   """`update` for drafters that carry no state across rounds."""
   return state
+
+
+def no_state(target_params, params, options, prompt):
+  """`init` for drafters that carry no state."""
+  return ()
+
+
+def choose_tokens(logits: jax.Array, key: jax.Array, sampling: SamplingParams, token_map: jax.Array | None = None,
+                  vocab_size: int | None = None):
+  """Draft tokens [...] and q [..., V] (None when greedy) from draft logits [..., V'].
+
+  With a truncated draft vocabulary (`token_map` [V']: draft index -> token id), q is zero outside it, so
+  verification over the full vocabulary stays lossless.
+  """
+  if token_map is not None and sampling.greedy:
+    return token_map[jnp.argmax(logits, axis=-1)], None
+  if token_map is not None:
+    full = jnp.full(logits.shape[:-1] + (vocab_size,), -jnp.inf, logits.dtype)
+    logits = full.at[..., token_map].set(logits)
+  if sampling.greedy:
+    return sample(key, logits, sampling), None
+  q = probabilities(logits, sampling)
+  return sample_from_probs(key, q), q
 
 
 def draft_tokens(step, cache, inputs: DraftInputs, gamma: int, sampling: SamplingParams):
@@ -100,10 +131,7 @@ def draft_tokens(step, cache, inputs: DraftInputs, gamma: int, sampling: Samplin
   keys = jax.random.split(inputs.key, gamma)
 
   def choose(logits, key):
-    if sampling.greedy:
-      return sample(key, logits, sampling), None
-    q = probabilities(logits, sampling)
-    return sample_from_probs(key, q), q
+    return choose_tokens(logits, key, sampling)
 
   logits, cache = step(cache, first_tokens, inputs.position - 1)
   token, q = choose(logits, keys[0])

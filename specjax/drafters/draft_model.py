@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from specjax.config import ModelConfig
 from specjax.drafters import Drafter, DraftInputs, PromptInfo, Proposal, draft_tokens, keep_state
-from specjax.model import forward, init_cache
+from specjax.model import forward, init_cache, param_shapes
 from specjax.sampling import SamplingParams
 
 
@@ -22,13 +22,14 @@ class Options:
   config: ModelConfig
 
 
-def init(params, options: Options, prompt: PromptInfo):
+def init(target_params, params, options: Options, prompt: PromptInfo):
   cache = init_cache(options.config, prompt.tokens.shape[0], prompt.cache_len)
   return forward(params, prompt.tokens, cache, jnp.zeros_like(prompt.lengths), options.config,
                  compute_logits=False).cache
 
 
-def propose(params, options: Options, cache, inputs: DraftInputs, gamma: int, sampling: SamplingParams):
+def propose(target_params, params, options: Options, cache, inputs: DraftInputs, gamma: int,
+            sampling: SamplingParams):
   def step(cache, tokens, positions):
     out = forward(params, tokens, cache, positions, options.config)
     return out.logits[:, -1], out.cache
@@ -52,4 +53,5 @@ def make(model, draft=None) -> Drafter:
     raise ValueError(f"draft model {draft.name!r} has a different tokenizer from the target {model.name!r}; "
                      "speculative decoding needs identical vocabularies")
   return Drafter(name="draft_model", init=init, propose=propose, update=keep_state,
-                 options=Options(config=draft.config), params=draft.params)
+                 options=Options(config=draft.config), params=draft.params,
+                 param_specs=param_shapes(draft.config))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from specjax.config import ModelConfig
-from specjax.drafters import Drafter, DraftInputs, PromptInfo, Proposal, draft_tokens, keep_state
+from specjax.drafters import Drafter, DraftInputs, Proposal, draft_tokens, keep_state, no_state
 from specjax.model import forward
 from specjax.sampling import SamplingParams
 
@@ -23,14 +23,11 @@ class Options:
   layers: tuple[int, ...]
 
 
-def init(params, options: Options, prompt: PromptInfo):
-  return ()
-
-
-def propose(params, options: Options, state, inputs: DraftInputs, gamma: int, sampling: SamplingParams):
+def propose(target_params, params, options: Options, state, inputs: DraftInputs, gamma: int,
+            sampling: SamplingParams):
   def step(cache, tokens, positions):
     # Only the pending token (the last one) is new to the shared cache; the one before it is committed.
-    out = forward(params, tokens[:, -1:], cache, positions + tokens.shape[1] - 1, options.config,
+    out = forward(target_params, tokens[:, -1:], cache, positions + tokens.shape[1] - 1, options.config,
                   layers=options.layers)
     return out.logits[:, -1], out.cache
 
@@ -53,5 +50,5 @@ def draft_layers(num_layers: int, exit_layer: int | None = None, skip_layers=Non
 
 def make(model, exit_layer: int | None = None, skip_layers=None) -> Drafter:
   layers = draft_layers(model.config.num_layers, exit_layer, skip_layers)
-  return Drafter(name="layer_skip", init=init, propose=propose, update=keep_state,
-                 options=Options(config=model.config, layers=layers), uses_target_params=True)
+  return Drafter(name="layer_skip", init=no_state, propose=propose, update=keep_state,
+                 options=Options(config=model.config, layers=layers), params={}, param_specs={})

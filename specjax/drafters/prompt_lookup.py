@@ -13,7 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specjax.drafters import Drafter, DraftInputs, PromptInfo, Proposal, keep_state
+from specjax.drafters import Drafter, DraftInputs, Proposal, keep_state, no_state
 from specjax.sampling import SamplingParams
 
 
@@ -21,10 +21,6 @@ from specjax.sampling import SamplingParams
 class Options:
   ngram_sizes: tuple[int, ...]
   vocab_size: int
-
-
-def init(params, options: Options, prompt: PromptInfo):
-  return ()
 
 
 def _latest_match(sequence, position, n: int):
@@ -40,7 +36,8 @@ def _latest_match(sequence, position, n: int):
   return jnp.max(jnp.where(match, starts[None, :], -1), axis=1)
 
 
-def propose(params, options: Options, state, inputs: DraftInputs, gamma: int, sampling: SamplingParams):
+def propose(target_params, params, options: Options, state, inputs: DraftInputs, gamma: int,
+            sampling: SamplingParams):
   seq, pos = inputs.sequence, inputs.position
   rows = jnp.arange(seq.shape[0])
   start, found = jnp.zeros_like(pos), jnp.zeros(pos.shape, bool)
@@ -60,6 +57,6 @@ def make(model, ngram_sizes=(3, 2, 1)) -> Drafter:
   sizes = tuple(sorted({int(n) for n in ngram_sizes}, reverse=True))
   if not sizes or sizes[-1] < 1:
     raise ValueError(f"ngram_sizes must be positive integers, got {ngram_sizes}")
-  return Drafter(name="prompt_lookup", init=init, propose=propose, update=keep_state,
-                 options=Options(ngram_sizes=sizes, vocab_size=model.config.vocab_size), params=(),
+  return Drafter(name="prompt_lookup", init=no_state, propose=propose, update=keep_state,
+                 options=Options(ngram_sizes=sizes, vocab_size=model.config.vocab_size), params={}, param_specs={},
                  forwards_per_step=0)
