@@ -69,6 +69,7 @@ class ShardingRules:
   head_dim: MeshAxes = None
   mlp: MeshAxes = "model"
   norm: MeshAxes = None
+  stack: MeshAxes = None  # a leading axis stacking per-depth copies of a drafter's parameters
 
   def mesh_axes(self, logical: str) -> tuple[str, ...]:
     axes = getattr(self, logical)

@@ -262,13 +262,15 @@ def restore_or_init(manager: ocp.CheckpointManager, state: TrainState) -> TrainS
 
 def train(state: TrainState, frozen: Params, train_step: Callable, batch_fn: Callable[[int], Any], *,
           num_steps: int, checkpoint_dir: str | None = None, save_interval_steps: int = 100,
-          max_to_keep: int | None = 3, log_every: int = 10,
-          progress: bool = True) -> tuple[TrainState, dict[str, np.ndarray]]:
+          max_to_keep: int | None = 3, log_every: int = 10, progress: bool = True,
+          on_step: Callable[[int, TrainState, dict], None] | None = None
+          ) -> tuple[TrainState, dict[str, np.ndarray]]:
   """Runs train_step until state.step == num_steps, resuming from `checkpoint_dir`'s latest step.
 
   batch_fn(step) gives the batch of a step (a pure function of the step, so a resumed run sees the same
   data). The final step is always saved. Returns the final state and each metric over the steps run
-  in this call ({"step": [...], "loss": [...], ...}).
+  in this call ({"step": [...], "loss": [...], ...}). `on_step(step, state, metrics)` runs after every step
+  (steps counted from 1, metrics as device arrays): for evaluation and logging, before the step's checkpoint.
   """
   manager = checkpoint_manager(checkpoint_dir, save_interval_steps=save_interval_steps,
                                max_to_keep=max_to_keep) if checkpoint_dir else None
@@ -281,6 +283,8 @@ def train(state: TrainState, frozen: Params, train_step: Callable, batch_fn: Cal
     for step in bar:
       state, metrics = train_step(state, frozen, batch_fn(step))
       history.append(metrics)
+      if on_step is not None:
+        on_step(step + 1, state, metrics)
       if manager is not None:
         saved = manager.save(step + 1, args=ocp.args.StandardSave(state))
         if step + 1 == num_steps and not saved:

@@ -151,6 +151,8 @@ def draft_tokens(step, cache, inputs: DraftInputs, gamma: int, sampling: Samplin
 _FACTORIES = {
     "draft_model": "specjax.drafters.draft_model",
     "layer_skip": "specjax.drafters.layer_skip",
+    "mtp_parallel": "specjax.drafters.mtp_parallel",
+    "mtp_sequential": "specjax.drafters.mtp_sequential",
     "prompt_lookup": "specjax.drafters.prompt_lookup",
 }
 
