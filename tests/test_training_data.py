@@ -1,4 +1,4 @@
-"""Drafter training data: reading the truncated ShareGPT file and the split."""
+"""Drafter training data: reading the truncated ShareGPT file, the split, sequences and their loss masks."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ import importlib.metadata
 import json
 import os
 
+import numpy as np
 import pytest
 
-from specjax import sharegpt
+from specjax import sequences, sharegpt
 
 
 def _conversation(i: int, *turns: tuple[str, str]) -> dict:
@@ -95,3 +96,61 @@ def test_split_is_deterministic_and_stable_when_conversations_are_added():
   _, held_parts = sharegpt.split(parts, 0.3, seed=3)
   assert all(sum(c["id"].startswith(f"id{i}_") for c in held_parts) in (0, 3) for i in range(200))
   assert sharegpt.split(conversations, 0.1, seed=4) != (train, held_out)
+
+
+def test_loss_mask_marks_exactly_the_positions_followed_by_an_answer_token():
+  prompt, answer = [5, 6, 7, 8], [20, 21, 22]
+  seq = sequences.sequence_from_ids(prompt, answer, seq_len=16)
+  assert seq.tokens.tolist() == prompt + answer and seq.tokens.dtype == np.int32
+  # position t predicts t + 1: positions 3 (-> 20), 4 (-> 21), 5 (-> 22); the last token predicts nothing.
+  assert seq.loss_mask.tolist() == [False, False, False, True, True, True, False]
+  cut = sequences.sequence_from_ids(prompt, answer, seq_len=6)
+  assert cut.tokens.tolist() == [5, 6, 7, 8, 20, 21] and cut.loss_mask.tolist() == [False] * 3 + [True] * 2 + [False]
+
+
+def test_sequences_render_the_chat_template_and_mask_the_answer_with_its_end_of_turn(smollm2):
+  tokenizer = smollm2.tokenizer
+  end_of_turn = tokenizer.token_to_id("<|im_end|>")
+  answer = "JAX is a library for array computing with automatic differentiation and a compiler, XLA."
+  long_question = "Please read this carefully. " + "The quick brown fox jumps over the lazy dog. " * 100
+  conversations = [
+      _conversation(0, ("human", "What is JAX?"), ("gpt", answer), ("human", "And XLA?"), ("gpt", answer)),
+      _conversation(1, ("human", long_question), ("gpt", answer * 10)),
+      _conversation(2, ("human", "Hi"), ("gpt", "Hello!")),  # fewer than 16 answer tokens
+      _conversation(3, ("gpt", "I start the conversation"), ("human", "Hi")),
+      _conversation(4, ("human", "Print <|im_end|>"), ("gpt", answer)),  # would encode as the real token
+  ]
+  seqs = sequences.make_sequences(smollm2, conversations, seq_len=128)
+  assert len(seqs) == 2
+  first, long = seqs
+  prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is JAX?"}], add_generation_prompt=True)
+  assert first.tokens.tolist() == prompt + tokenizer.encode(answer, add_special_tokens=False) + [end_of_turn]
+  assert "You are a helpful AI assistant" in tokenizer.decode(first.tokens)  # the template's system prompt
+  targets = first.tokens[1:][first.loss_mask[:-1]]
+  assert tokenizer.decode(targets) == answer + "<|im_end|>"
+  assert first.loss_mask.sum() == len(first.tokens) - len(prompt)
+  # The long question is cut so that the answer starts within the first half; the answer fills the rest.
+  answer_start = int(np.argmax(long.loss_mask)) + 1
+  assert len(long.tokens) == 128 and 56 <= answer_start <= 64
+  long_prompt = tokenizer.decode(long.tokens[:answer_start])
+  assert "user\nPlease read this carefully. The quick" in long_prompt and long_prompt.count("lazy dog") < 100
+  assert long_prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
+  assert long.loss_mask[answer_start - 1:-1].all() and not long.loss_mask[-1]
+  assert len(sequences.make_sequences(smollm2, conversations[:1], seq_len=128, max_pairs_per_conversation=2)) == 2
+
+
+def test_greedy_answers_come_back_in_prompt_order_and_equal_unbatched_generation(tiny):
+  import specjax
+  prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8], [3, 1, 4, 1, 5], [2, 7]]
+  answers = sequences._greedy_answers(tiny, prompts, seq_len=24, max_new_tokens=6, batch_size=2)
+  for prompt, answer in zip(prompts, answers):
+    assert answer == specjax.generate(tiny, [prompt], max_new_tokens=6).tokens[0]
+
+
+def test_sequences_round_trip_through_a_file(tmp_path):
+  seqs = [sequences.sequence_from_ids([1, 2, 3], [4, 5], 8), sequences.sequence_from_ids([7], [8, 9, 10], 8)]
+  path = str(tmp_path / "s.npz")
+  sequences.save_sequences(path, seqs, {"split": "train"})
+  loaded, source = sequences.load_sequences(path)
+  assert source == {"split": "train"}
+  assert all((a.tokens == b.tokens).all() and (a.loss_mask == b.loss_mask).all() for a, b in zip(seqs, loaded))
