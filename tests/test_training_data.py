@@ -1,15 +1,22 @@
-"""Drafter training data: reading the truncated ShareGPT file, the split, sequences and their loss masks."""
+"""Drafter training data: reading the truncated ShareGPT file, the split, sequences and their loss masks, and
+the target's feature cache (equal to a direct forward, atomic, resumable, refusing broken or foreign caches)."""
 
 from __future__ import annotations
 
+import filecmp
+import functools
 import importlib.metadata
 import json
 import os
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import sequences, sharegpt
+from specjax import features, sequences, sharegpt
+from specjax.loading import CheckpointError
+from specjax.model import forward, init_cache
 
 
 def _conversation(i: int, *turns: tuple[str, str]) -> dict:
@@ -154,3 +161,132 @@ def test_sequences_round_trip_through_a_file(tmp_path):
   loaded, source = sequences.load_sequences(path)
   assert source == {"split": "train"}
   assert all((a.tokens == b.tokens).all() and (a.loss_mask == b.loss_mask).all() for a, b in zip(seqs, loaded))
+
+
+# ------------------------------------------------------------------------------------------------ features
+
+SEQ_LEN = 24
+FEATURE_LAYERS = (0, 2)
+TOP_K = 8
+
+
+def _tiny_sequences(vocab_size: int, n: int = 7) -> list[sequences.Sequence]:
+  rng = np.random.RandomState(0)
+  seqs = []
+  for i in range(n):
+    length = SEQ_LEN if i % 3 else 10 + i
+    prompt = rng.randint(0, vocab_size, size=length // 3).tolist()
+    seqs.append(sequences.sequence_from_ids(prompt, rng.randint(0, vocab_size, size=length).tolist(), SEQ_LEN))
+  return seqs
+
+
+def _build(tiny, seqs, out_dir, **overrides):
+  kwargs = dict(seq_len=SEQ_LEN, feature_layers=FEATURE_LAYERS, top_k=TOP_K, batch_size=2, chunk_batches=1,
+                source={"what": "random ids"})
+  return features.build_feature_cache(tiny, seqs, str(out_dir), **{**kwargs, **overrides})
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _direct_forward(params, tokens, config):
+  """Each layer's output, the last hidden state and next-token probabilities of one unpadded sequence."""
+  out = forward(params, tokens[None], init_cache(config, 1, tokens.shape[0]), jnp.zeros(1, jnp.int32), config,
+                return_layer_hidden=True)
+  return [h[0] for h in out.layer_hidden], out.hidden[0], jax.nn.softmax(out.logits[0], axis=-1)
+
+
+def test_feature_cache_equals_a_direct_forward(tiny, tmp_path):
+  seqs = _tiny_sequences(tiny.config.vocab_size)
+  cache = _build(tiny, seqs, tmp_path / "cache")
+  assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]  # renamed into place
+  assert cache.features.dtype == np.float16 and cache.features.shape == (7, SEQ_LEN, 2, tiny.config.hidden_size)
+  assert cache.meta["masked_positions"] == sum(int(s.loss_mask.sum()) for s in seqs) == cache.token_counts.sum()
+  counts = np.zeros(tiny.config.vocab_size, np.int64)
+  for i, (tokens, loss_mask) in enumerate(seqs):
+    n = len(tokens)
+    layer_hidden, hidden, probs = jax.device_get(_direct_forward(tiny.params, jnp.asarray(tokens), tiny.config))
+    assert cache.tokens[i, :n].tolist() == tokens.tolist() and cache.lengths[i] == n
+    assert cache.mask[i, :n].tolist() == loss_mask.tolist() and not cache.mask[i, n:].any()
+    for f, layer in enumerate(FEATURE_LAYERS):
+      np.testing.assert_allclose(cache.features[i, :n, f], layer_hidden[layer], rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(cache.features[i, :n, -1], hidden, rtol=2e-3, atol=2e-3)
+    top = np.argsort(-probs, axis=-1, kind="stable")[:, :TOP_K]
+    assert (cache.teacher_ids[i, :n] == top).mean() > 0.99  # near-ties may swap order
+    np.testing.assert_allclose(cache.teacher_probs[i, :n], np.take_along_axis(probs, cache.teacher_ids[i, :n], -1),
+                               rtol=2e-3, atol=1e-4)
+    assert not cache.features[i, n:].any() and not cache.teacher_probs[i, n:].any()  # padding is zeros
+    counts += np.bincount(cache.teacher_ids[i, :n, 0][loss_mask], minlength=tiny.config.vocab_size)
+  np.testing.assert_array_equal(cache.token_counts, counts)
+  batch = cache.batch([3, 0])
+  assert batch["features"].dtype == batch["teacher_probs"].dtype == np.float32
+  np.testing.assert_array_equal(batch["tokens"], cache.tokens[[3, 0]])
+  assert batch["features"].shape == (2, SEQ_LEN, 2, tiny.config.hidden_size) and batch["mask"].dtype == bool
+  assert features.FeatureCache.open(str(tmp_path / "cache")).meta == cache.meta
+  assert _build(tiny, seqs, tmp_path / "cache").meta == cache.meta  # already built: reused as is
+
+
+def test_feature_cache_resumes_after_a_kill_to_the_same_bytes(tiny, tmp_path, monkeypatch):
+  seqs = _tiny_sequences(tiny.config.vocab_size)
+  _build(tiny, seqs, tmp_path / "whole")
+  real, calls = features._target_outputs, []
+
+  def killed_in_the_second_chunk(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2:
+      raise KeyboardInterrupt("killed")
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(features, "_target_outputs", killed_in_the_second_chunk)
+  with pytest.raises(KeyboardInterrupt):
+    _build(tiny, seqs, tmp_path / "resumed")
+  partial = [p for p in os.listdir(tmp_path) if p.startswith("resumed.tmp-")]
+  assert len(partial) == 1 and not os.path.exists(tmp_path / "resumed")
+  with pytest.raises(CheckpointError, match="partial build is at"):
+    features.FeatureCache.open(str(tmp_path / "resumed"))
+  # A different build must not take the partial one over.
+  with pytest.raises(CheckpointError, match="partial build of a different cache: top_k 8"):
+    _build(tiny, seqs, tmp_path / "resumed", top_k=4)
+  monkeypatch.setattr(features, "_target_outputs", real)
+  os.rename(tmp_path / partial[0], tmp_path / "resumed.tmp-999999999")  # as left by a process that is gone
+  cache = _build(tiny, seqs, tmp_path / "resumed")
+  assert cache.meta["resumed_from"] == 2
+  for name in features.ARRAYS:
+    assert filecmp.cmp(tmp_path / "whole" / f"{name}.npy", tmp_path / "resumed" / f"{name}.npy", shallow=False), name
+
+
+def test_feature_cache_refuses_missing_truncated_and_mismatching_caches(tiny, tmp_path):
+  seqs = _tiny_sequences(tiny.config.vocab_size, n=3)
+  out_dir = tmp_path / "cache"
+  _build(tiny, seqs, out_dir)
+  with pytest.raises(CheckpointError, match="different feature cache: seq_len 24 .this build: 32"):
+    _build(tiny, seqs, out_dir, seq_len=32)
+  with pytest.raises(CheckpointError, match="different feature cache: feature_layers"):
+    _build(tiny, seqs, out_dir, feature_layers=(1, 2))
+  with pytest.raises(CheckpointError, match="sequences_fingerprint"):
+    _build(tiny, seqs[:2] + seqs[:1], out_dir)
+  with pytest.raises(CheckpointError, match="no feature cache at"):
+    features.FeatureCache.open(str(tmp_path / "nowhere"))
+
+  path = out_dir / "teacher_probs.npy"
+  size = path.stat().st_size
+  with open(path, "r+b") as f:
+    f.truncate(size - 10)
+  with pytest.raises(CheckpointError, match=f"{path} is {size - 10:,} bytes, expected {size:,}: truncated"):
+    features.FeatureCache.open(str(out_dir))
+  os.remove(path)
+  with pytest.raises(CheckpointError, match=f"{path} is missing"):
+    features.FeatureCache.open(str(out_dir))
+  os.remove(out_dir / "meta.json")
+  with pytest.raises(CheckpointError, match="no meta.json"):
+    _build(tiny, seqs, out_dir)
+
+
+def test_top_token_map_holds_the_most_frequent_ids_and_the_stop_tokens():
+  counts = np.zeros(100, np.int64)
+  counts[[40, 7, 90, 13, 55]] = [50, 30, 30, 20, 1]
+  token_map = features.top_token_map(counts, 4, stop_ids=(2, 0))
+  assert token_map.tolist() == [0, 2, 7, 40] and token_map.dtype == np.int32  # 7 before 90: ties by id
+  assert features.top_token_map(counts, 5).tolist() == [7, 13, 40, 55, 90]
+  assert features.top_token_map(counts, 7).tolist() == [0, 1, 7, 13, 40, 55, 90]  # zero counts by id
+  assert features.token_map_coverage(counts, token_map) == pytest.approx(80 / 131)
+  with pytest.raises(ValueError, match="size must be in"):
+    features.top_token_map(counts, 1, stop_ids=(2, 0))
