@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from configs import train_data as train_data_config
 from specjax import features, sequences, sharegpt
 from specjax.loading import CheckpointError
 from specjax.model import forward, init_cache
@@ -290,3 +291,13 @@ def test_top_token_map_holds_the_most_frequent_ids_and_the_stop_tokens():
   assert features.token_map_coverage(counts, token_map) == pytest.approx(80 / 131)
   with pytest.raises(ValueError, match="size must be in"):
     features.top_token_map(counts, 1, stop_ids=(2, 0))
+
+
+def test_train_data_config_variants():
+  default = train_data_config.get_config()
+  assert (default.regenerate, default.workdir, default.seq_len) == (False, "workdirs/data/train_data", 256)
+  assert tuple(default.feature_layers) == features.default_feature_layers(30)
+  regenerate = train_data_config.get_config("regenerate")
+  assert regenerate.regenerate and regenerate.workdir == "workdirs/data/train_data-regenerate"
+  with pytest.raises(ValueError, match="variants are"):
+    train_data_config.get_config("regenrate")
