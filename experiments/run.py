@@ -22,7 +22,6 @@ import dataclasses
 import os
 import platform
 import subprocess
-import sys
 import time
 from typing import Any, Sequence
 
@@ -36,6 +35,7 @@ from tqdm import tqdm
 import specjax
 from specjax import distributed, sharding
 from experiments import compilations, report, spec_bench
+from experiments.cli import parse_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config: configs/<name>.py[:arg].",
                                           lock_config=True)
@@ -207,15 +207,6 @@ def main(argv: Sequence[str]) -> None:
   name = os.path.basename(config_file).replace(".py", "").replace(":", "-")
   workdir = _WORKDIR.value or os.path.join("workdirs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
   run(_CONFIG.value, workdir, name=name)
-
-
-def parse_flags(argv: list[str]) -> list[str]:
-  """absl's parser, with a one-line error for a --config.<field> override the config does not have."""
-  try:
-    return app.parse_flags_with_usage(argv)
-  except AttributeError as e:  # ml_collections wraps a KeyError whose message suggests the closest field
-    message = e.args[0].args[0] if e.args and isinstance(e.args[0], KeyError) else str(e)
-    sys.exit(f"FATAL config override: no such field {message}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,57 @@
+r"""Drafter training data: SmolLM2-135M-Instruct's features and next-token distributions on ShareGPT.
+
+  python -m experiments.prepare_data --config=configs/train_data.py --config.workdir=/work/cache/sharegpt-256
+
+About 30-40 min on 2 shared CPU cores (the target's forward over ~380k positions), ~1 GB on disk. Variants
+(comma-separated, e.g. `configs/train_data.py:regenerate,small`):
+  regenerate  the target's own greedy answers replace ShareGPT's (EAGLE's choice); greedy generation is far
+              slower than a forward over given text, so size it down (e.g. --config.num_train=200)
+  small       a few conversations, for a one-minute end-to-end check
+
+Writes <workdir>/train/ and <workdir>/held_out/ feature caches (specjax.features), the sequences they hold
+(<split>.sequences.npz) and summary.json. Rerunning reuses whatever is finished and resumes a killed build.
+The two caches come from the two sides of a split by conversation id (specjax.sharegpt.split), so no
+held-out conversation is ever trained on. No Spec-Bench prompt is used.
+"""
+
+import ml_collections
+
+VARIANTS = ("regenerate", "small")
+
+
+def get_config(arg=None):
+  variants = [v.strip() for v in (arg or "").split(",") if v.strip()]
+  unknown = sorted(set(variants) - set(VARIANTS))
+  if unknown:
+    raise ValueError(f"configs/train_data.py variants are {VARIANTS}, got {unknown}")
+  config = ml_collections.ConfigDict()
+  config.model = "smollm2-135m"
+  config.dtype = "float32"  # the target's compute dtype (the reference)
+
+  config.seq_len = 256
+  # Conversations taken, in file order, from each side of the split. About 57% of ShareGPT's conversations
+  # give a sequence (the others start with a non-human turn or have a short answer), each with ~146 answer
+  # positions at seq_len 256: ~210k masked positions for train, ~13k held out.
+  config.num_train = 2500
+  config.num_held_out = 160
+  config.held_out_fraction = 0.05
+  config.seed = 0  # of the split
+  config.max_pairs_per_conversation = 1
+
+  config.regenerate = "regenerate" in variants
+  config.max_new_tokens = 0  # regenerated answers: 0 = what fits in seq_len after the prompt
+  config.regenerate_batch_size = 16
+
+  config.feature_layers = (2, 15, 27, 29)  # specjax.features.default_feature_layers(30); () for the default
+  config.top_k = 32
+  config.feature_dtype = "float16"
+  config.batch_size = 8  # sequences per target forward
+  config.chunk_batches = 16  # batches between progress records (what a killed build redoes at most)
+  config.token_map_sizes = (4096, 8192, 16384, 32768)  # truncated draft vocabularies to report coverage for
+
+  name = "-".join(["train_data", *variants])
+  config.workdir = f"workdirs/data/{name}"
+  if "small" in variants:
+    config.num_train = 24
+    config.num_held_out = 8
+  return config

@@ -1,0 +1,132 @@
+r"""Builds drafter training data: train and held-out feature caches of the frozen target on ShareGPT.
+
+  python -m experiments.prepare_data --config=configs/train_data.py [--config.workdir=DIR]
+
+For each side of the split (train, held_out): read ShareGPT, take the configured number of conversations,
+render them into sequences (`specjax.sequences.make_sequences`; saved to <workdir>/<split>.sequences.npz so a
+rerun does not render or regenerate them again), and run the target over them
+(`specjax.features.build_feature_cache` into <workdir>/<split>/). Prints the read statistics, the masked
+positions, how much of the target's greedy tokens truncated draft vocabularies cover, and the wall time;
+writes the same to <workdir>/summary.json.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import time
+from typing import Any, Sequence
+
+import ml_collections
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+import specjax
+from specjax import features, sequences, sharegpt
+from experiments.cli import parse_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Data config: configs/train_data.py[:variants].",
+                                          lock_config=True)
+SPLITS = ("train", "held_out")
+
+
+def source_description(config: ml_collections.ConfigDict, split: str, stats: sharegpt.ReadStats) -> dict[str, Any]:
+  """What the sequences of one split are made of; stored with them and in the cache's meta.json."""
+  return {
+      "dataset": os.path.basename(stats.path),
+      "dataset_package": f"{sharegpt.DISTRIBUTION} {importlib.metadata.version(sharegpt.DISTRIBUTION)}",
+      "conversations_in_file": stats.conversations,
+      "split": split,
+      "held_out_fraction": config.held_out_fraction,
+      "split_seed": config.seed,
+      "conversations": config.num_train if split == "train" else config.num_held_out,
+      "max_pairs_per_conversation": config.max_pairs_per_conversation,
+      "regenerate": config.regenerate,
+      "max_new_tokens": config.max_new_tokens if config.regenerate else None,
+      "min_answer_tokens": sequences.MIN_ANSWER_TOKENS,
+      "seq_len": config.seq_len,
+      "model": config.model,
+      "dtype": config.dtype,
+  }
+
+
+def split_sequences(config: ml_collections.ConfigDict, model: specjax.Model, conversations: Sequence[dict],
+                    source: dict[str, Any], path: str) -> list[sequences.Sequence]:
+  """The split's sequences: loaded from `path` when made from the same source, else made and saved there."""
+  if os.path.exists(path):
+    saved, saved_source = sequences.load_sequences(path)
+    if saved_source == json.loads(json.dumps(source)):
+      logging.info("reusing %d sequences from %s", len(saved), path)
+      return saved
+    raise ValueError(f"{path} holds sequences made from another source ({saved_source}); delete it or choose "
+                     "another workdir")
+  made = sequences.make_sequences(
+      model, conversations, seq_len=config.seq_len, max_pairs_per_conversation=config.max_pairs_per_conversation,
+      regenerate=config.regenerate, max_new_tokens=config.max_new_tokens or None,
+      batch_size=config.regenerate_batch_size)
+  sequences.save_sequences(path, made, source)
+  return made
+
+
+def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+  """Builds both caches into `workdir` and returns the summary it prints."""
+  start = time.perf_counter()
+  os.makedirs(workdir, exist_ok=True)
+  model = specjax.load(config.model, dtype=config.dtype)
+  feature_layers = tuple(config.feature_layers) or features.default_feature_layers(model.config.num_layers)
+  conversations, stats = sharegpt.read_conversations()
+  print(f"read {stats}")
+  sides = dict(zip(SPLITS, sharegpt.split(conversations, config.held_out_fraction, config.seed)))
+  wanted = {"train": config.num_train, "held_out": config.num_held_out}
+  summary: dict[str, Any] = {"config": config.to_dict(), "read": str(stats), "workdir": os.path.abspath(workdir)}
+  caches = {}
+  for split in SPLITS:
+    if wanted[split] > len(sides[split]):
+      raise ValueError(f"{split} has {len(sides[split])} conversations, {wanted[split]} asked for")
+    split_start = time.perf_counter()
+    source = source_description(config, split, stats)
+    seqs = split_sequences(config, model, sides[split][:wanted[split]], source,
+                           os.path.join(workdir, f"{split}.sequences.npz"))
+    sequences_seconds = time.perf_counter() - split_start
+    cache = features.build_feature_cache(
+        model, seqs, os.path.join(workdir, split), seq_len=config.seq_len, feature_layers=feature_layers,
+        top_k=config.top_k, batch_size=config.batch_size, dtype=config.feature_dtype,
+        chunk_batches=config.chunk_batches, source=source)
+    caches[split] = cache
+    disk = sum(os.path.getsize(os.path.join(cache.path, f)) for f in os.listdir(cache.path))
+    summary[split] = {"path": os.path.abspath(cache.path), "sequences": len(cache),
+                      "masked_positions": cache.meta["masked_positions"], "disk_bytes": disk,
+                      "sequences_seconds": round(sequences_seconds, 1),
+                      "features_seconds": cache.meta["build_seconds"]}
+    print(f"{split}: {len(cache):,} sequences, {cache.meta['masked_positions']:,} masked positions, "
+          f"{disk / 1e9:.2f} GB in {cache.path} (sequences {sequences_seconds:.0f} s, target features "
+          f"{cache.meta['build_seconds']:.0f} s)")
+
+  # Truncated draft vocabularies from the train cache's greedy-token counts, and how much they cover.
+  stop_ids = caches["train"].meta["stop_ids"]
+  coverage = {}
+  for size in config.token_map_sizes:
+    token_map = features.top_token_map(caches["train"].token_counts, size, stop_ids)
+    coverage[size] = {split: round(features.token_map_coverage(caches[split].token_counts, token_map), 4)
+                      for split in SPLITS}
+    print(f"token map V'={size}: covers {coverage[size]['train']:.2%} of train greedy tokens, "
+          f"{coverage[size]['held_out']:.2%} of held-out ones")
+  summary["token_map_coverage"] = coverage
+  summary["seconds"] = round(time.perf_counter() - start, 1)
+  with open(os.path.join(workdir, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=1)
+  print(f"wall time {summary['seconds']:.0f} s; summary in {os.path.join(workdir, 'summary.json')}")
+  return summary
+
+
+def main(argv: Sequence[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  config = _CONFIG.value
+  run(config, config.workdir)
+
+
+if __name__ == "__main__":
+  flags.mark_flags_as_required(["config"])
+  app.run(main, flags_parser=parse_flags)

