@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import platform
-import subprocess
 import time
 from typing import Any, Sequence
 
@@ -35,7 +33,7 @@ from tqdm import tqdm
 import specjax
 from specjax import distributed, sharding
 from experiments import compilations, report, spec_bench
-from experiments.cli import parse_flags
+from experiments.cli import environment, parse_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config: configs/<name>.py[:arg].",
                                           lock_config=True)
@@ -98,17 +96,6 @@ def make_batches(questions: Sequence[spec_bench.Question], prompts: Sequence[Seq
       chunk = rows[start:start + batch_size]
       batches.append(PromptBatch(len(batches), category, tuple(q for q, _ in chunk), tuple(p for _, p in chunk)))
   return batches
-
-
-def environment() -> dict[str, Any]:
-  try:
-    commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip() or None
-  except OSError:
-    commit = None
-  return {"jax": jax.__version__, "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
-          "cpu_count": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
-          "numpy": np.__version__, "specjax_commit": commit}
 
 
 def run(config: ml_collections.ConfigDict, workdir: str, *, model: specjax.Model | None = None,

@@ -1,0 +1,80 @@
+r"""Trains an MTP drafter for SmolLM2-135M-Instruct by self-distillation on ShareGPT features.
+
+  python -m experiments.prepare_data --config=configs/train_data.py   # once: the feature caches (~30-40 min)
+  python -m experiments.train --config=configs/train_mtp.py:parallel
+  python -m experiments.train --config=configs/train_mtp.py:sequential
+
+Variants (the argument after the colon):
+  parallel    4 parallel residual heads on the last hidden state (Medusa / Gloeckle et al.)
+  sequential  one sequential module applied recurrently (EAGLE) on EAGLE-3 features (layers 2, 15, 27),
+              trained with the training-time test over 4 drafting depths
+  deepseek    3 distinct sequential modules on the last hidden state (DeepSeek-V3 MTP), chained in training
+  small       appended with a comma (e.g. `parallel,small`): a few steps, for a quick end-to-end check
+
+Each variant finishes in about 1.5-2 hours on 2 shared CPU cores. Runs write metrics.jsonl and orbax
+checkpoints to the workdir (default workdirs/train/<variant>/); a killed run restarted with the same
+command resumes from its last checkpoint. At the end the drafter is exported (safetensors + MODEL_CARD.md)
+and its acceptance is measured on Spec-Bench prompts (evaluation only; nothing is trained on them).
+Overrides: `--config.steps=500 --config.data_dir=/path/to/caches`.
+"""
+
+import ml_collections
+
+VARIANTS = ("parallel", "sequential", "deepseek")
+
+
+def get_config(arg=None):
+  parts = [p.strip() for p in (arg or "").split(",") if p.strip()]
+  kinds = [p for p in parts if p in VARIANTS]
+  unknown = sorted(set(parts) - set(VARIANTS) - {"small"})
+  if unknown or len(kinds) != 1:
+    raise ValueError(f"configs/train_mtp.py takes one of {VARIANTS} (optionally ',small'), got {arg!r}")
+  kind = kinds[0]
+  config = ml_collections.ConfigDict()
+  config.model = "smollm2-135m"
+  config.data_dir = "workdirs/data/train_data"  # <data_dir>/train and <data_dir>/held_out feature caches
+
+  if kind == "parallel":
+    config.drafter = "mtp_parallel"
+    config.options = ml_collections.ConfigDict({"num_heads": 4})
+    config.learning_rate = 1e-3
+    config.steps = 2400
+  elif kind == "sequential":
+    config.drafter = "mtp_sequential"
+    config.options = ml_collections.ConfigDict({"depth": 4, "recurrent": True, "eagle3": True})
+    config.learning_rate = 5e-4
+    config.steps = 1500
+  else:
+    config.drafter = "mtp_sequential"
+    config.options = ml_collections.ConfigDict({"depth": 3, "recurrent": False, "eagle3": False})
+    config.learning_rate = 5e-4
+    config.steps = 1200
+  config.draft_vocab = 8192  # truncated draft vocabulary (FR-Spec); 0 scores the full vocabulary
+
+  config.batch_size = 8  # sequences of 256 tokens per step
+  config.warmup_steps = 100
+  config.weight_decay = 0.0
+  config.clip_norm = 1.0
+  config.seed = 0
+  config.log_every = 10
+  config.eval_every = 200
+  config.eval_sequences = 96  # held-out sequences for per-depth top-1
+  config.save_every = 50  # checkpoint interval (steps); what a killed run redoes at most
+  config.mesh_shape = ml_collections.config_dict.placeholder(tuple)  # (data, model); None: one device
+
+  config.export_dtype = "bfloat16"
+  config.export_path = ""  # default <workdir>/<drafter>.safetensors
+  # Acceptance on Spec-Bench after training (evaluation only): greedy, chain of `gamma` drafts.
+  config.spec_bench = ml_collections.ConfigDict({"enabled": True, "per_category": 1, "max_new_tokens": 128,
+                                                "gamma": 4})
+
+  config.workdir = f"workdirs/train/{kind}"
+  if "small" in parts:
+    config.steps = 20
+    config.warmup_steps = 5
+    config.eval_every = 10
+    config.eval_sequences = 8
+    config.save_every = 10
+    config.spec_bench.enabled = False
+    config.workdir += "-small"
+  return config

@@ -1,0 +1,167 @@
+r"""Trains a drafter on cached target features, exports it with a model card, measures it on Spec-Bench.
+
+  python -m experiments.train --config=configs/train_mtp.py:parallel [--config.steps=N]
+
+Reads <data_dir>/train and <data_dir>/held_out (built by `python -m experiments.prepare_data`), trains the
+drafter's own parameters with the target frozen (`specjax.train_drafter`), and writes to the workdir:
+metrics.jsonl (training and held-out metrics), checkpoints/ (orbax; a rerun of the same command resumes),
+<drafter>.safetensors (the exported drafter) and MODEL_CARD.md (how to reproduce it and what it measured).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any, Sequence
+
+import ml_collections
+import numpy as np
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+import specjax
+from specjax import features, sharding
+from specjax.drafters import draft_head
+from specjax.loading import CheckpointError
+from specjax.train_drafter import train_drafter
+from experiments import spec_bench
+from experiments.cli import environment, parse_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Training config: configs/train_mtp.py:<variant>.",
+                                          lock_config=True)
+
+
+def open_caches(data_dir: str) -> dict[str, features.FeatureCache]:
+  caches = {}
+  for split in ("train", "held_out"):
+    path = os.path.join(data_dir, split)
+    try:
+      caches[split] = features.FeatureCache.open(path)
+    except CheckpointError as e:
+      raise CheckpointError(f"{e}. Build the training data first: python -m experiments.prepare_data "
+                            f"--config=configs/train_data.py --config.workdir={data_dir}") from e
+  return caches
+
+
+def spec_bench_acceptance(model, drafter, config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """Greedy mean_accepted (tokens per target forward, pooled over prompts) and alpha of `drafter` on the first
+  `per_category` Spec-Bench prompts of every category; every output is checked against autoregressive decoding."""
+  questions = spec_bench.select(spec_bench.load_questions(), per_category=config.per_category)
+  per_category: dict[str, list[float]] = {}
+  lossless, produced, rounds, accepted, tested = True, 0, 0, 0, 0
+  for q in questions:
+    ids = spec_bench.prompt_ids(q, model.tokenizer, chat=True)
+    out = specjax.generate(model, [ids], max_new_tokens=config.max_new_tokens, drafter=drafter, gamma=config.gamma)
+    lossless &= out.tokens == specjax.generate(model, [ids], max_new_tokens=config.max_new_tokens).tokens
+    s = out.stats
+    per_category.setdefault(q.category, []).append(s["mean_accepted"])
+    produced += sum(s["new_tokens_per_row"]) - len(s["new_tokens_per_row"])  # the prefill gives each row's first
+    rounds += sum(s["rounds_per_row"])
+    accepted += sum(s["accepted_per_row"])
+    tested += sum(s["accepted_per_row"]) + sum(s["rejections_per_row"])
+  return {"prompts": len(questions), "gamma": config.gamma, "max_new_tokens": config.max_new_tokens,
+          "mean_accepted": produced / rounds if rounds else float("nan"),
+          "alpha": accepted / tested if tested else float("nan"),
+          "mean_accepted_per_category": {c: round(float(np.mean(v)), 3) for c, v in per_category.items()},
+          "lossless": bool(lossless)}
+
+
+def model_card(card: dict[str, Any]) -> str:
+  """MODEL_CARD.md from the card dict saved in the checkpoint."""
+  ev = card["held_out"]
+  depths = sorted(int(k.rsplit("_", 1)[1]) for k in ev if k.startswith("eval_top1_"))
+  top1 = " | ".join(f"{ev[f'eval_top1_{k}']:.3f}" for k in depths)
+  data = card["data"]
+  lines = [
+      f"# {card['drafter']} for {card['target']}",
+      "",
+      f"Self-distilled drafter ({card['drafter']}, options {json.dumps(card['options'])}) for the frozen target "
+      f"{card['target']}. Load it with `specjax.make_drafter({card['drafter']!r}, specjax.load({card['target']!r}))`.",
+      "",
+      "## Reproduce",
+      "",
+      "```bash",
+      "python -m experiments.prepare_data --config=configs/train_data.py",
+      card["command"],
+      "```",
+      "",
+      "## Training",
+      "",
+      f"- data: {data['train']['source'].get('dataset')} ({data['train']['source'].get('dataset_package')}), "
+      f"{data['train']['sequences']} train sequences / {data['train']['masked_positions']:,} answer positions, "
+      f"held out by conversation id: {data['held_out']['sequences']} sequences; regenerated answers: "
+      f"{data['train']['source'].get('regenerate')}. Never trained on Spec-Bench.",
+      f"- labels: the target's top-{data['train']['top_k']} next-token distributions (soft cross-entropy), "
+      f"per-depth weights 0.8^(k-1)",
+      f"- draft vocabulary: {card['options'].get('draft_vocab') or 'full'} tokens"
+      + (f" (covers {card['token_map_coverage']:.1%} of the target's greedy tokens on the train split)"
+         if card.get("token_map_coverage") is not None else ""),
+      f"- steps {card['steps']}, batch {card['config']['batch_size']} x {data['train']['seq_len']} tokens, "
+      f"AdamW lr {card['config']['learning_rate']} (warmup {card['config']['warmup_steps']}, cosine), seed "
+      f"{card['config']['seed']}",
+      f"- wall time {card['train_seconds'] / 60:.0f} min on {card['environment']['cpu_count']} CPU cores "
+      f"({card['environment']['backend']}), commit {card['environment']['specjax_commit']}, {card['date']}",
+      "",
+      "## Measured",
+      "",
+      "| held-out | " + " | ".join(f"depth {k}" for k in depths) + " |",
+      "|---|" + "---:|" * len(depths),
+      f"| top-1 agreement with the target's greedy token | {top1} |",
+      "",
+  ]
+  sb = card.get("spec_bench")
+  if sb:
+    lines += [f"Spec-Bench ({sb['prompts']} prompts, one per category, greedy, gamma {sb['gamma']}, "
+              f"{sb['max_new_tokens']} new tokens): mean_accepted **{sb['mean_accepted']:.2f}** tokens per target "
+              f"forward, alpha {sb['alpha']:.3f}, output identical to autoregressive decoding: {sb['lossless']}.", ""]
+  return "\n".join(lines)
+
+
+def run(config: ml_collections.ConfigDict, command: str) -> dict[str, Any]:
+  start = time.strftime("%Y-%m-%d")
+  model = specjax.load(config.model, dtype="float32")
+  caches = open_caches(config.data_dir)
+  token_map, coverage = None, None
+  if config.draft_vocab:
+    counts = caches["train"].token_counts
+    token_map = features.top_token_map(counts, config.draft_vocab, caches["train"].meta.get("stop_ids", ()))
+    coverage = features.token_map_coverage(counts, token_map)
+  fresh = specjax.make_drafter(config.drafter, model, path=None, token_map=token_map, **config.options.to_dict())
+  mesh = sharding.make_mesh(*config.mesh_shape) if config.mesh_shape else None
+  result = train_drafter(
+      model, fresh, caches["train"], caches["held_out"], workdir=config.workdir, steps=config.steps,
+      batch_size=config.batch_size, learning_rate=config.learning_rate, warmup_steps=config.warmup_steps,
+      weight_decay=config.weight_decay, clip_norm=config.clip_norm, seed=config.seed, log_every=config.log_every,
+      eval_every=config.eval_every, eval_sequences=config.eval_sequences, save_every=config.save_every, mesh=mesh)
+  print("held-out:", {k: round(v, 4) for k, v in result.final_eval.items()})
+  card = {
+      "drafter": config.drafter, "target": config.model, "options": result.drafter.options.saved(),
+      "command": command, "config": config.to_dict(), "steps": result.steps, "train_seconds": result.train_seconds,
+      "held_out": result.final_eval, "token_map_coverage": coverage, "environment": environment(), "date": start,
+      "data": {split: {"path": os.path.abspath(c.path), "sequences": len(c), "masked_positions":
+                       c.meta.get("masked_positions"), "seq_len": c.meta["seq_len"], "top_k": c.meta["top_k"],
+                       "source": c.meta.get("source", {})} for split, c in caches.items()},
+  }
+  if config.spec_bench.enabled:
+    card["spec_bench"] = spec_bench_acceptance(model, result.drafter, config.spec_bench)
+    print("Spec-Bench:", card["spec_bench"])
+  path = config.export_path or os.path.join(config.workdir, f"{config.drafter}.safetensors")
+  draft_head.save(result.drafter, path, model, card=card, dtype=config.export_dtype)
+  with open(os.path.join(os.path.dirname(os.path.abspath(path)), "MODEL_CARD.md"), "w") as f:
+    f.write(model_card(card))
+  print(f"exported {path} ({os.path.getsize(path) / 1e6:.1f} MB) and MODEL_CARD.md")
+  return card
+
+
+def main(argv: Sequence[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  logging.set_verbosity(logging.INFO)
+  run(_CONFIG.value, "python -m experiments.train " + " ".join(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+  flags.mark_flags_as_required(["config"])
+  app.run(main, flags_parser=parse_flags)
