@@ -8,6 +8,7 @@ accepted draft, a correction from the residual, or the bonus token), so every br
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import jax
@@ -76,8 +77,28 @@ def chi_square_pvalue(samples: np.ndarray, probs: np.ndarray) -> float:
   return float(stats.chi2.sf(statistic, len(observed) - 1))
 
 
-def speculative_samples(target, draft, sampling, seed=0, gamma=3, samples=SAMPLES):
-  drafter = specjax.make_drafter("draft_model", target, draft=draft)
+def perturbed(drafter, scale=0.5):
+  """Random, untrained drafter parameters: drafts that are often but not always accepted."""
+  leaves, treedef = jax.tree.flatten(drafter.params)
+  keys = jax.random.split(jax.random.PRNGKey(3), len(leaves))
+  leaves = [x + scale * jax.random.normal(k, x.shape, x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+            for x, k in zip(leaves, keys)]
+  return dataclasses.replace(drafter, params=jax.tree.unflatten(treedef, leaves))
+
+
+# Drafters whose q differ in kind: an independent model, MTP heads over a truncated vocabulary (q is zero on
+# tokens 0-2, which only the residual can produce), a recurrent sequential module.
+DRAFTERS = {
+    "draft_model": lambda target, draft: specjax.make_drafter("draft_model", target, draft=draft),
+    "mtp_parallel_truncated": lambda target, draft: perturbed(specjax.make_drafter(
+        "mtp_parallel", target, path=None, num_heads=3, token_map=list(range(3, VOCAB))), scale=0.1),
+    "mtp_sequential": lambda target, draft: perturbed(specjax.make_drafter(
+        "mtp_sequential", target, path=None, depth=2, recurrent=True)),
+}
+
+
+def speculative_samples(target, draft, sampling, seed=0, gamma=3, samples=SAMPLES, drafter="draft_model"):
+  drafter = DRAFTERS[drafter](target, draft)
   out = specjax.generate(target, [PROMPT] * samples, max_new_tokens=3, drafter=drafter, gamma=gamma, seed=seed,
                          temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, stop_ids=[], max_len=16)
   return np.array(out.tokens), out.stats
@@ -87,9 +108,11 @@ SETTINGS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top
 
 
 @pytest.mark.parametrize("sampling", SETTINGS, ids=["t1", "topk_topp"])
-def test_speculative_sampling_matches_the_target_distribution(sampling, target, draft):
-  samples, s = speculative_samples(target, draft, sampling)
-  assert 0.05 < s["acceptance_rate"] < 0.95  # both accept and reject branches are exercised
+@pytest.mark.parametrize("drafter", sorted(DRAFTERS))
+def test_speculative_sampling_matches_the_target_distribution(drafter, sampling, target, draft):
+  samples, s = speculative_samples(target, draft, sampling, drafter=drafter)
+  # Both branches of the rule run many times: accepted drafts, and rounds ending at a rejection.
+  assert sum(s["accepted_per_row"]) >= 300 and sum(s["rejections_per_row"]) >= 300
   assert chi_square_pvalue(samples, exact_joint(target, sampling)) > 1e-3
 
 

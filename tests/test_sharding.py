@@ -66,7 +66,9 @@ import specjax
 from specjax.speculative import _generate_speculative
 draft = Model(model.config.replace(num_layers=1), init_params(model.config.replace(num_layers=1),
               jax.random.PRNGKey(1), std=0.2), None, "tiny-draft")
-drafters = {"draft_model": dict(draft=draft), "layer_skip": dict(exit_layer=1), "prompt_lookup": {}}
+drafters = {"draft_model": dict(draft=draft), "layer_skip": dict(exit_layer=1), "prompt_lookup": {},
+            "mtp_parallel": dict(path=None, num_heads=3, token_map=list(range(0, 256, 2))),
+            "mtp_sequential": dict(path=None, depth=3)}
 result["speculative"] = {}
 for data, model_axis in %(meshes)s:
   mesh = sharding.make_mesh(data, model_axis)
@@ -79,6 +81,27 @@ for data, model_axis in %(meshes)s:
     result["speculative"][f"{data}x{model_axis}/{name}"] = {
         "equal": first == reference and second == reference,
         "recompiled": _generate_speculative._cache_size() != compiles}
+
+# A drafter trained data-parallel on a mesh ends where single-device training ends.
+import tempfile
+from specjax.features import build_feature_cache
+from specjax.train_drafter import train_drafter
+seqs = [(np.asarray(rng.integers(0, 256, size=32), np.int32), np.ones(32, bool)) for _ in range(32)]
+with tempfile.TemporaryDirectory() as tmp:
+  cache = build_feature_cache(model, seqs, tmp + "/cache", seq_len=32, feature_layers=(1,), top_k=4, batch_size=8)
+  trained = {}
+  for mesh_shape in (None, (8, 1), (2, 4)):
+    mesh = None if mesh_shape is None else sharding.make_mesh(*mesh_shape)
+    fresh = specjax.make_drafter("mtp_sequential", model, path=None, depth=2, token_map=list(range(0, 256, 2)))
+    run = train_drafter(model, fresh, cache, cache, workdir=f"{tmp}/{mesh_shape}", steps=3, batch_size=8,
+                        warmup_steps=1, eval_every=3, eval_sequences=8, mesh=mesh, progress=False)
+    trained[str(mesh_shape)] = (jax.device_get(run.drafter.params), run.final_eval["eval_loss"])
+  base_params, base_loss = trained["None"]
+  result["train_on_mesh"] = {
+      key: {"loss_diff": abs(loss - base_loss),
+            "max_param_diff": max(float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+                                  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(base_params)))}
+      for key, (params, loss) in trained.items() if key != "None"}
 
 smol_like = tiny_model(num_heads=9, num_kv_heads=3, vocab_size=256)
 mesh = sharding.make_mesh(2, 4)
@@ -175,11 +198,17 @@ def test_sharded_generate_compiles_once_per_shape(sharded_runs, mesh):
   assert not sharded_runs[0]["gqa"][mesh]["recompiled"]
 
 
-@pytest.mark.parametrize("drafter", ["draft_model", "layer_skip", "prompt_lookup"])
+@pytest.mark.parametrize("drafter", ["draft_model", "layer_skip", "prompt_lookup", "mtp_parallel", "mtp_sequential"])
 @pytest.mark.parametrize("mesh", [f"{d}x{m}" for d, m in MESHES])
 def test_sharded_speculative_generate_equals_single_device(sharded_runs, mesh, drafter):
   run = sharded_runs[0]["speculative"][f"{mesh}/{drafter}"]
   assert run["equal"] and not run["recompiled"]
+
+
+@pytest.mark.parametrize("mesh", ["(8, 1)", "(2, 4)"])
+def test_drafter_trained_on_a_mesh_matches_single_device_training(sharded_runs, mesh):
+  run = sharded_runs[0]["train_on_mesh"][mesh]
+  assert run["loss_diff"] < 1e-4 and run["max_param_diff"] < 1e-4, run
 
 
 def test_sharded_params_and_cache_follow_the_rules(sharded_runs):
