@@ -61,11 +61,7 @@ def test_read_conversations_keeps_complete_items_and_stops_at_the_cut(tmp_path, 
 
 
 def test_read_conversations_reads_the_installed_sharegpt_file():
-  try:
-    path = sharegpt.dataset_path()
-  except sharegpt.ShareGPTError as e:
-    pytest.skip(str(e))
-  conversations, stats = sharegpt.read_conversations(path)
+  conversations, stats = sharegpt.read_conversations(sharegpt.dataset_path())
   assert stats.conversations == len(conversations) == 17_671
   assert stats.truncated and stats.file_bytes == 125_509_632 and stats.bytes_consumed < stats.file_bytes
 
