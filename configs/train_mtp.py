@@ -13,7 +13,7 @@ Variants (the argument after the colon):
 
 Each variant finishes in about 1.5-2 hours on 2 shared CPU cores. Runs write metrics.jsonl and orbax
 checkpoints to the workdir (default workdirs/train/<variant>/); a killed run restarted with the same
-command resumes from its last checkpoint. At the end the drafter is exported (safetensors + MODEL_CARD.md)
+command resumes from its last checkpoint. At the end the drafter is exported (safetensors + a model card)
 and its acceptance is measured on Spec-Bench prompts (evaluation only; nothing is trained on them).
 Overrides: `--config.steps=500 --config.data_dir=/path/to/caches`.
 """
@@ -32,32 +32,32 @@ def get_config(arg=None):
   kind = kinds[0]
   config = ml_collections.ConfigDict()
   config.model = "smollm2-135m"
-  config.data_dir = "workdirs/data/train_data"  # <data_dir>/train and <data_dir>/held_out feature caches
+  config.data_dir = "workdirs/data/train_data"  # <data_dir>/train and /held_out: prepare_data's default workdir
 
   if kind == "parallel":
     config.drafter = "mtp_parallel"
     config.options = ml_collections.ConfigDict({"num_heads": 4})
     config.learning_rate = 1e-3
-    config.steps = 2400
+    config.steps = 600
   elif kind == "sequential":
     config.drafter = "mtp_sequential"
     config.options = ml_collections.ConfigDict({"depth": 4, "recurrent": True, "eagle3": True})
     config.learning_rate = 5e-4
-    config.steps = 1500
+    config.steps = 400
   else:
     config.drafter = "mtp_sequential"
     config.options = ml_collections.ConfigDict({"depth": 3, "recurrent": False, "eagle3": False})
     config.learning_rate = 5e-4
-    config.steps = 1200
+    config.steps = 400
   config.draft_vocab = 8192  # truncated draft vocabulary (FR-Spec); 0 scores the full vocabulary
 
   config.batch_size = 8  # sequences of 256 tokens per step
-  config.warmup_steps = 100
+  config.warmup_steps = 40
   config.weight_decay = 0.0
   config.clip_norm = 1.0
   config.seed = 0
   config.log_every = 10
-  config.eval_every = 200
+  config.eval_every = 100
   config.eval_sequences = 96  # held-out sequences for per-depth top-1
   config.save_every = 50  # checkpoint interval (steps); what a killed run redoes at most
   config.mesh_shape = ml_collections.config_dict.placeholder(tuple)  # (data, model); None: one device

@@ -5,7 +5,8 @@ r"""Trains a drafter on cached target features, exports it with a model card, me
 Reads <data_dir>/train and <data_dir>/held_out (built by `python -m experiments.prepare_data`), trains the
 drafter's own parameters with the target frozen (`specjax.train_drafter`), and writes to the workdir:
 metrics.jsonl (training and held-out metrics), checkpoints/ (orbax; a rerun of the same command resumes),
-<drafter>.safetensors (the exported drafter) and MODEL_CARD.md (how to reproduce it and what it measured).
+<drafter>.safetensors (the exported drafter) and <drafter>.md, its model card (how to reproduce it and what
+it measured).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def spec_bench_acceptance(model, drafter, config: ml_collections.ConfigDict) -> 
 
 
 def model_card(card: dict[str, Any]) -> str:
-  """MODEL_CARD.md from the card dict saved in the checkpoint."""
+  """The model card (Markdown) from the card dict saved in the checkpoint."""
   ev = card["held_out"]
   depths = sorted(int(k.rsplit("_", 1)[1]) for k in ev if k.startswith("eval_top1_"))
   top1 = " | ".join(f"{ev[f'eval_top1_{k}']:.3f}" for k in depths)
@@ -84,7 +85,8 @@ def model_card(card: dict[str, Any]) -> str:
       "",
       "```bash",
       "python -m experiments.prepare_data --config=configs/train_data.py",
-      card["command"],
+      # Where this machine kept the data is no part of the recipe.
+      " ".join(w for w in card["command"].split() if not w.startswith("--config.data_dir")),
       "```",
       "",
       "## Training",
@@ -149,9 +151,10 @@ def run(config: ml_collections.ConfigDict, command: str) -> dict[str, Any]:
     print("Spec-Bench:", card["spec_bench"])
   path = config.export_path or os.path.join(config.workdir, f"{config.drafter}.safetensors")
   draft_head.save(result.drafter, path, model, card=card, dtype=config.export_dtype)
-  with open(os.path.join(os.path.dirname(os.path.abspath(path)), "MODEL_CARD.md"), "w") as f:
+  card_path = os.path.splitext(path)[0] + ".md"
+  with open(card_path, "w") as f:
     f.write(model_card(card))
-  print(f"exported {path} ({os.path.getsize(path) / 1e6:.1f} MB) and MODEL_CARD.md")
+  print(f"exported {path} ({os.path.getsize(path) / 1e6:.1f} MB) and its model card {card_path}")
   return card
 
 
