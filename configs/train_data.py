@@ -1,11 +1,12 @@
 r"""Drafter training data: SmolLM2-135M-Instruct's features and next-token distributions on ShareGPT.
 
-  python -m experiments.prepare_data --config=configs/train_data.py --config.workdir=/work/cache/sharegpt-256
+  python -m experiments.prepare_data --config=configs/train_data.py [--config.workdir=DIR]
 
-About 30-40 min on 2 shared CPU cores (the target's forward over ~380k positions), ~1 GB on disk. Variants
-(comma-separated, e.g. `configs/train_data.py:regenerate,small`):
-  regenerate  the target's own greedy answers replace ShareGPT's (EAGLE's choice); greedy generation is far
-              slower than a forward over given text, so size it down (e.g. --config.num_train=200)
+About 30 min on 2 busy CPU cores (the target's forward over ~390k positions, ~1.2 s per sequence), 1.9 GB
+on disk. Variants (comma-separated, e.g. `configs/train_data.py:regenerate,small`):
+  regenerate  the target's own greedy answers replace ShareGPT's (EAGLE's choice). Greedy generation adds
+              ~20 s per 1k answer tokens on the same cores, ~80 min at the default sizes: size it down
+              (e.g. --config.num_train=500) or run it where the target decodes faster
   small       a few conversations, for a one-minute end-to-end check
 
 Writes <workdir>/train/ and <workdir>/held_out/ feature caches (specjax.features), the sequences they hold
