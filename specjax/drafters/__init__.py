@@ -120,10 +120,12 @@ def choose_tokens(logits: jax.Array, key: jax.Array, sampling: SamplingParams, t
   return sample_from_probs(key, q), q
 
 
-def draft_tokens(step, cache, inputs: DraftInputs, gamma: int, sampling: SamplingParams):
+def draft_tokens(step, cache, inputs: DraftInputs, gamma: int, sampling: SamplingParams,
+                 token_map: jax.Array | None = None, vocab_size: int | None = None):
   """Shared autoregressive drafting loop: `step(cache, tokens [B, T], positions [B]) -> (logits [B, V], cache)`.
 
   The first step reads tokens at positions pending-1 and pending; later steps read the previous draft.
+  With a truncated draft vocabulary, `step` returns logits [B, V'] over `token_map` (see `choose_tokens`).
   Returns (tokens [B, gamma], q [B, gamma, V] or None, cache).
   """
   rows = jnp.arange(inputs.sequence.shape[0])
@@ -131,7 +133,7 @@ def draft_tokens(step, cache, inputs: DraftInputs, gamma: int, sampling: Samplin
   keys = jax.random.split(inputs.key, gamma)
 
   def choose(logits, key):
-    return choose_tokens(logits, key, sampling)
+    return choose_tokens(logits, key, sampling, token_map, vocab_size)
 
   logits, cache = step(cache, first_tokens, inputs.position - 1)
   token, q = choose(logits, keys[0])

@@ -114,16 +114,17 @@ def canonical_model_name(model) -> str | None:
   return None
 
 
-def shipped_checkpoint(model, drafter: str) -> str:
-  """Path of the checkpoint shipped inside specjax for this model and drafter; CheckpointError if none."""
+def shipped_checkpoint(model, drafter: str, hint: str = "pass path=<checkpoint.safetensors>, or path=None for "
+                       "freshly initialised parameters to train") -> str:
+  """Path of the checkpoint shipped inside specjax for this model and drafter; CheckpointError (ending with
+  `hint`, what to do instead) if none."""
   root = pathlib.Path(str(importlib.resources.files("specjax"))) / "checkpoints"
   name = canonical_model_name(model)
   path = root / str(name) / f"{drafter}.safetensors"
   if name is None or not path.is_file():
     shipped = sorted(str(p.relative_to(root)) for p in root.glob("*/*.safetensors"))
     raise CheckpointError(f"no shipped {drafter!r} checkpoint for model {getattr(model, 'name', '?')!r} "
-                          f"(shipped: {shipped or 'none'}); pass path=<checkpoint.safetensors>, or path=None "
-                          "for freshly initialised parameters to train")
+                          f"(shipped: {shipped or 'none'}); {hint}")
   return str(path)
 
 
@@ -143,12 +144,12 @@ def save(drafter, path: str, model, card: dict | None = None, dtype: str = "bflo
                          card=card, dtype=dtype)
 
 
-def load(model, name: str, path: str, saved_specs_of, options_from) -> tuple:
+def load(model, name: str, path: str, saved_specs_of, options_from, **shipped_hint) -> tuple:
   """(options, params) from a checkpoint at `path` ("default": the shipped one), checked against `model`.
 
   saved_specs_of(options) declares the saved arrays; options_from(saved_options_dict) rebuilds the options.
   """
-  path = shipped_checkpoint(model, name) if path == "default" else str(path)
+  path = shipped_checkpoint(model, name, **shipped_hint) if path == "default" else str(path)
   header = checkpoint.read_header(path)
   if header["drafter"] != name:
     raise CheckpointError(f"{path} holds a {header['drafter']!r} drafter, not {name!r}")

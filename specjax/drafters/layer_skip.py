@@ -5,6 +5,8 @@
 target's KV cache: the layers it runs read the target's K/V for committed positions, and the K/V it writes
 for its speculative positions are overwritten by the target's verification forward, which covers every
 position the draft wrote. For an early exit these K/V are exactly the target's (same weights, same inputs).
+
+`adapter=...` puts a trained adapter between layer k and the head (Kangaroo-style; `exit_adapter`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from specjax.config import ModelConfig
-from specjax.drafters import Drafter, DraftInputs, Proposal, draft_tokens, keep_state, no_state
+from specjax.drafters import Drafter, DraftInputs, Proposal, draft_tokens, exit_adapter, keep_state, no_state
 from specjax.model import forward
 from specjax.sampling import SamplingParams
 
@@ -48,7 +50,16 @@ def draft_layers(num_layers: int, exit_layer: int | None = None, skip_layers=Non
   return tuple(i for i in range(num_layers) if i not in skip)
 
 
-def make(model, exit_layer: int | None = None, skip_layers=None) -> Drafter:
+def make(model, exit_layer: int | None = None, skip_layers=None, adapter: str | None = None, mlp: bool | None = None,
+         token_map=None) -> Drafter:
+  """adapter: None (plain early exit or skip set), or an exit adapter after `exit_layer` layers: "default" (the
+  one shipped for this model), a checkpoint file, or "fresh" (a new one to train); see `exit_adapter.make`."""
+  if adapter is not None:
+    if skip_layers is not None:
+      raise ValueError("an exit adapter follows the first exit_layer layers; it does not combine with skip_layers")
+    return exit_adapter.make(model, adapter, exit_layer=exit_layer, mlp=mlp, token_map=token_map)
+  if mlp is not None or token_map is not None:
+    raise ValueError("mlp and token_map describe an exit adapter: pass adapter='fresh' (or a checkpoint) too")
   layers = draft_layers(model.config.num_layers, exit_layer, skip_layers)
   return Drafter(name="layer_skip", init=no_state, propose=propose, update=keep_state,
                  options=Options(config=model.config, layers=layers), params={}, param_specs={})
