@@ -106,8 +106,8 @@ def shifted_back(x: jax.Array, k: int) -> jax.Array:
 
 
 def canonical_model_name(model) -> str | None:
-  """The embedded name of `model` ("smollm2-135m"), or None for models loaded from a path."""
-  name = str(getattr(model, "name", "")).lower()
+  """The embedded name of `model` (a Model or a name: "smollm2-135m"), or None for models loaded from a path."""
+  name = str(model if isinstance(model, str) else getattr(model, "name", "")).lower()
   if name in EMBEDDED_MODELS:
     package_file = EMBEDDED_MODELS[name]
     return min(k for k, v in EMBEDDED_MODELS.items() if v == package_file)
@@ -116,14 +116,14 @@ def canonical_model_name(model) -> str | None:
 
 def shipped_checkpoint(model, drafter: str, hint: str = "pass path=<checkpoint.safetensors>, or path=None for "
                        "freshly initialised parameters to train") -> str:
-  """Path of the checkpoint shipped inside specjax for this model and drafter; CheckpointError (ending with
-  `hint`, what to do instead) if none."""
+  """Path of the checkpoint shipped inside specjax for this model (a Model or its name) and drafter;
+  CheckpointError (ending with `hint`, what to do instead) if none."""
   root = pathlib.Path(str(importlib.resources.files("specjax"))) / "checkpoints"
   name = canonical_model_name(model)
   path = root / str(name) / f"{drafter}.safetensors"
   if name is None or not path.is_file():
     shipped = sorted(str(p.relative_to(root)) for p in root.glob("*/*.safetensors"))
-    raise CheckpointError(f"no shipped {drafter!r} checkpoint for model {getattr(model, 'name', '?')!r} "
+    raise CheckpointError(f"no shipped {drafter!r} checkpoint for model {getattr(model, 'name', model)!r} "
                           f"(shipped: {shipped or 'none'}); {hint}")
   return str(path)
 

@@ -1,0 +1,133 @@
+"""A draft model distilled from the target: lossless, trainable end to end, shippable by name, exported as an HF
+Llama directory that HF transformers and specjax both load."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+import specjax
+from specjax import export
+from specjax.drafters import draft_head, draft_model
+from specjax.loading import CheckpointError, Model
+from specjax.model import init_params
+from specjax.tokenizer import Tokenizer
+from specjax.train_drafter import train_drafter
+from tests.test_mtp import (TASK_CONFIG, VOCAB, perturbed, progression, ragged_prompts, random_target, task_caches,
+                            task_target)
+
+__all__ = ["random_target", "task_caches", "task_target"]  # module fixtures shared with test_mtp
+
+# test id -> options of a fresh distilled draft (random_target has 4 layers)
+DRAFTS = {
+    "two_layers": dict(num_layers=2),
+    "one_layer_truncated": dict(init_layers=[3], token_map=list(range(0, VOCAB, 2))),
+}
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 5])
+@pytest.mark.parametrize("name", sorted(DRAFTS))
+def test_greedy_distilled_draft_speculative_equals_autoregressive(name, gamma, random_target):
+  prompts = ragged_prompts(4)
+  drafter = perturbed(specjax.make_drafter("draft_model", random_target, draft="fresh", **DRAFTS[name]), scale=0.1)
+  expected = specjax.generate(random_target, prompts, max_new_tokens=24, stop_ids=[])
+  out = specjax.generate(random_target, prompts, max_new_tokens=24, drafter=drafter, gamma=gamma, stop_ids=[])
+  assert out.tokens == expected.tokens
+
+
+def test_fresh_draft_copies_evenly_spaced_target_layers_and_shares_the_embedding(random_target):
+  assert draft_model.evenly_spaced_layers(30, 4) == (0, 10, 19, 29)
+  drafter = specjax.make_drafter("draft_model", random_target, draft="fresh", num_layers=2)
+  assert drafter.options.init_layers == (0, 3) and drafter.options.config.num_layers == 2
+  assert set(drafter.params) == {"layers", "final_norm"}  # the embedding and head stay the target's
+  np.testing.assert_array_equal(drafter.params["layers"][1]["wq"], random_target.params["layers"][3]["wq"])
+  with pytest.raises(ValueError, match="describe a fresh distilled draft"):
+    specjax.make_drafter("draft_model", random_target, draft=random_target, num_layers=2)
+  with pytest.raises(ValueError, match="num_layers must be in"):
+    specjax.make_drafter("draft_model", random_target, draft="fresh", num_layers=4)
+
+
+def test_shipped_draft_name_without_a_checkpoint_says_what_to_do(random_target):
+  with pytest.raises(CheckpointError, match="no shipped draft model 'smollm2-135m-draft'.*configs/train_draft.py"):
+    specjax.make_drafter("draft_model", random_target, draft="smollm2-135m-draft")
+  with pytest.raises(CheckpointError, match="no shipped draft model 'nosuchmodel-draft'"):
+    specjax.make_drafter("draft_model", random_target, draft="nosuchmodel-draft")
+
+
+# --------------------------------------------------------------------------------------------- end to end
+
+
+def test_distilled_draft_learns_a_predictable_task_end_to_end(task_target, task_caches, tmp_path):
+  """One layer (the target's first) starts from a random perturbation and learns the target's next tokens."""
+  fresh = perturbed(specjax.make_drafter("draft_model", task_target, draft="fresh", num_layers=1), scale=0.5)
+  prompts = [progression(5, 2, 6), progression(11, 1, 9), progression(30, 2, 4)]
+  expected = specjax.generate(task_target, prompts, max_new_tokens=30, stop_ids=[])
+  before = specjax.generate(task_target, prompts, max_new_tokens=30, drafter=fresh, gamma=3, stop_ids=[])
+  result = train_drafter(task_target, fresh, task_caches["train"], task_caches["held_out"], workdir=str(tmp_path),
+                         steps=200, batch_size=16, learning_rate=1e-2, warmup_steps=10, eval_every=200,
+                         progress=False)
+  assert result.final_eval["eval_top1_1"] >= 0.95, result.final_eval
+  out = specjax.generate(task_target, prompts, max_new_tokens=30, drafter=result.drafter, gamma=3, stop_ids=[])
+  assert out.tokens == expected.tokens
+  assert before.stats["mean_accepted"] < 2 and out.stats["mean_accepted"] >= 0.9 * 4, (before.stats, out.stats)
+  # The drafter checkpoint and the exported HF model both give the same drafts back.
+  path = draft_head.save(result.drafter, str(tmp_path / "draft.safetensors"), task_target, dtype="float32")
+  exported = export.save_hf(draft_model.as_model(task_target, result.drafter), str(tmp_path / "hf"))
+  for draft in (path, exported):
+    again = specjax.generate(task_target, prompts, max_new_tokens=30, gamma=3, stop_ids=[],
+                             drafter=specjax.make_drafter("draft_model", task_target, draft=draft))
+    assert again.tokens == out.tokens and again.stats["accepted_per_row"] == out.stats["accepted_per_row"]
+
+
+def test_distilled_checkpoint_misfits_are_clear_errors(random_target, task_target, tmp_path):
+  drafter = specjax.make_drafter("draft_model", random_target, draft="fresh", num_layers=2)
+  path = draft_head.save(drafter, str(tmp_path / "draft.safetensors"), random_target)
+  with pytest.raises(CheckpointError, match="num_layers 4 vs 3"):
+    specjax.make_drafter("draft_model", task_target, draft=path)
+  with pytest.raises(CheckpointError, match="holds a 'draft_model' drafter, not 'layer_skip'"):
+    specjax.make_drafter("layer_skip", random_target, adapter=path)
+  with pytest.raises(CheckpointError, match="does not exist"):
+    specjax.make_drafter("draft_model", random_target, draft=str(tmp_path / "missing.safetensors"))
+
+
+# ------------------------------------------------------------------------------------------ HF export
+
+
+def word_tokenizer(vocab_size: int) -> Tokenizer:
+  """A word-level tokenizer with `vocab_size` ids, bos/eos specials and a chat template."""
+  from tokenizers import Tokenizer as Backend, models, pre_tokenizers
+  words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(vocab_size - 3)]
+  backend = Backend(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+  backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  backend.add_special_tokens(["<s>", "</s>"])
+  return Tokenizer(backend, {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"},
+                   chat_template="{% for m in messages %}{{ m.role }} {{ m.content }} </s> {% endfor %}")
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_exported_draft_loads_in_transformers_and_specjax_with_the_same_logits(tied, tmp_path):
+  import torch
+  from transformers import AutoTokenizer, LlamaForCausalLM
+  config = TASK_CONFIG.replace(tie_embeddings=tied, num_layers=3, rope_theta=500.0)
+  target = Model(config, init_params(config, jax.random.PRNGKey(2), std=0.3), word_tokenizer(VOCAB), "tiny-words")
+  drafter = perturbed(specjax.make_drafter("draft_model", target, draft="fresh", num_layers=2), scale=0.2)
+  draft = draft_model.as_model(target, drafter)
+  path = export.save_hf(draft, str(tmp_path / "draft"))
+  assert sorted(os.listdir(path)) == ["chat_template.jinja", "config.json", "model.safetensors", "tokenizer.json",
+                                      "tokenizer_config.json"]
+  ids = np.random.default_rng(0).integers(0, VOCAB, size=40)
+  ours = np.asarray(specjax.logits(draft, ids))
+  hf = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+  with torch.no_grad():
+    theirs = hf(torch.tensor([ids.tolist()])).logits[0].numpy()
+  np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+  loaded = specjax.load(path)
+  assert loaded.config == draft.config
+  np.testing.assert_allclose(np.asarray(specjax.logits(loaded, ids)), ours, atol=1e-6, rtol=0)
+  assert loaded.tokenizer.fingerprint() == target.tokenizer.fingerprint()
+  messages = [{"role": "user", "content": "w1 w2"}]
+  assert loaded.tokenizer.apply_chat_template(messages) == target.tokenizer.apply_chat_template(messages)
+  assert AutoTokenizer.from_pretrained(path).encode("w3 </s> w4") == target.tokenizer.encode("w3 </s> w4")
