@@ -7,6 +7,9 @@ on disk. Variants (comma-separated, e.g. `configs/train_data.py:regenerate,small
   regenerate  the target's own greedy answers replace ShareGPT's (EAGLE's choice). Greedy generation adds
               ~20 s per 1k answer tokens on the same cores, ~80 min at the default sizes: size it down
               (e.g. --config.num_train=500) or run it where the target decodes faster
+  exits       features after more layers, for exit adapters (configs/train_exit.py): the outputs of 0-based
+              layers 3, 5, 7, 9, 11, 15 and 29 (exit after k = 4, 6, 8, 10, 12, 16 layers; 29 for the MTP
+              heads), ~3 GB for train; any other set: --config.feature_layers="(3,7,11)"
   small       a few conversations, for a one-minute end-to-end check
 
 Writes <workdir>/train/ and <workdir>/held_out/ feature caches (specjax.features), the sequences they hold
@@ -17,7 +20,7 @@ held-out conversation is ever trained on. No Spec-Bench prompt is used.
 
 import ml_collections
 
-VARIANTS = ("regenerate", "small")
+VARIANTS = ("regenerate", "exits", "small")
 
 
 def get_config(arg=None):
@@ -44,6 +47,8 @@ def get_config(arg=None):
   config.regenerate_batch_size = 16
 
   config.feature_layers = (2, 15, 27, 29)  # specjax.features.default_feature_layers(30); () for the default
+  if "exits" in variants:
+    config.feature_layers = (3, 5, 7, 9, 11, 15, 29)
   config.top_k = 32
   config.feature_dtype = "float16"
   config.batch_size = 8  # sequences per target forward

@@ -34,23 +34,29 @@ def get_config(arg=None):
   config.model = "smollm2-135m"
   config.data_dir = "workdirs/data/train_data"  # <data_dir>/train and /held_out: prepare_data's default workdir
 
+  # options: make_drafter's keyword arguments for fresh parameters (path=None), besides the token map.
   if kind == "parallel":
     config.drafter = "mtp_parallel"
-    config.options = ml_collections.ConfigDict({"num_heads": 4})
+    config.options = ml_collections.ConfigDict({"path": None, "num_heads": 4})
     config.learning_rate = 1e-3
     config.steps = 600
   elif kind == "sequential":
     config.drafter = "mtp_sequential"
-    config.options = ml_collections.ConfigDict({"depth": 4, "recurrent": True, "eagle3": True})
+    config.options = ml_collections.ConfigDict({"path": None, "depth": 4, "recurrent": True, "eagle3": True})
     config.learning_rate = 5e-4
     config.steps = 400
   else:
     config.drafter = "mtp_sequential"
-    config.options = ml_collections.ConfigDict({"depth": 3, "recurrent": False, "eagle3": False})
+    config.options = ml_collections.ConfigDict({"path": None, "depth": 3, "recurrent": False, "eagle3": False})
     config.learning_rate = 5e-4
     config.steps = 400
   config.draft_vocab = 8192  # truncated draft vocabulary (FR-Spec); 0 scores the full vocabulary
+  return add_training(config, f"workdirs/train/{kind}", small="small" in parts)
 
+
+def add_training(config: ml_collections.ConfigDict, workdir: str, small: bool) -> ml_collections.ConfigDict:
+  """The fields every drafter-training config shares: batches, schedule, logging, export, the Spec-Bench check
+  (configs/train_exit.py and configs/train_draft.py use it too); `small` shrinks the run to a quick check."""
   config.batch_size = 8  # sequences of 256 tokens per step
   config.warmup_steps = 40
   config.weight_decay = 0.0
@@ -68,8 +74,8 @@ def get_config(arg=None):
   config.spec_bench = ml_collections.ConfigDict({"enabled": True, "per_category": 1, "max_new_tokens": 128,
                                                 "gamma": 4})
 
-  config.workdir = f"workdirs/train/{kind}"
-  if "small" in parts:
+  config.workdir = workdir
+  if small:
     config.steps = 20
     config.warmup_steps = 5
     config.eval_every = 10

@@ -1,12 +1,14 @@
 r"""Trains a drafter on cached target features, exports it with a model card, measures it on Spec-Bench.
 
   python -m experiments.train --config=configs/train_mtp.py:parallel [--config.steps=N]
+  python -m experiments.train --config=configs/train_exit.py:8      # an exit adapter after 8 layers
+  python -m experiments.train --config=configs/train_draft.py       # a distilled 4-layer draft model
 
 Reads <data_dir>/train and <data_dir>/held_out (built by `python -m experiments.prepare_data`), trains the
 drafter's own parameters with the target frozen (`specjax.train_drafter`), and writes to the workdir:
 metrics.jsonl (training and held-out metrics), checkpoints/ (orbax; a rerun of the same command resumes),
 <drafter>.safetensors (the exported drafter) and <drafter>.md, its model card (how to reproduce it and what
-it measured).
+it measured); a draft model also as an HF Llama directory (`config.export_hf`).
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 import specjax
-from specjax import features, sharding
-from specjax.drafters import draft_head
+from specjax import export, features, sharding
+from specjax.drafters import draft_head, draft_model
 from specjax.loading import CheckpointError
 from specjax.train_drafter import train_drafter
 from experiments import spec_bench
@@ -32,6 +34,8 @@ from experiments.cli import environment, parse_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config: configs/train_mtp.py:<variant>.",
                                           lock_config=True)
+# The make_drafter keyword that takes a trained checkpoint, per drafter (how the model card says to load it).
+CHECKPOINT_ARGUMENT = {"layer_skip": "adapter", "draft_model": "draft"}
 
 
 def open_caches(data_dir: str) -> dict[str, features.FeatureCache]:
@@ -79,7 +83,8 @@ def model_card(card: dict[str, Any]) -> str:
       f"# {card['drafter']} for {card['target']}",
       "",
       f"Self-distilled drafter ({card['drafter']}, options {json.dumps(card['options'])}) for the frozen target "
-      f"{card['target']}. Load it with `specjax.make_drafter({card['drafter']!r}, specjax.load({card['target']!r}))`.",
+      f"{card['target']}. Load it with `specjax.make_drafter({card['drafter']!r}, specjax.load({card['target']!r}), "
+      f"{CHECKPOINT_ARGUMENT.get(card['drafter'], 'path')}=<this .safetensors file>)`.",
       "",
       "## Reproduce",
       "",
@@ -130,7 +135,7 @@ def run(config: ml_collections.ConfigDict, command: str) -> dict[str, Any]:
     counts = caches["train"].token_counts
     token_map = features.top_token_map(counts, config.draft_vocab, caches["train"].meta.get("stop_ids", ()))
     coverage = features.token_map_coverage(counts, token_map)
-  fresh = specjax.make_drafter(config.drafter, model, path=None, token_map=token_map, **config.options.to_dict())
+  fresh = specjax.make_drafter(config.drafter, model, token_map=token_map, **config.options.to_dict())
   mesh = sharding.make_mesh(*config.mesh_shape) if config.mesh_shape else None
   result = train_drafter(
       model, fresh, caches["train"], caches["held_out"], workdir=config.workdir, steps=config.steps,
@@ -155,6 +160,10 @@ def run(config: ml_collections.ConfigDict, command: str) -> dict[str, Any]:
   with open(card_path, "w") as f:
     f.write(model_card(card))
   print(f"exported {path} ({os.path.getsize(path) / 1e6:.1f} MB) and its model card {card_path}")
+  if config.get("export_hf"):
+    hf_dir = export.save_hf(draft_model.as_model(model, result.drafter, name=os.path.basename(config.export_hf)),
+                            config.export_hf)
+    print(f"exported the draft model as an HF Llama directory: {hf_dir}")
   return card
 
 

@@ -1,0 +1,70 @@
+"""Drafter-training configs run end to end through experiments.train on a tiny model: every variant trains,
+exports a checkpoint (and a draft model an HF directory) that loads back into a drafter."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import specjax
+from configs import train_draft, train_exit, train_mtp
+from experiments import train
+from specjax.features import build_feature_cache
+
+VOCAB = 96  # save_tiny_hf_llama's
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+  """A tiny HF Llama directory (3 layers) and train/held-out caches with every layer's features."""
+  from tests.conftest import save_tiny_hf_llama
+  root = tmp_path_factory.mktemp("train_configs")
+  model_dir = save_tiny_hf_llama(str(root / "model"), tied=True)
+  model = specjax.load(model_dir)
+  rng = np.random.default_rng(0)
+  for split in ("train", "held_out"):
+    seqs = [(rng.integers(0, VOCAB, size=24).astype(np.int32), np.arange(24) >= 8) for _ in range(16)]
+    build_feature_cache(model, seqs, str(root / "data" / split), seq_len=24, feature_layers=(0, 1, 2), top_k=4,
+                        batch_size=8)
+  return model_dir, str(root / "data"), root
+
+
+@pytest.mark.parametrize("module, arg, options", [
+    (train_mtp, "parallel,small", {}),
+    (train_exit, "8,small", {"exit_layer": 1}),
+    (train_exit, "16,attention,small", {"exit_layer": 2}),
+    (train_draft, "small", {"num_layers": 2}),
+], ids=["mtp_parallel", "exit_block", "exit_attention", "draft_model"])
+def test_training_config_trains_and_exports_a_loadable_drafter(module, arg, options, tiny_run):
+  model_dir, data_dir, root = tiny_run
+  config = module.get_config(arg)
+  config.model, config.data_dir, config.draft_vocab = model_dir, data_dir, 32
+  config.steps, config.batch_size, config.eval_sequences = 3, 4, 4
+  config.workdir = str(root / "runs" / f"{config.drafter}-{arg}")
+  config.options.update(options)
+  if config.get("export_hf"):
+    config.export_hf = os.path.join(config.workdir, "hf")
+  card = train.run(config, "python -m experiments.train (test)")
+  assert card["steps"] == 3 and "eval_top1_1" in card["held_out"]
+  path = os.path.join(config.workdir, f"{config.drafter}.safetensors")
+  with open(os.path.splitext(path)[0] + ".md") as f:
+    assert f"{train.CHECKPOINT_ARGUMENT.get(config.drafter, 'path')}=<this .safetensors file>" in f.read()
+  model = specjax.load(model_dir)
+  loaded = specjax.make_drafter(config.drafter, model, **{train.CHECKPOINT_ARGUMENT.get(config.drafter, "path"): path})
+  assert loaded.options.draft_vocab == 32
+  prompt = [[5, 9, 2, 7, 5, 9, 2, 7, 1]]
+  assert (specjax.generate(model, prompt, max_new_tokens=8, drafter=loaded, gamma=2, stop_ids=[]).tokens
+          == specjax.generate(model, prompt, max_new_tokens=8, stop_ids=[]).tokens)
+  if config.get("export_hf"):
+    assert specjax.load(config.export_hf).config.num_layers == 2
+
+
+def test_exit_config_reads_the_cache_that_holds_its_layer():
+  assert train_exit.get_config("16").data_dir == "workdirs/data/train_data"  # layer 15's output: default caches
+  assert train_exit.get_config("8").data_dir == "workdirs/data/train_data-exits"
+  assert train_exit.get_config("8,attention").options.to_dict() == {"adapter": "fresh", "exit_layer": 8, "mlp": False}
+  with pytest.raises(ValueError, match="takes the exit layer k"):
+    train_exit.get_config("attention")
+  assert train_draft.get_config("6").options.num_layers == 6
