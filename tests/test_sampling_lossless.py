@@ -87,9 +87,14 @@ def perturbed(drafter, scale=0.5):
 
 
 # Drafters whose q differ in kind: an independent model, MTP heads over a truncated vocabulary (q is zero on
-# tokens 0-2, which only the residual can produce), a recurrent sequential module.
+# tokens 0-2, which only the residual can produce), a recurrent sequential module, an exit adapter over a
+# truncated vocabulary, a draft model distilled from the target's layers.
 DRAFTERS = {
     "draft_model": lambda target, draft: specjax.make_drafter("draft_model", target, draft=draft),
+    "draft_model_distilled": lambda target, draft: perturbed(specjax.make_drafter(
+        "draft_model", target, draft="fresh", num_layers=1), scale=0.1),
+    "layer_skip_adapter_truncated": lambda target, draft: perturbed(specjax.make_drafter(
+        "layer_skip", target, adapter="fresh", exit_layer=1, token_map=list(range(3, VOCAB))), scale=0.1),
     "mtp_parallel_truncated": lambda target, draft: perturbed(specjax.make_drafter(
         "mtp_parallel", target, path=None, num_heads=3, token_map=list(range(3, VOCAB))), scale=0.1),
     "mtp_sequential": lambda target, draft: perturbed(specjax.make_drafter(

@@ -68,13 +68,16 @@ draft = Model(model.config.replace(num_layers=1), init_params(model.config.repla
               jax.random.PRNGKey(1), std=0.2), None, "tiny-draft")
 drafters = {"draft_model": dict(draft=draft), "layer_skip": dict(exit_layer=1), "prompt_lookup": {},
             "mtp_parallel": dict(path=None, num_heads=3, token_map=list(range(0, 256, 2))),
-            "mtp_sequential": dict(path=None, depth=3)}
+            "mtp_sequential": dict(path=None, depth=3),
+            "layer_skip_adapter": dict(adapter="fresh", exit_layer=1, token_map=list(range(0, 256, 2))),
+            "draft_model_distilled": dict(draft="fresh", num_layers=1)}
+kinds = {"layer_skip_adapter": "layer_skip", "draft_model_distilled": "draft_model"}  # test id -> drafter name
 result["speculative"] = {}
 for data, model_axis in %(meshes)s:
   mesh = sharding.make_mesh(data, model_axis)
   sharded = sharding.shard_model(model, mesh)
   for name, options in drafters.items():
-    drafter = specjax.make_drafter(name, sharded, **options)
+    drafter = specjax.make_drafter(kinds.get(name, name), sharded, **options)
     first = generate(sharded, prompts, max_new_tokens=12, drafter=drafter, gamma=3, mesh=mesh).tokens
     compiles = _generate_speculative._cache_size()
     second = generate(sharded, prompts, max_new_tokens=12, drafter=drafter, gamma=3, mesh=mesh).tokens
@@ -198,7 +201,8 @@ def test_sharded_generate_compiles_once_per_shape(sharded_runs, mesh):
   assert not sharded_runs[0]["gqa"][mesh]["recompiled"]
 
 
-@pytest.mark.parametrize("drafter", ["draft_model", "layer_skip", "prompt_lookup", "mtp_parallel", "mtp_sequential"])
+@pytest.mark.parametrize("drafter", ["draft_model", "layer_skip", "prompt_lookup", "mtp_parallel", "mtp_sequential",
+                                     "layer_skip_adapter", "draft_model_distilled"])
 @pytest.mark.parametrize("mesh", [f"{d}x{m}" for d, m in MESHES])
 def test_sharded_speculative_generate_equals_single_device(sharded_runs, mesh, drafter):
   run = sharded_runs[0]["speculative"][f"{mesh}/{drafter}"]
