@@ -37,6 +37,20 @@ decoding: the best found, skip {12}, measured 0.80x (α 0.93) and early exit at 
 (configs/layer_skip_sets/smollm2-135m.json). A model not trained for skipping has few redundant layers, and a
 draft step that runs 29 of 30 layers costs nearly a target step.
 
+Deeper sets (`--method=teacher_forced`, `deep_search`): SWIFT (Xia et al. 2024, "SWIFT: On-the-Fly
+Self-Speculative Decoding for LLM Inference Acceleration") and Draft & Verify skip about half of the layers,
+keeping the first and last. A search that far meets hundreds of sets, so it scores them without generating:
+
+  python -m specjax.layer_skip_search --method=teacher_forced --model=smollm2-135m \
+      --out=configs/layer_skip_sets/smollm2-135m-deep.json --sequences=16 --gamma=3 [--verify_cost=1.35]
+
+The target runs once over ShareGPT training sequences (`training_sequences`; never Spec-Bench); each set is
+then one teacher-forced draft pass through a single compiled program (`teacher_forced_objective`: α is the
+draft's agreement with the target's next token as it drafts a round's first token), scored by the speedup
+model above; `greedy_path_search` adds the best layer at every step up to `max_skip_fraction` of the layers
+and keeps the best set met on the way. Whole layers only: skipping attention and MLP sublayers apart (Draft &
+Verify) would need the model's forward to take sublayer sets.
+
 The result is a JSON record (`save_skip_set`, written atomically) that `load_skip_set` turns back into
 `specjax.make_drafter("layer_skip", model, **options)` keyword arguments.
 """
@@ -60,8 +74,9 @@ import numpy as np
 import specjax
 from specjax.config import ModelConfig
 from specjax.drafters.layer_skip import draft_layers
+from specjax.drafters.mtp_sequential import attend, qkv
 from specjax.generate import prepare_batch
-from specjax.model import forward, init_cache
+from specjax.model import embed, forward, init_cache, lm_head, mlp_block
 
 SkipSet = tuple[int, ...]
 
@@ -88,7 +103,8 @@ class SearchResult:
   evaluation: Evaluation
   history: list[tuple[SkipSet, Evaluation]]  # every candidate evaluated, in order
   evaluations: int
-  stopped: str  # why the search ended: "no improvement", "budget", "exhausted"
+  stopped: str  # why the search ended: "no improvement", "budget", "exhausted" ("max_skip": greedy_path_search)
+  path: list[tuple[SkipSet, Evaluation]] = dataclasses.field(default_factory=list)  # greedy_path_search's steps
 
 
 # --- The speedup model -------------------------------------------------------------------------------------
@@ -454,6 +470,214 @@ def _finite(d: dict) -> dict:
   return {k: _finite_or_none(v) if isinstance(v, float) else v for k, v in d.items()}
 
 
+# --- Deeper skip sets on training text (SWIFT, Draft & Verify) ---------------------------------------------
+#
+# Draft & Verify (Zhang et al. 2023) and SWIFT (Xia et al. 2024) skip about half of a model's layers (keeping
+# the first and last ones, which change the residual stream most) to make drafting cheap. Scoring each of the
+# hundreds of sets such a search meets by generating with it would compile a program per set; the teacher-
+# forced proxy below scores any set with one compiled program, on training text.
+
+
+@functools.partial(jax.jit, static_argnames=("config", "top_k"))
+def _target_pass(params, tokens, *, config, top_k):
+  """The target over tokens [B, T]: its K/V at every layer ([L, B, T, KV, hd] each) and top-K next tokens."""
+  b, t = tokens.shape
+  out = forward(params, tokens, init_cache(config, b, t), jnp.zeros(b, jnp.int32), config)
+  top_logits, top_ids = jax.lax.top_k(out.logits, top_k)
+  top_probs = jnp.exp(top_logits - jax.nn.logsumexp(out.logits, axis=-1, keepdims=True))
+  return jnp.stack(out.cache.k), jnp.stack(out.cache.v), top_ids, top_probs
+
+
+def teacher_forced_draft_logits(params, tokens, target_keys, target_values, keep, config: ModelConfig):
+  """The layer-skip draft's logits [B, T, V] at every position of tokens [B, T], as it drafts a round's first token.
+
+  At position t the draft runs the kept layers (keep [L], 1 = run, 0 = skip; traced, so every skip set shares one
+  compilation) on its own residual stream and attends to the target's K/V at positions < t (what the shared
+  cache holds for committed positions; target_keys/values [L, B, T, KV, hd]) and to its own K/V at t.
+  """
+  b, t = tokens.shape
+  positions = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
+  earlier = jnp.broadcast_to(jnp.arange(t)[None, None, :] < jnp.arange(t)[None, :, None], (b, t, t))
+  h = embed(params, tokens)
+  for i, layer in enumerate(params["layers"]):
+    q, k, v = qkv(layer, h, positions, config)
+    out = attend(q, target_keys[i], target_values[i], earlier, config, k[:, :, None], v[:, :, None])
+    x = h + jnp.einsum("btnh,nhd->btd", out, layer["wo"])
+    x = x + mlp_block(layer, x, config)
+    h = jnp.where(keep[i] > 0, x, h)
+  return lm_head(params, h, config)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _agreement(params, tokens, mask, target_keys, target_values, top_ids, top_probs, keep, *, config):
+  """(greedy agreements, summed overlap sum_x min(p, q) over the target's top-K, positions) over masked positions."""
+  logits = teacher_forced_draft_logits(params, tokens, target_keys, target_values, keep, config)
+  weight = mask.astype(jnp.float32)
+  greedy = (jnp.argmax(logits, axis=-1) == top_ids[..., 0]).astype(jnp.float32)
+  q = jnp.take_along_axis(jax.nn.softmax(logits, axis=-1), top_ids, axis=-1)
+  overlap = jnp.sum(jnp.minimum(top_probs, q), axis=-1)
+  return jnp.sum(greedy * weight), jnp.sum(overlap * weight), jnp.sum(weight)
+
+
+def teacher_forced_objective(model, tokens: np.ndarray, mask: np.ndarray, *, gamma: int, verify_cost: float = 1.0,
+                             acceptance: str = "greedy", batch_size: int = 8, top_k: int = 32) -> Objective:
+  """Leviathan-model speedup with α measured under teacher forcing on training sequences.
+
+  tokens/mask [N, T]: sequences (right-padded) and the positions that count (answer tokens). The target runs
+  once over them (its K/V and top-K next tokens are kept); each skip set S is then one draft pass:
+    greedy:   α(S) = P[argmax q_S = argmax p]          (greedy decoding's acceptance of a draft)
+    sampling: α(S) = E[sum_x min(p(x), q_S(x))]        (Leviathan et al.'s α; over p's top-K, a lower bound)
+  with q_S the draft's next-token distribution as it drafts a round's first token (exact for that token; later
+  drafts of a round read the draft's own K/V and are approximated by it, as Leviathan's i.i.d. model does), and
+  speedup = E[tokens per round](α, γ) / (γ c(S) + v).
+  """
+  if acceptance not in ("greedy", "sampling"):
+    raise ValueError(f"acceptance must be 'greedy' or 'sampling', got {acceptance!r}")
+  config = model.config
+  tokens, mask = np.asarray(tokens, np.int32), np.asarray(mask, bool)
+  batches = []
+  for first in range(0, len(tokens), batch_size):
+    rows = np.zeros((batch_size, tokens.shape[1]), np.int32)  # one compiled shape: the last batch is padded
+    rows_mask = np.zeros((batch_size, tokens.shape[1]), bool)
+    n = min(batch_size, len(tokens) - first)
+    rows[:n], rows_mask[:n] = tokens[first:first + n], mask[first:first + n]
+    batch = (jnp.asarray(rows), jnp.asarray(rows_mask))
+    batches.append(batch + _target_pass(model.params, batch[0], config=config, top_k=top_k))
+
+  def evaluate(skip: SkipSet) -> Evaluation:
+    keep = np.ones(config.num_layers, np.float32)
+    keep[list(skip)] = 0
+    greedy = overlap = count = 0.0
+    for batch in batches:
+      g, o, c = _agreement(model.params, *batch, jnp.asarray(keep), config=config)
+      greedy, overlap, count = greedy + float(g), overlap + float(o), count + float(c)
+    alpha = (greedy if acceptance == "greedy" else overlap) / max(count, 1.0)
+    cost = draft_cost(model.params, config, [i for i in range(config.num_layers) if keep[i]])
+    return Evaluation(speedup=predicted_speedup(alpha, gamma, cost, verify_cost), alpha=alpha,
+                      mean_accepted=expected_tokens_per_round(alpha, gamma), draft_cost=cost)
+  return evaluate
+
+
+def greedy_path_search(num_layers: int, objective: Objective, *, candidates: Sequence[int], max_skip: int,
+                       budget: int | None = None,
+                       on_evaluation: Callable[[SkipSet, Evaluation], None] | None = None) -> SearchResult:
+  """Greedy forward selection carried on to `max_skip` skipped layers, then the best set met on the way.
+
+  Each step adds the candidate whose set scores best, even when that score is below the previous step's: a
+  larger set's cheaper drafts can pay for a lower acceptance only once several layers are gone, which
+  `greedy_search`'s stop at the first step without improvement never reaches. `path` holds every step's set.
+  """
+  candidates = list(dict.fromkeys(int(l) for l in candidates))
+  if not candidates or min(candidates) < 0 or max(candidates) >= num_layers:
+    raise ValueError(f"candidate layers must be a non-empty subset of 0..{num_layers - 1}, got {candidates}")
+  if not 1 <= max_skip <= min(len(candidates), num_layers - 1):
+    raise ValueError(f"max_skip must be in [1, {min(len(candidates), num_layers - 1)}], got {max_skip}")
+  if budget is not None and budget < 1:
+    raise ValueError(f"budget must be at least 1, got {budget}")
+  current: SkipSet = ()
+  history, path, stopped = [], [], "max_skip"
+  while len(current) < max_skip:
+    step = None
+    for layer in [l for l in candidates if l not in current]:
+      if budget is not None and len(history) >= budget:
+        break
+      skip = tuple(sorted(current + (layer,)))
+      evaluation = objective(skip)
+      history.append((skip, evaluation))
+      if on_evaluation:
+        on_evaluation(skip, evaluation)
+      if step is None or evaluation.speedup > step[1].speedup:
+        step = (skip, evaluation)
+    if step is None:  # the budget ran out at a step's start
+      stopped = "budget"
+      break
+    path.append(step)  # a step cut short by the budget still offers the best set it tried
+    current = step[0]
+    if budget is not None and len(history) >= budget and len(current) < max_skip:
+      stopped = "budget"
+      break
+  best = max(path, key=lambda s: s[1].speedup)
+  return SearchResult(skip_layers=best[0], evaluation=best[1], history=history, evaluations=len(history),
+                      stopped=stopped, path=path)
+
+
+def training_sequences(model, num_conversations: int, *, seq_len: int, held_out_fraction: float = 0.05,
+                       split_seed: int = 0) -> tuple[np.ndarray, np.ndarray, dict]:
+  """(tokens [N, seq_len] right-padded, mask [N, seq_len], provenance) from the first `num_conversations` of
+  ShareGPT's train side (the split `configs/train_data.py` uses): calibration text the drafters' training data
+  also comes from, never Spec-Bench. mask marks positions whose next token is an answer token."""
+  import importlib.metadata
+  from specjax import sequences, sharegpt
+  conversations, stats = sharegpt.read_conversations()
+  train, _ = sharegpt.split(conversations, held_out_fraction, split_seed)
+  made = sequences.make_sequences(model, train[:num_conversations], seq_len=seq_len)
+  if not made:
+    raise ValueError(f"no training sequences from {num_conversations} conversations")
+  tokens = np.zeros((len(made), seq_len), np.int32)
+  mask = np.zeros((len(made), seq_len), bool)
+  for i, s in enumerate(made):
+    tokens[i, :len(s.tokens)], mask[i, :len(s.loss_mask)] = s.tokens, s.loss_mask
+  source = {"source": "ShareGPT, train side of the split, the target's chat template",
+            "dataset": os.path.basename(stats.path),
+            "dataset_package": f"{sharegpt.DISTRIBUTION} {importlib.metadata.version(sharegpt.DISTRIBUTION)}",
+            "held_out_fraction": held_out_fraction, "split_seed": split_seed, "conversations": num_conversations,
+            "sequences": len(made), "seq_len": seq_len, "positions": int(mask.sum())}
+  return tokens, mask, source
+
+
+def deep_search(model, tokens: np.ndarray, mask: np.ndarray, *, gamma: int, max_skip_fraction: float = 0.5,
+                keep_layers: Sequence[int] | None = None, acceptance: str = "greedy", verify_cost: float = 1.0,
+                budget: int | None = None, batch_size: int = 8, calibration: dict | None = None,
+                on_evaluation: Callable[[SkipSet, Evaluation], None] | None = None) -> dict:
+  """A multi-layer skip set by `greedy_path_search` on the teacher-forced proxy; returns the record to save.
+
+  Args:
+    tokens, mask: calibration sequences (`training_sequences`).
+    max_skip_fraction: the path goes on to this fraction of the layers skipped (SWIFT and Draft & Verify: ~0.5).
+    keep_layers: never skipped (default: the first and the last).
+    acceptance, verify_cost: see `teacher_forced_objective`.
+    budget: most evaluations (None: the whole path, about candidates x max_skip - max_skip^2 / 2).
+  """
+  num_layers = model.config.num_layers
+  keep = {0, num_layers - 1} if keep_layers is None else {int(l) for l in keep_layers}
+  candidates = [l for l in range(num_layers) if l not in keep]
+  max_skip = min(len(candidates), max(1, int(max_skip_fraction * num_layers)))
+  score = memoize(teacher_forced_objective(model, tokens, mask, gamma=gamma, verify_cost=verify_cost,
+                                           acceptance=acceptance, batch_size=batch_size))
+  result = greedy_path_search(num_layers, score, candidates=candidates, max_skip=max_skip, budget=budget,
+                              on_evaluation=on_evaluation)
+  best = result.evaluation
+
+  def row(skip, evaluation):
+    return {"skip_layers": list(skip), **_finite(dataclasses.asdict(evaluation))}
+
+  return {
+      "drafter": "layer_skip",
+      "options": drafter_options(num_layers, result.skip_layers),
+      "gamma": int(gamma),
+      "objective": f"teacher_forced_{acceptance}",
+      "measured_speedup": None,
+      "proxy_speedup": best.speedup,
+      "predicted_speedup": best.speedup,
+      "verify_cost": verify_cost,
+      "alpha": best.alpha,
+      "mean_accepted": best.mean_accepted,
+      "draft_cost": best.draft_cost,
+      "model": model.name,
+      "num_layers": num_layers,
+      "calibration": {"positions": int(np.sum(mask)), "sequences": len(tokens), **(calibration or {})},
+      "search": {
+          "method": "greedy_path", "kept_layers": sorted(keep), "max_skip": max_skip, "budget": budget,
+          "evaluations": result.evaluations, "stopped": result.stopped,
+          "path": [row(skip, e) for skip, e in result.path],
+          "history": [row(skip, e) for skip, e in result.history],
+      },
+      "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      "environment": {"jax": jax.__version__, "backend": jax.default_backend(), "cpu_count": os.cpu_count(),
+                      "load_average": [round(x, 2) for x in os.getloadavg()]},
+  }
+
+
 # --- Saved skip sets ---------------------------------------------------------------------------------------
 
 def save_skip_set(path: str, record: dict) -> None:
@@ -521,12 +745,15 @@ def main(argv):
   from experiments import spec_bench
   f = flags.FLAGS
   model = specjax.load(f.model, dtype="float32")
+  if f.method == "teacher_forced":
+    return main_teacher_forced(model, f)
   if model.tokenizer is None:
     raise ValueError(f"{f.model} has no tokenizer; calibration prompts are Spec-Bench text")
   questions, prompts = calibration_prompts(model, spec_bench.load_questions(), f.prompts,
                                            max_new_tokens=f.max_new_tokens, gamma=f.gamma)
   exit_layers = [int(k) for k in f.exit_layers]
-  bar = tqdm(total=f.budget, desc=f"{f.objective} skip-set search", unit="candidate")
+  budget = 10 if f.budget is None else f.budget
+  bar = tqdm(total=budget, desc=f"{f.objective} skip-set search", unit="candidate")
 
   def progress(skip, evaluation):
     bar.update(1)
@@ -536,7 +763,7 @@ def main(argv):
               f"tokens/round {evaluation.mean_accepted:.2f}, c {evaluation.draft_cost:.2f}, "
               f"compile {evaluation.compile_seconds:.0f} s")
 
-  record = search(model, prompts, gamma=f.gamma, max_new_tokens=f.max_new_tokens, budget=f.budget,
+  record = search(model, prompts, gamma=f.gamma, max_new_tokens=f.max_new_tokens, budget=budget,
                   objective=f.objective, repeats=f.repeats, exit_layers=exit_layers,
                   candidate_pool=f.candidate_pool, verify_cost=f.verify_cost, on_evaluation=progress,
                   calibration={"source": "Spec-Bench, last questions of each category, chat template",
@@ -553,6 +780,28 @@ def main(argv):
     print("speedup < 1: on this model every skip set tried is slower than autoregressive decoding.")
 
 
+def main_teacher_forced(model, f):
+  from tqdm import tqdm
+  tokens, mask, source = training_sequences(model, f.sequences, seq_len=f.seq_len)
+  print(f"calibration: {source}")
+  bar = tqdm(desc="teacher-forced skip-set search", unit="candidate")
+
+  def progress(skip, evaluation):
+    bar.update(1)
+    bar.set_postfix(skipped=len(skip), speedup=f"{evaluation.speedup:.3f}", alpha=f"{evaluation.alpha:.2f}")
+
+  record = deep_search(model, tokens, mask, gamma=f.gamma, max_skip_fraction=f.max_skip_fraction,
+                       acceptance=f.acceptance, verify_cost=f.verify_cost, budget=f.budget, calibration=source,
+                       on_evaluation=progress)
+  bar.close()
+  save_skip_set(f.out, record)
+  for step in record["search"]["path"]:
+    print(f"skip {len(step['skip_layers'])}: {step['skip_layers']}: α {step['alpha']:.3f}, "
+          f"c {step['draft_cost']:.2f}, predicted speedup {step['speedup']:.3f}")
+  print(f"best: {record['options']} gamma={record['gamma']}: predicted speedup {record['proxy_speedup']:.3f} "
+        f"(α {record['alpha']:.3f}) after {record['search']['evaluations']} evaluations; saved to {f.out}")
+
+
 def _define_flags():
   from absl import flags
   flags.DEFINE_string("model", "smollm2-135m", "Model name or path for specjax.load (fp32).")
@@ -560,7 +809,15 @@ def _define_flags():
   flags.DEFINE_integer("prompts", 4, "Calibration prompts (Spec-Bench, one compiled shape).")
   flags.DEFINE_integer("max_new_tokens", 48, "Tokens generated per calibration prompt.")
   flags.DEFINE_integer("gamma", 2, "Draft tokens per round.")
-  flags.DEFINE_integer("budget", 10, "Most candidate evaluations (each compiles a program), sweep included.")
+  flags.DEFINE_enum("method", "generate", ["generate", "teacher_forced"],
+                    "generate: score sets by decoding Spec-Bench prompts (greedy search from single layers); "
+                    "teacher_forced: deep sets scored on ShareGPT training text (deep_search).")
+  flags.DEFINE_integer("budget", None, "Most candidate evaluations (generate: each compiles a program, sweep "
+                       "included; default 10. teacher_forced: default the whole path).")
+  flags.DEFINE_integer("sequences", 16, "teacher_forced: ShareGPT train conversations to calibrate on.")
+  flags.DEFINE_integer("seq_len", 256, "teacher_forced: tokens per calibration sequence.")
+  flags.DEFINE_float("max_skip_fraction", 0.5, "teacher_forced: the path goes on to this fraction of layers.")
+  flags.DEFINE_enum("acceptance", "greedy", ["greedy", "sampling"], "teacher_forced: which α (see the docs).")
   flags.DEFINE_enum("objective", "measured", ["measured", "proxy"], "Timed speedup or Leviathan-model proxy.")
   flags.DEFINE_integer("repeats", 2, "Interleaved timing rounds per candidate (measured objective).")
   flags.DEFINE_list("exit_layers", ["28"], "Early-exit points swept before the greedy search.")

@@ -163,3 +163,80 @@ def test_save_is_atomic(tmp_path, monkeypatch):
   assert json.load(open(path))["options"] == {"exit_layer": 2}
   assert os.listdir(tmp_path) == ["set.json"]
   assert len(replaced) == 1
+
+
+# --- Deeper skip sets, scored under teacher forcing on training text -----------------------------------------
+
+
+def test_greedy_path_search_goes_past_a_step_that_scores_lower():
+  """Skipping one layer scores below the start, three score best: the path carries on and finds them, where the
+  stop-at-no-improvement search keeps a single layer."""
+  optimum = {1, 3, 4}
+
+  def objective(skip):
+    return Evaluation(speedup=[0.0, 1.0, 0.5, 3.0][len(set(skip) & optimum)] - len(set(skip) - optimum))
+  path = lss.greedy_path_search(6, objective, candidates=range(1, 5), max_skip=3)
+  assert path.skip_layers == (1, 3, 4) and path.stopped == "max_skip"
+  assert [len(skip) for skip, _ in path.path] == [1, 2, 3]
+  assert path.evaluations == 4 + 3 + 2  # every remaining candidate at each step
+  assert len(lss.greedy_search(6, objective, budget=100).skip_layers) == 1
+  cut = lss.greedy_path_search(6, objective, candidates=range(1, 5), max_skip=3, budget=5)
+  assert cut.stopped == "budget" and cut.evaluations == 5 and len(cut.path) == 2
+  with pytest.raises(ValueError, match="max_skip must be in"):
+    lss.greedy_path_search(6, objective, candidates=[1, 2], max_skip=3)
+
+
+@pytest.mark.parametrize("skip", [(1,), (0, 2)])
+def test_teacher_forced_draft_logits_equal_the_layer_skip_drafts_first_step(skip, tiny):
+  """At position n the proxy's draft is what layer skip drafts for the pending token at n: the kept layers
+  run on it, reading the target's K/V of positions < n from the shared cache."""
+  import jax
+  import jax.numpy as jnp
+  from specjax.model import forward, init_cache
+  config, params = tiny.config, tiny.params
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, size=(2, 16)), jnp.int32)
+  keys, values, _, _ = lss._target_pass(params, tokens, config=config, top_k=4)
+  keep = jnp.asarray([0.0 if i in skip else 1.0 for i in range(config.num_layers)])
+  proxy = lss.teacher_forced_draft_logits(params, tokens, keys, values, keep, config)
+  layers = tuple(i for i in range(config.num_layers) if i not in skip)
+  for n in (1, 6, 15):
+    cache = forward(params, tokens[:, :n], init_cache(config, 2, 16), jnp.zeros(2, jnp.int32), config).cache
+    draft = forward(params, tokens[:, n:n + 1], cache, jnp.full(2, n, jnp.int32), config, layers=layers).logits
+    np.testing.assert_allclose(proxy[:, n], draft[:, 0], atol=1e-5, rtol=1e-5)
+  assert not np.allclose(proxy, lss.teacher_forced_draft_logits(params, tokens, keys, values, jnp.ones(3), config))
+
+
+def test_deep_search_record_round_trips_into_make_drafter(tiny, tmp_path):
+  rng = np.random.default_rng(1)
+  tokens = rng.integers(0, tiny.config.vocab_size, size=(5, 24)).astype(np.int32)
+  mask = np.arange(24)[None, :] >= rng.integers(4, 12, size=(5, 1))
+  record = lss.deep_search(tiny, tokens, mask, gamma=3, max_skip_fraction=0.34, keep_layers=[0], batch_size=4,
+                           calibration={"source": "random tokens"})
+  search = record["search"]
+  assert search["max_skip"] == 1 and search["evaluations"] == 2 and search["stopped"] == "max_skip"
+  assert record["calibration"] == {"positions": int(mask.sum()), "sequences": 5, "source": "random tokens"}
+  best = max(search["history"], key=lambda r: r["speedup"])
+  assert record["proxy_speedup"] == best["speedup"] and 0 <= record["alpha"] <= 1
+  assert record["proxy_speedup"] == pytest.approx(lss.predicted_speedup(record["alpha"], 3, record["draft_cost"]))
+  path = str(tmp_path / "deep.json")
+  lss.save_skip_set(path, record)
+  drafter = specjax.make_drafter("layer_skip", tiny, **lss.load_skip_set(path, model=tiny))
+  assert set(drafter.options.layers) | set(best["skip_layers"]) == {0, 1, 2}
+
+
+def test_sampling_acceptance_is_the_overlap_of_p_and_q(tiny):
+  """With nothing skipped the draft is the target: α = 1 for greedy, and the top-K mass of p for sampling."""
+  tokens = np.random.default_rng(2).integers(0, tiny.config.vocab_size, size=(2, 12)).astype(np.int32)
+  mask = np.ones_like(tokens, bool)
+  greedy = lss.teacher_forced_objective(tiny, tokens, mask, gamma=2, batch_size=2)(())
+  sampling = lss.teacher_forced_objective(tiny, tokens, mask, gamma=2, batch_size=2, acceptance="sampling",
+                                          top_k=tiny.config.vocab_size)(())
+  assert greedy.alpha == pytest.approx(1.0) and sampling.alpha == pytest.approx(1.0, abs=1e-5)
+  assert greedy.draft_cost == pytest.approx(1.0)
+
+
+def test_training_sequences_are_sharegpt_train_conversations(smollm2):
+  tokens, mask, source = lss.training_sequences(smollm2, 3, seq_len=64)
+  assert tokens.shape[1] == mask.shape[1] == 64 and 1 <= len(tokens) <= 3 and mask.any()
+  assert source["split_seed"] == 0 and source["held_out_fraction"] == 0.05 and source["positions"] == mask.sum()
+  assert "ShareGPT" in source["source"] and tokens[0, 0] == smollm2.tokenizer.token_to_id("<|im_start|>")
