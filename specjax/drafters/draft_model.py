@@ -175,8 +175,6 @@ def make(model, draft=None, num_layers: int | None = None, init_layers=None, tok
     path = shipped_path(model, draft) if draft.lower().endswith(SHIPPED_SUFFIX) else draft
     options, params = draft_head.load(model, NAME, path, saved_specs, lambda saved: _distilled_options(
         config, saved["init_layers"], saved["draft_vocab"]))
-    if options.config.num_layers != len(params["layers"]):
-      raise CheckpointError(f"{path}: {len(params['layers'])} layers, its options say {options.config.num_layers}")
   else:
     if not isinstance(draft, Model):
       draft = load(draft, dtype=config.dtype)
