@@ -28,7 +28,7 @@ cancelled by differencing a long and a short loop) on a KV cache of the prompts'
 and the expected speedup of Leviathan et al. (2023):
   E[tokens per round] = (1 - α^(γ+1)) / (1 - α),   predicted = E / (γ·c + v),
   c = t_draft / γ / t_1,  v = t_v / t_1,
-with α the measured per-token acceptance (`layer_skip_search.alpha_from_stats`: accepted drafts over
+with α the measured per-token acceptance (`leviathan.alpha_from_stats`: accepted drafts over
 accepted drafts + rejections). efficiency = measured speedup / predicted: below 1, the decode loop costs
 more than its forwards (commit, bookkeeping, copies) or the prompts differ from the cost context.
 """
@@ -52,6 +52,7 @@ from tqdm import tqdm
 import specjax
 from experiments import compilations, spec_bench
 from specjax import layer_skip_search as lss
+from specjax import leviathan
 from specjax.drafters import DraftInputs, PromptInfo
 from specjax.generate import prepare_batch
 from specjax.model import forward, init_cache
@@ -295,12 +296,12 @@ def main(argv):
            "compile_seconds": compile_seconds[m.name]}
     if m.drafter is not None:
       pooled = lss.merge_stats([r["stats"] for r in rows], m.gamma)
-      alpha = lss.alpha_from_stats(pooled, m.gamma)
+      alpha = leviathan.alpha_from_stats(pooled, m.gamma)
       c = costs["draft_seconds"][m.name] / m.gamma / t_1
       v = costs["target_seconds"][m.gamma + 1] / t_1
-      predicted = lss.predicted_speedup(alpha, m.gamma, c, v)
+      predicted = leviathan.predicted_speedup(alpha, m.gamma, c, v)
       row.update(mean_accepted=pooled["mean_accepted"], acceptance_rate=pooled["acceptance_rate"], alpha=alpha,
-                 expected_tokens_per_round=lss.expected_tokens_per_round(alpha, m.gamma), draft_cost=c,
+                 expected_tokens_per_round=leviathan.expected_tokens_per_round(alpha, m.gamma), draft_cost=c,
                  verify_cost=v, predicted_speedup=predicted, efficiency=row["speedup"] / predicted)
     else:
       row.update(mean_accepted=1.0)

@@ -23,9 +23,7 @@ import os
 import time
 from typing import Any, Sequence
 
-import jax
 import ml_collections
-import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 from tqdm import tqdm

@@ -1,6 +1,6 @@
 r"""Searching which layers a layer-skip drafter should skip, by measured speedup (Draft & Verify style).
 
-  python -m specjax.layer_skip_search --model=smollm2-135m --out=configs/layer_skip_sets/smollm2-135m.json \
+  python -m experiments.search_layer_skip --model=smollm2-135m --out=configs/layer_skip_sets/smollm2-135m.json \
       --prompts=4 --max_new_tokens=48 --budget=10 [--objective=measured|proxy] [--gamma=2]
 
 Draft & Verify (Zhang et al. 2023, "Draft & Verify: Lossless Large Language Model Acceleration via
@@ -32,16 +32,14 @@ Every candidate skip set is a new drafter, hence a new compiled program (tens of
 Influence, Men et al. 2024: 1 - cos(layer input, layer output), averaged over the calibration tokens), so a
 budget that ends mid-step has tried the likeliest layers.
 
-On SmolLM2-135M (fp32, 2 shared CPU cores, gamma 2, budget 10) no set is faster than autoregressive
-decoding: the best found, skip {12}, measured 0.80x (α 0.93) and early exit at 28 0.54x
-(configs/layer_skip_sets/smollm2-135m.json). A model not trained for skipping has few redundant layers, and a
-draft step that runs 29 of 30 layers costs nearly a target step.
+The searched SmolLM2 sets and what they measured are in configs/layer_skip_sets/ (each record holds its
+calibration, every candidate evaluated and the environment).
 
 Deeper sets (`--method=teacher_forced`, `deep_search`): SWIFT (Xia et al. 2024, "SWIFT: On-the-Fly
 Self-Speculative Decoding for LLM Inference Acceleration") and Draft & Verify skip about half of the layers,
 keeping the first and last. A search that far meets hundreds of sets, so it scores them without generating:
 
-  python -m specjax.layer_skip_search --method=teacher_forced --model=smollm2-135m \
+  python -m experiments.search_layer_skip --method=teacher_forced --model=smollm2-135m \
       --out=configs/layer_skip_sets/smollm2-135m-deep.json --sequences=16 --gamma=3 [--verify_cost=1.35]
 
 The target runs once over ShareGPT training sequences (`training_sequences`; never Spec-Bench); each set is
@@ -73,9 +71,9 @@ import numpy as np
 
 import specjax
 from specjax.config import ModelConfig
+from specjax.leviathan import alpha_from_stats, draft_cost, expected_tokens_per_round, predicted_speedup
 from specjax.drafters.layer_skip import draft_layers
 from specjax.drafters.mtp_sequential import attend, qkv
-from specjax.generate import prepare_batch
 from specjax.model import embed, forward, init_cache, lm_head, mlp_block
 
 SkipSet = tuple[int, ...]
@@ -105,50 +103,6 @@ class SearchResult:
   evaluations: int
   stopped: str  # why the search ended: "no improvement", "budget", "exhausted" ("max_skip": greedy_path_search)
   path: list[tuple[SkipSet, Evaluation]] = dataclasses.field(default_factory=list)  # greedy_path_search's steps
-
-
-# --- The speedup model -------------------------------------------------------------------------------------
-
-def expected_tokens_per_round(alpha: float, gamma: int) -> float:
-  """Leviathan et al. (2023), eq. 1: E = (1 - α^(γ+1)) / (1 - α), tokens committed per target forward."""
-  if alpha >= 1.0:
-    return float(gamma + 1)
-  return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
-
-
-def predicted_speedup(alpha: float, gamma: int, draft_cost: float, verify_cost: float = 1.0) -> float:
-  """E[tokens per round] / (γ·c + v): c, v = a draft step's and a verification's cost over one AR step."""
-  return expected_tokens_per_round(alpha, gamma) / (gamma * draft_cost + verify_cost)
-
-
-def alpha_from_stats(stats: dict, gamma: int) -> float:
-  """Maximum-likelihood per-token acceptance α from a speculative run's stats.
-
-  Under Leviathan's i.i.d. model each round accepts drafts with probability α until the first rejection, so
-  every accepted draft is a success and every round that stopped short of γ is one failure:
-  α = accepted / (accepted + rounds with a rejection) -- the engine's `alpha`, here from per-row counts so
-  that runs can be pooled. This is not `acceptance_rate` (accepted / proposed), which also counts the drafts
-  after a rejection, never examined: at α = 0.5, γ = 4 it is 0.23.
-  """
-  accepted = float(np.sum(stats["accepted_per_row"]))
-  rejections = float(np.sum(stats["rejections_per_row"]))
-  return accepted / (accepted + rejections) if accepted + rejections else math.nan
-
-
-def _weight_bytes(tree) -> int:
-  return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
-
-
-def draft_cost(params, config: ModelConfig, layers: Sequence[int]) -> float:
-  """Weights read by one draft step (the layers run + final norm + LM head) over those of a full step.
-
-  A batch-1 decode step is memory-bound, so this is its relative time to first order. With a small model
-  the LM head is a large share (SmolLM2: 28 M of 135 M weights), so it exceeds the fraction of layers run.
-  """
-  head = params["lm_head"] if "lm_head" in params else params["embed"]
-  layer_bytes = [_weight_bytes(layer) for layer in params["layers"]]
-  fixed = _weight_bytes(head) + _weight_bytes(params["final_norm"])
-  return (fixed + sum(layer_bytes[i] for i in layers)) / (fixed + sum(layer_bytes))
 
 
 def exit_skip_set(num_layers: int, exit_layer: int) -> SkipSet:
@@ -355,36 +309,6 @@ def merge_stats(stats: list[dict], gamma: int) -> dict:
           "acceptance_per_position": per_position,
           "acceptance_rate": accepted / (live * gamma) if live else math.nan,
           "mean_accepted": from_rounds / live if live else math.nan}
-
-
-def calibration_prompts(model, questions, num_prompts: int, *, max_new_tokens: int, gamma: int
-                        ) -> tuple[list, list[list[int]]]:
-  """Chat prompts from Spec-Bench questions that share one compiled shape, spread over categories.
-
-  Takes questions round-robin over categories from the END of each category (the benchmarks use the first
-  ones), keeping those whose padded width and cache lengths (autoregressive and speculative) equal the first
-  one's, so each candidate compiles one program. Returns (questions, token ids).
-  """
-  by_category: dict[str, list] = {}
-  for q in questions:
-    by_category.setdefault(q.category, []).append(q)
-  pools = [list(reversed(qs)) for qs in by_category.values()]
-  order = [pool[i] for i in range(max(map(len, pools))) for pool in pools if i < len(pool)]
-
-  def shape(ids):
-    spec = prepare_batch(model, [ids], max_new_tokens, extra_positions=gamma + 1)
-    return spec.tokens.shape, spec.cache_len, prepare_batch(model, [ids], max_new_tokens).cache_len
-
-  chosen, key = [], None
-  for q in order:
-    ids = model.tokenizer.apply_chat_template([{"role": "user", "content": q.turns[0]}], add_generation_prompt=True)
-    if key is None:
-      key = shape(ids)
-    if shape(ids) == key:
-      chosen.append((q, ids))
-    if len(chosen) == num_prompts:
-      break
-  return [q for q, _ in chosen], [ids for _, ids in chosen]
 
 
 def search(model, prompts: Sequence[Sequence[int]], *, gamma: int, max_new_tokens: int, budget: int,
@@ -734,98 +658,3 @@ def load_skip_set(path: str, model=None) -> dict:
                        f"{model.name} has {model.config.num_layers}")
     draft_layers(model.config.num_layers, **options)
   return options
-
-
-# --- Command line ------------------------------------------------------------------------------------------
-
-def main(argv):
-  del argv
-  from absl import flags
-  from tqdm import tqdm
-  from experiments import spec_bench
-  f = flags.FLAGS
-  model = specjax.load(f.model, dtype="float32")
-  if f.method == "teacher_forced":
-    return main_teacher_forced(model, f)
-  if model.tokenizer is None:
-    raise ValueError(f"{f.model} has no tokenizer; calibration prompts are Spec-Bench text")
-  questions, prompts = calibration_prompts(model, spec_bench.load_questions(), f.prompts,
-                                           max_new_tokens=f.max_new_tokens, gamma=f.gamma)
-  exit_layers = [int(k) for k in f.exit_layers]
-  budget = 10 if f.budget is None else f.budget
-  bar = tqdm(total=budget, desc=f"{f.objective} skip-set search", unit="candidate")
-
-  def progress(skip, evaluation):
-    bar.update(1)
-    bar.set_postfix(skip=drafter_options(model.config.num_layers, skip), speedup=f"{evaluation.speedup:.3f}",
-                    alpha=f"{evaluation.alpha:.2f}")
-    bar.write(f"skip {list(skip)}: speedup {evaluation.speedup:.3f}, α {evaluation.alpha:.3f}, "
-              f"tokens/round {evaluation.mean_accepted:.2f}, c {evaluation.draft_cost:.2f}, "
-              f"compile {evaluation.compile_seconds:.0f} s")
-
-  record = search(model, prompts, gamma=f.gamma, max_new_tokens=f.max_new_tokens, budget=budget,
-                  objective=f.objective, repeats=f.repeats, exit_layers=exit_layers,
-                  candidate_pool=f.candidate_pool, verify_cost=f.verify_cost, on_evaluation=progress,
-                  calibration={"source": "Spec-Bench, last questions of each category, chat template",
-                               "question_ids": [q.question_id for q in questions],
-                               "categories": [q.category for q in questions]})
-  bar.close()
-  save_skip_set(f.out, record)
-  speedup = record["measured_speedup"] if record["objective"] == "measured" else record["proxy_speedup"]
-  print(f"best: {record['options']} gamma={record['gamma']}: {record['objective']} speedup {speedup:.3f} "
-        f"(acceptance rate {record['acceptance_rate']:.3f}, α {record['alpha']:.3f}, tokens/round "
-        f"{record['mean_accepted']:.2f}) after {record['search']['evaluations']} evaluations "
-        f"({record['search']['greedy_stopped']}); saved to {f.out}")
-  if speedup < 1:
-    print("speedup < 1: on this model every skip set tried is slower than autoregressive decoding.")
-
-
-def main_teacher_forced(model, f):
-  from tqdm import tqdm
-  tokens, mask, source = training_sequences(model, f.sequences, seq_len=f.seq_len)
-  print(f"calibration: {source}")
-  bar = tqdm(desc="teacher-forced skip-set search", unit="candidate")
-
-  def progress(skip, evaluation):
-    bar.update(1)
-    bar.set_postfix(skipped=len(skip), speedup=f"{evaluation.speedup:.3f}", alpha=f"{evaluation.alpha:.2f}")
-
-  record = deep_search(model, tokens, mask, gamma=f.gamma, max_skip_fraction=f.max_skip_fraction,
-                       acceptance=f.acceptance, verify_cost=f.verify_cost, budget=f.budget, calibration=source,
-                       on_evaluation=progress)
-  bar.close()
-  save_skip_set(f.out, record)
-  for step in record["search"]["path"]:
-    print(f"skip {len(step['skip_layers'])}: {step['skip_layers']}: α {step['alpha']:.3f}, "
-          f"c {step['draft_cost']:.2f}, predicted speedup {step['speedup']:.3f}")
-  print(f"best: {record['options']} gamma={record['gamma']}: predicted speedup {record['proxy_speedup']:.3f} "
-        f"(α {record['alpha']:.3f}) after {record['search']['evaluations']} evaluations; saved to {f.out}")
-
-
-def _define_flags():
-  from absl import flags
-  flags.DEFINE_string("model", "smollm2-135m", "Model name or path for specjax.load (fp32).")
-  flags.DEFINE_string("out", None, "Where to save the JSON record.", required=True)
-  flags.DEFINE_integer("prompts", 4, "Calibration prompts (Spec-Bench, one compiled shape).")
-  flags.DEFINE_integer("max_new_tokens", 48, "Tokens generated per calibration prompt.")
-  flags.DEFINE_integer("gamma", 2, "Draft tokens per round.")
-  flags.DEFINE_enum("method", "generate", ["generate", "teacher_forced"],
-                    "generate: score sets by decoding Spec-Bench prompts (greedy search from single layers); "
-                    "teacher_forced: deep sets scored on ShareGPT training text (deep_search).")
-  flags.DEFINE_integer("budget", None, "Most candidate evaluations (generate: each compiles a program, sweep "
-                       "included; default 10. teacher_forced: default the whole path).")
-  flags.DEFINE_integer("sequences", 16, "teacher_forced: ShareGPT train conversations to calibrate on.")
-  flags.DEFINE_integer("seq_len", 256, "teacher_forced: tokens per calibration sequence.")
-  flags.DEFINE_float("max_skip_fraction", 0.5, "teacher_forced: the path goes on to this fraction of layers.")
-  flags.DEFINE_enum("acceptance", "greedy", ["greedy", "sampling"], "teacher_forced: which α (see the docs).")
-  flags.DEFINE_enum("objective", "measured", ["measured", "proxy"], "Timed speedup or Leviathan-model proxy.")
-  flags.DEFINE_integer("repeats", 2, "Interleaved timing rounds per candidate (measured objective).")
-  flags.DEFINE_list("exit_layers", ["28"], "Early-exit points swept before the greedy search.")
-  flags.DEFINE_integer("candidate_pool", 0, "Greedy: only the N least-influential layers (0: all).")
-  flags.DEFINE_float("verify_cost", 1.0, "Proxy: verification cost in AR steps (see bench_speculative.py).")
-
-
-if __name__ == "__main__":
-  from absl import app
-  _define_flags()
-  app.run(main)

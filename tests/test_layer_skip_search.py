@@ -11,6 +11,7 @@ import pytest
 
 import specjax
 from specjax import layer_skip_search as lss
+from specjax import leviathan
 from specjax.layer_skip_search import Evaluation
 
 
@@ -73,22 +74,22 @@ def test_alpha_from_stats_recovers_leviathan_alpha(alpha, gamma):
   accepted = np.cumprod(draws, axis=1).sum(axis=1)
   stats = {"accepted_per_row": [int(accepted.sum())], "rounds_per_row": [rounds],
            "rejections_per_row": [int(np.sum(accepted < gamma))]}
-  estimate = lss.alpha_from_stats(stats, gamma)
+  estimate = leviathan.alpha_from_stats(stats, gamma)
   assert estimate == pytest.approx(alpha, abs=0.01)
-  assert lss.expected_tokens_per_round(estimate, gamma) == pytest.approx(1 + accepted.mean(), rel=0.01)
+  assert leviathan.expected_tokens_per_round(estimate, gamma) == pytest.approx(1 + accepted.mean(), rel=0.01)
 
 
 def test_predicted_speedup_limits():
-  assert lss.expected_tokens_per_round(1.0, 4) == 5
-  assert lss.expected_tokens_per_round(0.0, 4) == 1
-  assert lss.predicted_speedup(1.0, 4, draft_cost=0.0) == 5  # free perfect draft: gamma + 1 per forward
-  assert lss.predicted_speedup(0.0, 4, draft_cost=0.5) == pytest.approx(1 / 3)
+  assert leviathan.expected_tokens_per_round(1.0, 4) == 5
+  assert leviathan.expected_tokens_per_round(0.0, 4) == 1
+  assert leviathan.predicted_speedup(1.0, 4, draft_cost=0.0) == 5  # free perfect draft: gamma + 1 per forward
+  assert leviathan.predicted_speedup(0.0, 4, draft_cost=0.5) == pytest.approx(1 / 3)
 
 
 def test_draft_cost_counts_layers_and_head(tiny):
   config = tiny.config
-  assert lss.draft_cost(tiny.params, config, range(config.num_layers)) == pytest.approx(1.0)
-  one = lss.draft_cost(tiny.params, config, [0])
+  assert leviathan.draft_cost(tiny.params, config, range(config.num_layers)) == pytest.approx(1.0)
+  one = leviathan.draft_cost(tiny.params, config, [0])
   assert 1 / config.num_layers < one < 1  # the LM head is read whatever the layers
 
 
@@ -110,7 +111,7 @@ def test_proxy_search_returns_a_valid_skip_set(proxy_record, tiny):
   scores = [r["speedup"] for r in search["greedy_history"] + search["exit_layer_sweep"]]
   assert proxy_record["proxy_speedup"] == max(scores)
   assert 0 <= proxy_record["alpha"] <= 1 and 0 < proxy_record["draft_cost"] < 1
-  expected = lss.predicted_speedup(proxy_record["alpha"], 3, proxy_record["draft_cost"])
+  expected = leviathan.predicted_speedup(proxy_record["alpha"], 3, proxy_record["draft_cost"])
   assert proxy_record["proxy_speedup"] == pytest.approx(expected)
 
 
@@ -217,7 +218,7 @@ def test_deep_search_record_round_trips_into_make_drafter(tiny, tmp_path):
   assert record["calibration"] == {"positions": int(mask.sum()), "sequences": 5, "source": "random tokens"}
   best = max(search["history"], key=lambda r: r["speedup"])
   assert record["proxy_speedup"] == best["speedup"] and 0 <= record["alpha"] <= 1
-  assert record["proxy_speedup"] == pytest.approx(lss.predicted_speedup(record["alpha"], 3, record["draft_cost"]))
+  assert record["proxy_speedup"] == pytest.approx(leviathan.predicted_speedup(record["alpha"], 3, record["draft_cost"]))
   path = str(tmp_path / "deep.json")
   lss.save_skip_set(path, record)
   drafter = specjax.make_drafter("layer_skip", tiny, **lss.load_skip_set(path, model=tiny))

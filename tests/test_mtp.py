@@ -17,8 +17,8 @@ import pytest
 import specjax
 from specjax import train
 from specjax.config import ModelConfig
-from specjax.drafters import checkpoint, draft_head
-from specjax.features import FeatureCache, build_feature_cache
+from specjax.drafters import draft_head
+from specjax.features import build_feature_cache
 from specjax.loading import CheckpointError, Model
 from specjax.model import init_params
 from specjax.train_drafter import train_drafter
