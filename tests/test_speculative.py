@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -131,6 +133,18 @@ def test_unknown_drafter_and_bad_options_are_rejected(target):
     specjax.make_drafter("layer_skip", target, exit_layer=4)
   with pytest.raises(ValueError, match="skip_layers"):
     specjax.make_drafter("layer_skip", target, skip_layers=[0, 1, 2, 3])
+
+
+@pytest.mark.parametrize("name, options, message", [
+    ("layer_skip", {"bogus_option": 1}, "drafter 'layer_skip' has no option 'bogus_option'; "
+                                        "its options: exit_layer, skip_layers"),
+    ("prompt_lookup", {"ngram_size": 2}, "drafter 'prompt_lookup' has no option 'ngram_size'; its options: ngram_sizes"),
+    ("draft_model", {"path": "x", "gamma": 3}, "drafter 'draft_model' has no option 'gamma', 'path'; "
+                                               "its options: draft"),
+])
+def test_unknown_drafter_options_name_the_drafter_and_its_options(target, name, options, message):
+  with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+    specjax.make_drafter(name, target, **options)
 
 
 def test_draft_model_with_another_vocabulary_is_rejected(target):
