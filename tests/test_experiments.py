@@ -162,3 +162,20 @@ def test_cli_rejects_an_unknown_config_key(tmp_path):
   assert "no such field 'max_new_tokns'" in result.stderr
   assert 'Did you mean "max_new_tokens"' in result.stderr
   assert not os.listdir(tmp_path)  # failed before running anything
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--config=configs/does_not_exist.py"], "FATAL --config: no config file 'configs/does_not_exist.py'; "
+                                             "configs here: configs/quickstart.py, "),
+    (["--config=configs/does_not_exist.py", "--config.gamma=3"], "no config file 'configs/does_not_exist.py'"),
+    (["--config", "configs/does_not_exist.py"], "no config file 'configs/does_not_exist.py'"),
+    (["--config=configs/spec_bench.py:huge"], "FATAL --config: configs/spec_bench.py takes no argument or 'small', "
+                                              "got 'huge'"),
+], ids=["missing", "missing_with_override", "missing_space_separated", "bad_argument"])
+def test_cli_config_that_does_not_load_is_one_line(tmp_path, args, message):
+  result = subprocess.run([sys.executable, "-m", "experiments.run", *args, f"--workdir={tmp_path}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode == 1
+  assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+  assert message in result.stderr
+  assert not os.listdir(tmp_path)
