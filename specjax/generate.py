@@ -24,7 +24,8 @@ from specjax.sampling import SamplingParams, sample
 
 @dataclasses.dataclass
 class Output:
-  """tokens: generated ids per row (ending with the stop token when one was produced); texts: decoded."""
+  """tokens: generated ids per row, ending with the stop token when one was produced; texts: those tokens
+  decoded, without the stop token; stats: see `generate`."""
   tokens: list[list[int]]
   texts: list[str]
   stats: dict[str, Any]
@@ -166,9 +167,12 @@ def _generate_autoregressive(params, prompt_tokens, lengths, key, *, config, sam
   return state.tokens, state.num_generated, state.steps
 
 
-def decode_outputs(model: Model, tokens: np.ndarray, num_generated: np.ndarray) -> tuple[list[list[int]], list[str]]:
+def decode_outputs(model: Model, tokens: np.ndarray, num_generated: np.ndarray,
+                   stop_ids: tuple[int, ...]) -> tuple[list[list[int]], list[str]]:
+  """Token rows (a stop token included) and their texts (a final stop token left out: it is not text)."""
   rows = [tokens[i, :n].tolist() for i, n in enumerate(num_generated)]
-  texts = [model.tokenizer.decode(r) if model.tokenizer else "" for r in rows]
+  texts = [model.tokenizer.decode(r[:-1] if r and r[-1] in stop_ids else r) if model.tokenizer else ""
+           for r in rows]
   return rows, texts
 
 
@@ -191,7 +195,8 @@ def generate(model: Model, prompts: Sequence[str | Sequence[int]], *, max_new_to
     max_len: KV-cache capacity (default: the model's context length).
     stop_ids: tokens that end a row (default: the tokenizer's EOS and end-of-turn tokens).
   Returns:
-    Output(tokens, texts, stats). stats holds counts and `seconds` (wall time of the compiled call,
+    Output(tokens, texts, stats). tokens end with the stop token when a row produced one; texts leave it out.
+    stats holds counts and `seconds` (wall time of the compiled call,
     compilation included on the first call for a shape).
   """
   sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
@@ -212,7 +217,7 @@ def generate(model: Model, prompts: Sequence[str | Sequence[int]], *, max_new_to
       stop_ids=stop_ids, cache_sharding=cache_sharding)
   tokens, num_generated, steps = distributed.to_host((tokens, num_generated, steps))  # also multi-process arrays
   seconds = time.perf_counter() - start
-  rows, texts = decode_outputs(model, tokens, num_generated)
+  rows, texts = decode_outputs(model, tokens, num_generated, stop_ids)
   new_tokens = int(num_generated.sum())
   stats = {"rounds": int(steps), "target_calls": int(steps) + 1, "draft_calls": 0,
            "new_tokens": new_tokens, "new_tokens_per_row": num_generated.tolist(),

@@ -140,7 +140,7 @@ def generate(model, prompts, *, drafter: Drafter, gamma: int, sampling: Sampling
       cache_sharding=cache_sharding)
   tokens, num_generated, stats = distributed.to_host((tokens, num_generated, stats))  # also multi-process arrays
   seconds = time.perf_counter() - start
-  rows, texts = decode_outputs(model, tokens, num_generated)
+  rows, texts = decode_outputs(model, tokens, num_generated, stop_ids)
   stats = summarize(stats, num_generated, gamma, seconds, forwards_per_step=drafter.forwards_per_step)
   return Output(tokens=rows, texts=texts, stats=stats)
 

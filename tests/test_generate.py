@@ -295,4 +295,15 @@ def test_chat_answer_ends_with_the_end_of_turn_token(smollm2, smollm2_alone):
 def test_ragged_batch_equals_each_prompt_alone(smollm2, smollm2_prompts, smollm2_alone):
   out = specjax.generate(smollm2, smollm2_prompts, max_new_tokens=64, stop_ids=smollm2.tokenizer.stop_ids)
   assert out.tokens == smollm2_alone
-  assert out.texts == [smollm2.tokenizer.decode(r) for r in smollm2_alone]
+  stop_ids = smollm2.tokenizer.stop_ids
+  assert out.texts == [smollm2.tokenizer.decode(r[:-1] if r[-1] in stop_ids else r) for r in smollm2_alone]
+  # Both kinds of row: one ended by its stop token, one cut by max_new_tokens (its text keeps its last token).
+  assert {r[-1] in stop_ids for r in smollm2_alone} == {True, False}
+
+
+def test_texts_stop_before_the_stop_token_and_tokens_keep_it(smollm2, smollm2_prompts, smollm2_alone):
+  end_of_turn = smollm2.tokenizer.token_to_id("<|im_end|>")
+  out = specjax.generate(smollm2, smollm2_prompts[:1], max_new_tokens=64)
+  assert out.tokens[0] == smollm2_alone[0] and out.tokens[0][-1] == end_of_turn
+  assert out.texts[0] == smollm2.tokenizer.decode(out.tokens[0][:-1])
+  assert "<|im_end|>" not in out.texts[0] and "Paris" in out.texts[0]
