@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import nbformat
 import pytest
@@ -43,10 +44,17 @@ def test_notebook_is_valid_nbformat_v4_for_a_colab_tpu():
   assert all(not cell.get("outputs") for cell in notebook.cells if cell.cell_type == "code")  # stored clean
 
 
-def test_notebook_runs_without_errors(executed):
-  for cell in executed.cells:
-    if cell.cell_type == "code":
-      assert not [o for o in cell.outputs if o.output_type == "error"], cell.source
+def test_notebook_runs_every_cell_and_prints_each_method_and_prompt(executed):
+  cells = [cell for cell in executed.cells if cell.cell_type == "code"]
+  assert [cell.execution_count for cell in cells] == list(range(1, len(cells) + 1))  # all of them, in order
+  text = "\n".join(stream_text(cell) for cell in cells)
+  for category in ("coding", "extraction"):  # SMALL's two prompts
+    assert re.search(rf"^\[{category}\] \d+ tokens: ", text, re.M)
+    assert f"=== [{category}] autoregressive:\n" in text
+  for name in ("autoregressive", "prompt_lookup", "layer_skip"):
+    assert re.search(rf"^{name}: \d+ tokens in [\d.]+ s, after compiling for [\d.]+ s$", text, re.M), text
+  for name in ("prompt_lookup", "layer_skip"):
+    assert text.count(f"  {name} gives the same tokens: True") == 2
 
 
 def test_notebook_reports_speculative_stats(executed):

@@ -167,12 +167,14 @@ def test_draft_model_with_another_tokenizer_is_rejected(smollm2):
 def test_second_call_does_not_recompile_and_program_has_no_host_callbacks(target):
   drafter = specjax.make_drafter("layer_skip", target, exit_layer=1)
   prompts = ragged_prompts(4)
-  specjax.generate(target, prompts, max_new_tokens=10, drafter=drafter, gamma=2, stop_ids=[])
-  before = speculative._generate_speculative._cache_size()
+  first = specjax.generate(target, prompts, max_new_tokens=10, drafter=drafter, gamma=2, stop_ids=[])
+  before = speculative._speculative_program.cache_size()
   # Same shapes, a new but equal drafter object, new prompt contents: no new compilation.
   again = specjax.make_drafter("layer_skip", target, exit_layer=1)
-  specjax.generate(target, ragged_prompts(4, seed=1), max_new_tokens=10, drafter=again, gamma=2, stop_ids=[])
-  assert speculative._generate_speculative._cache_size() == before
+  out = specjax.generate(target, ragged_prompts(4, seed=1), max_new_tokens=10, drafter=again, gamma=2, stop_ids=[])
+  assert speculative._speculative_program.cache_size() == before
+  assert first.stats["compile_seconds"] > 0 and out.stats["compile_seconds"] == 0.0
+  assert out.stats["tokens_per_second"] == out.stats["new_tokens"] / out.stats["seconds"]
   text = speculative._generate_speculative.lower(
       target.params, drafter.params_for(target.params), np.zeros((4, 16), np.int32), np.full(4, 5, np.int32),
       jax.random.PRNGKey(0), config=target.config, drafter=drafter.static(), gamma=2,
