@@ -65,10 +65,14 @@ def test_notebook_reports_speculative_stats(executed):
   assert list(summary) == ["autoregressive", "prompt_lookup", "layer_skip"]
   for name, stats in summary.items():
     assert set(stats) == {"tokens_per_second", "speedup", "acceptance_rate", "mean_accepted", "lossless"}
-    assert stats["tokens_per_second"] > 0
     assert stats["lossless"], f"{name}: greedy speculative tokens differ from autoregressive"
+    baseline = summary["autoregressive"]["tokens_per_second"]
+    assert stats["speedup"] == pytest.approx(stats["tokens_per_second"] / baseline)
+    # The printed table has the same row: name, tokens/s, speedup, acceptance_rate (- when none), mean_accepted.
+    rate = "-" if stats["acceptance_rate"] is None else f"{stats['acceptance_rate']:.2f}"
+    assert re.search(rf"^{name} +{stats['tokens_per_second']:.1f} +{stats['speedup']:.2f}x +{re.escape(rate)} +"
+                     rf"{stats['mean_accepted']:.2f}$", text, re.M), text
   assert summary["autoregressive"]["acceptance_rate"] is None and summary["autoregressive"]["mean_accepted"] == 1
   for name in ("prompt_lookup", "layer_skip"):
     assert 0 <= summary[name]["acceptance_rate"] <= 1
     assert 1 <= summary[name]["mean_accepted"] <= 5  # at most gamma + 1 tokens per target forward
-  assert "mean_accepted" in text and "acceptance_rate" in text

@@ -138,7 +138,8 @@ def test_unknown_drafter_and_bad_options_are_rejected(target):
 @pytest.mark.parametrize("name, options, message", [
     ("layer_skip", {"bogus_option": 1}, "drafter 'layer_skip' has no option 'bogus_option'; "
                                         "its options: exit_layer, skip_layers"),
-    ("prompt_lookup", {"ngram_size": 2}, "drafter 'prompt_lookup' has no option 'ngram_size'; its options: ngram_sizes"),
+    ("prompt_lookup", {"ngram_size": 2}, "drafter 'prompt_lookup' has no option 'ngram_size'; "
+                                         "its options: ngram_sizes"),
     ("draft_model", {"path": "x", "gamma": 3}, "drafter 'draft_model' has no option 'gamma', 'path'; "
                                                "its options: draft"),
 ])
