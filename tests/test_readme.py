@@ -60,8 +60,8 @@ def snippet_runs():
   return runs
 
 
-def test_readme_has_python_snippets(snippet_runs):
-  codes = [code for code, *_ in snippet_runs]
+def test_readme_python_snippets_include_the_mesh_with_the_flag_it_needs():
+  codes = code_blocks(readme(), "python")
   assert len(codes) == 3
   assert "specjax.make_mesh(data=2, model=4)" in codes[1] and "xla_force_host_platform_device_count=8" in codes[1]
 
