@@ -50,8 +50,8 @@ from absl import app, flags
 from tqdm import tqdm
 
 import specjax
-from experiments import compilations, spec_bench
-from specjax import layer_skip_search as lss
+from experiments import spec_bench
+from specjax import compilation, layer_skip_search as lss
 from specjax import leviathan
 from specjax.drafters import DraftInputs, PromptInfo
 from specjax.generate import prepare_batch
@@ -207,11 +207,11 @@ def measure_costs(model: specjax.Model, methods: list[Method], context: list[int
 def decode(model, methods: list[Method], questions, prompts, max_new_tokens: int) -> tuple[list, dict, float]:
   """Every prompt through every method in turn; returns (records, compile seconds per method, wall seconds)."""
   def call(method, ids):
-    before = compilations.count()
+    before = compilation.count()
     start = time.perf_counter()
     out = specjax.generate(model, [ids], max_new_tokens=max_new_tokens, drafter=method.drafter,
                            gamma=method.gamma)
-    return out, time.perf_counter() - start, compilations.count() - before
+    return out, time.perf_counter() - start, compilation.count() - before
 
   compile_seconds = {m.name: 0.0 for m in methods}
   records = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import os
 import platform
 import subprocess
@@ -10,16 +11,38 @@ from typing import Any
 
 import jax
 import numpy as np
-from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+
+def _missing_config(path: str) -> str:
+  configs = [c for c in sorted(glob.glob(os.path.join("configs", "*.py"))) if not c.endswith("__init__.py")]
+  return f"FATAL --config: no config file {path!r}" + (f"; configs here: {', '.join(configs)}" if configs else "")
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-  """absl's parser, with a one-line error for a --config.<field> override the config does not have."""
+  """absl's parser, with one-line errors for a config file that does not load and an override it does not have."""
+  # Checked first: overrides of a config file that does not exist would fail with a traceback of their own.
+  for arg in argv[1:]:
+    if arg.startswith("--config=") and not os.path.isfile(arg[len("--config="):].split(":", 1)[0]):
+      sys.exit(_missing_config(arg[len("--config="):].split(":", 1)[0]))
   try:
-    return app.parse_flags_with_usage(argv)
+    argv = flags.FLAGS(argv)
   except AttributeError as e:  # ml_collections wraps a KeyError whose message suggests the closest field
     message = e.args[0].args[0] if e.args and isinstance(e.args[0], KeyError) else str(e)
     sys.exit(f"FATAL config override: no such field {message}")
+  except flags.Error as e:
+    if str(e).startswith("flag --config=") and e.__context__ is not None:  # get_config raised: not its traceback
+      while e.__cause__ is not None or e.__context__ is not None:
+        e = e.__cause__ or e.__context__
+      sys.exit(f"FATAL --config: {e}")
+    sys.exit(f"FATAL Flags parsing error: {e}\nPass --helpshort or --helpfull to see help on flags.")
+  if "config" in flags.FLAGS:
+    try:
+      dict(flags.FLAGS["config"].value or {})  # ml_collections defers a file that did not load until it is read
+    except OSError:
+      sys.exit(_missing_config(config_flags.get_config_filename(flags.FLAGS["config"]).split(":", 1)[0]))
+  return argv
 
 
 def environment() -> dict[str, Any]:

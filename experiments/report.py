@@ -151,7 +151,7 @@ def write(workdir: str, results: dict[str, Any]) -> str:
             f"max_new_tokens {results['config']['max_new_tokens']}, temperature {results['config']['temperature']}, "
             f"batch {results['config']['batch_size']}; jax {env['jax']} on {env['devices']}, "
             f"{env['cpu_count']} CPUs. tokens/s: median over prompt batches; speedup: over "
-            f"{summary['baseline']} in the same run; compile s: the first (warmup) call, compile + run; "
+            f"{summary['baseline']} in the same run; compile s: compiling the program for the first (warmup) call; "
             f"{sum(s['recompiles'] for s in summary['methods'].values())} timed calls compiled a new shape "
             "and were rerun.\n\n"
             "![speedup](speedup.png)\n\n![speedup by category](speedup_by_category.png)\n")

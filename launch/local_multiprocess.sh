@@ -12,7 +12,8 @@
 # (read by specjax.distributed.initialize()), JAX_PLATFORMS=cpu and D host devices
 # (--xla_force_host_platform_device_count), so the global mesh has N * D devices.
 # Output lines are prefixed with "[i]". If one process fails, the others are stopped and its exit
-# status is returned (a multi-process program cannot finish without all of its processes).
+# status is returned (a multi-process program cannot finish without all of its processes); Python's
+# output is unbuffered (PYTHONUNBUFFERED=1), so what a stopped process printed is not lost with it.
 set -euo pipefail
 
 NUM_PROCESSES=2
@@ -47,6 +48,8 @@ export JAX_PLATFORMS=cpu
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=${DEVICES_PER_PROCESS}"
 export SPECJAX_COORDINATOR="127.0.0.1:${PORT}"
 export SPECJAX_NUM_PROCESSES="${NUM_PROCESSES}"
+# Into a pipe Python buffers stdout in blocks, and a process stopped by SIGTERM never flushes them.
+export PYTHONUNBUFFERED="${PYTHONUNBUFFERED:-1}"
 
 pids=()
 stop_all() {

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax import distributed, sharding
+from specjax import compilation, distributed, sharding
 from specjax.loading import Model
 from specjax.model import KVCache, forward, init_cache, lm_head
 from specjax.sampling import SamplingParams, sample
@@ -24,7 +24,8 @@ from specjax.sampling import SamplingParams, sample
 
 @dataclasses.dataclass
 class Output:
-  """tokens: generated ids per row (ending with the stop token when one was produced); texts: decoded."""
+  """tokens: generated ids per row, ending with the stop token when one was produced; texts: those tokens
+  decoded, without the stop token; stats: see `generate`."""
   tokens: list[list[int]]
   texts: list[str]
   stats: dict[str, Any]
@@ -166,9 +167,20 @@ def _generate_autoregressive(params, prompt_tokens, lengths, key, *, config, sam
   return state.tokens, state.num_generated, state.steps
 
 
-def decode_outputs(model: Model, tokens: np.ndarray, num_generated: np.ndarray) -> tuple[list[list[int]], list[str]]:
+_autoregressive_program = compilation.Program(_generate_autoregressive, "autoregressive decoding")
+
+
+def describe_shapes(batch: Batch) -> str:
+  """The shape bucket a program is compiled for, as the compilation log names it."""
+  return f"batch {len(batch.lengths)}, prompt width {batch.tokens.shape[1]}, cache {batch.cache_len}"
+
+
+def decode_outputs(model: Model, tokens: np.ndarray, num_generated: np.ndarray,
+                   stop_ids: tuple[int, ...]) -> tuple[list[list[int]], list[str]]:
+  """Token rows (a stop token included) and their texts (a final stop token left out: it is not text)."""
   rows = [tokens[i, :n].tolist() for i, n in enumerate(num_generated)]
-  texts = [model.tokenizer.decode(r) if model.tokenizer else "" for r in rows]
+  texts = [model.tokenizer.decode(r[:-1] if r and r[-1] in stop_ids else r) if model.tokenizer else ""
+           for r in rows]
   return rows, texts
 
 
@@ -191,8 +203,11 @@ def generate(model: Model, prompts: Sequence[str | Sequence[int]], *, max_new_to
     max_len: KV-cache capacity (default: the model's context length).
     stop_ids: tokens that end a row (default: the tokenizer's EOS and end-of-turn tokens).
   Returns:
-    Output(tokens, texts, stats). stats holds counts and `seconds` (wall time of the compiled call,
-    compilation included on the first call for a shape).
+    Output(tokens, texts, stats). tokens end with the stop token when a row produced one; texts leave it out.
+    stats holds counts, `compile_seconds` (tracing and compiling the program: the first call with a new
+    shape bucket, i.e. batch size, padded prompt width and cache size; 0.0 afterwards), `seconds` (the rest
+    of the call: placing inputs, decoding, fetching the results) and `tokens_per_second`
+    (new_tokens / seconds, so compilation is not in it).
   """
   sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
   if stop_ids is None:
@@ -206,17 +221,17 @@ def generate(model: Model, prompts: Sequence[str | Sequence[int]], *, max_new_to
   batch = prepare_batch(model, prompts, max_new_tokens, max_len=max_len)
   start = time.perf_counter()
   params, prompt_tokens, lengths, cache_sharding = place_on_mesh(model, batch, mesh)
-  tokens, num_generated, steps = _generate_autoregressive(
-      params, prompt_tokens, lengths, jax.random.PRNGKey(seed),
+  (tokens, num_generated, steps), compile_seconds = _autoregressive_program(
+      params, prompt_tokens, lengths, jax.random.PRNGKey(seed), describe=describe_shapes(batch),
       config=model.config, sampling=sampling, max_new_tokens=int(max_new_tokens), cache_len=batch.cache_len,
       stop_ids=stop_ids, cache_sharding=cache_sharding)
   tokens, num_generated, steps = distributed.to_host((tokens, num_generated, steps))  # also multi-process arrays
-  seconds = time.perf_counter() - start
-  rows, texts = decode_outputs(model, tokens, num_generated)
+  seconds = time.perf_counter() - start - compile_seconds
+  rows, texts = decode_outputs(model, tokens, num_generated, stop_ids)
   new_tokens = int(num_generated.sum())
   stats = {"rounds": int(steps), "target_calls": int(steps) + 1, "draft_calls": 0,
            "new_tokens": new_tokens, "new_tokens_per_row": num_generated.tolist(),
-           "mean_accepted": 1.0, "seconds": seconds,
+           "mean_accepted": 1.0, "compile_seconds": compile_seconds, "seconds": seconds,
            "tokens_per_second": new_tokens / seconds}
   return Output(tokens=rows, texts=texts, stats=stats)
 

@@ -22,9 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax import distributed, sharding
+from specjax import compilation, distributed, sharding
 from specjax.drafters import Drafter, DraftInputs, PromptInfo, RoundResult
-from specjax.generate import Output, decode_outputs, is_stop, place_on_mesh, prefill, prepare_batch
+from specjax.generate import (Output, decode_outputs, describe_shapes, is_stop, place_on_mesh, prefill,
+                              prepare_batch)
 from specjax.model import KVCache, forward, init_cache
 from specjax.sampling import SamplingParams, probabilities, sample
 from specjax.verify import greedy_verify, speculative_verify
@@ -144,16 +145,21 @@ def generate(model, prompts, *, drafter: Drafter, gamma: int, sampling: Sampling
   batch = prepare_batch(model, prompts, max_new_tokens, extra_positions=gamma + 1, max_len=max_len)
   start = time.perf_counter()
   params, prompt_tokens, lengths, cache_sharding = place_on_mesh(model, batch, mesh)
-  tokens, num_generated, stats = _generate_speculative(
+  (tokens, num_generated, stats), compile_seconds = _speculative_program(
       params, _place_draft_params(drafter, mesh), prompt_tokens, lengths,
-      jax.random.PRNGKey(seed), config=model.config, drafter=drafter.static(), gamma=int(gamma),
+      jax.random.PRNGKey(seed), describe=f"{drafter.name}, gamma {gamma}, {describe_shapes(batch)}",
+      config=model.config, drafter=drafter.static(), gamma=int(gamma),
       sampling=sampling, max_new_tokens=int(max_new_tokens), cache_len=batch.cache_len, stop_ids=stop_ids,
       cache_sharding=cache_sharding)
   tokens, num_generated, stats = distributed.to_host((tokens, num_generated, stats))  # also multi-process arrays
-  seconds = time.perf_counter() - start
-  rows, texts = decode_outputs(model, tokens, num_generated)
-  stats = summarize(stats, num_generated, gamma, seconds, forwards_per_step=drafter.forwards_per_step)
+  seconds = time.perf_counter() - start - compile_seconds
+  rows, texts = decode_outputs(model, tokens, num_generated, stop_ids)
+  stats = summarize(stats, num_generated, gamma, seconds, forwards_per_step=drafter.forwards_per_step,
+                    compile_seconds=compile_seconds)
   return Output(tokens=rows, texts=texts, stats=stats)
+
+
+_speculative_program = compilation.Program(_generate_speculative, "speculative decoding")
 
 
 def _place_draft_params(drafter: Drafter, mesh):
@@ -163,8 +169,9 @@ def _place_draft_params(drafter: Drafter, mesh):
   return sharding.shard_tree(drafter.params, drafter.param_specs, mesh)
 
 
-def summarize(stats, num_generated, gamma: int, seconds: float, forwards_per_step: int = 1) -> dict:
-  """Host-side stats from the arrays the compiled loop returns."""
+def summarize(stats, num_generated, gamma: int, seconds: float, forwards_per_step: int = 1,
+              compile_seconds: float = 0.0) -> dict:
+  """Host-side stats from the arrays the compiled loop returns; `seconds` excludes `compile_seconds`."""
   rounds = int(stats["rounds"])
   live_rounds = stats["live_rounds"].astype(np.int64)
   accepted = stats["accepted"].astype(np.int64)
@@ -188,6 +195,7 @@ def summarize(stats, num_generated, gamma: int, seconds: float, forwards_per_ste
       "rounds_per_row": live_rounds.tolist(),
       "accepted_per_row": accepted.tolist(),
       "rejections_per_row": stats["rejections"].tolist(),
+      "compile_seconds": compile_seconds,
       "seconds": seconds,
       "tokens_per_second": new_tokens / seconds,
   }

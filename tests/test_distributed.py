@@ -181,16 +181,38 @@ def test_launch_script_syntax(script):
   assert proc.returncode == 0, proc.stderr
 
 
-def test_local_multiprocess_stops_the_others_when_one_fails():
-  command = ["bash", os.path.join(LAUNCH, "local_multiprocess.sh"), "-n", "3", "--", "bash", "-c",
-             'echo "process $SPECJAX_PROCESS_ID of $SPECJAX_NUM_PROCESSES at $SPECJAX_COORDINATOR"; '
-             '[ "$SPECJAX_PROCESS_ID" = 1 ] && exit 7; exec sleep 60']
+# Prints its line, says so in the ready folder (argv[1]); process 1 then fails once every process has printed
+# (a peer stopped before it started would have nothing to show), the others wait to be stopped.
+STARTUP_WORKER = """
+import os, pathlib, sys, time
+index, ready = int(os.environ["SPECJAX_PROCESS_ID"]), pathlib.Path(sys.argv[1])
+print(f"process {index} of {os.environ['SPECJAX_NUM_PROCESSES']} at {os.environ['SPECJAX_COORDINATOR']}")
+(ready / str(index)).touch()
+if index == 1:
+  while len(list(ready.iterdir())) < 3:
+    time.sleep(0.01)
+  sys.exit(7)
+time.sleep(60)
+"""
+
+
+def test_local_multiprocess_stops_the_others_when_one_fails(tmp_path):
+  """The failing process's status comes back at once, and nothing the stopped processes printed is lost.
+
+  Python block-buffers stdout into the launcher's pipe and a stopped process never flushes it, so this
+  fails unless the launcher makes Python's output unbuffered.
+  """
+  env = clean_env(PYTHON=sys.executable)
+  env.pop("PYTHONUNBUFFERED", None)  # the launcher must set it itself
+  command = ["bash", os.path.join(LAUNCH, "local_multiprocess.sh"), "-n", "3", "--", sys.executable, "-c",
+             STARTUP_WORKER, str(tmp_path)]
   start = time.perf_counter()
-  proc = run_command(command, clean_env(), timeout=60)
+  proc = run_command(command, env, timeout=60)
   assert proc.returncode == 7, proc.stdout
-  assert time.perf_counter() - start < 30  # did not wait for the sleeping processes
+  assert time.perf_counter() - start < 30, proc.stdout  # did not wait for the sleeping processes
+  assert sorted(os.listdir(tmp_path)) == ["0", "1", "2"]
   for i in range(3):
-    assert f"[{i}] process {i} of 3 at 127.0.0.1:" in proc.stdout
+    assert f"[{i}] process {i} of 3 at 127.0.0.1:" in proc.stdout, proc.stdout
 
 
 def write_executable(path, text: str) -> None:

@@ -160,20 +160,32 @@ def test_program_is_one_while_loop_without_host_callbacks(sampling, tiny):
 
 
 def test_second_call_with_the_same_shapes_does_not_recompile(tiny):
-  program = generate_module._generate_autoregressive
+  program = generate_module._autoregressive_program
   specjax.generate(tiny, [[1, 2, 3], [4, 5, 6, 7]], max_new_tokens=6, stop_ids=(3,))
   compiles = []
   listener = lambda event, duration, **kwargs: compiles.append(event)  # noqa: E731
   jax.monitoring.register_event_duration_secs_listener(listener)
   try:
-    entries = program._cache_size()
+    entries = program.cache_size()
     # Other tokens, other lengths inside the same bucket, another seed: same program.
     out = specjax.generate(tiny, [[9, 8], [7, 6, 5, 4, 3, 2]], max_new_tokens=6, stop_ids=(3,), seed=5)
   finally:
     jax.monitoring.unregister_event_duration_listener(listener)
   assert len(out.tokens) == 2
-  assert program._cache_size() == entries
+  assert program.cache_size() == entries
   assert "/jax/core/compile/backend_compile_duration" not in compiles
+  assert out.stats["compile_seconds"] == 0.0
+
+
+def test_compilation_is_timed_apart_from_decoding(tiny):
+  prompts = [[1, 2, 3], [4], [5, 6]]  # batch 3 with 7 new tokens: a shape no other test compiles
+  first = specjax.generate(tiny, prompts, max_new_tokens=7, stop_ids=())
+  again = specjax.generate(tiny, prompts, max_new_tokens=7, stop_ids=())
+  assert first.tokens == again.tokens
+  assert first.stats["compile_seconds"] > 0 and again.stats["compile_seconds"] == 0.0
+  # Seven steps of a tiny model take milliseconds; compiling its program takes far longer.
+  assert first.stats["seconds"] < first.stats["compile_seconds"]
+  assert first.stats["tokens_per_second"] == first.stats["new_tokens"] / first.stats["seconds"]
 
 
 def _first_stop(tokens: list[int], stop: int) -> list[int]:
@@ -295,4 +307,15 @@ def test_chat_answer_ends_with_the_end_of_turn_token(smollm2, smollm2_alone):
 def test_ragged_batch_equals_each_prompt_alone(smollm2, smollm2_prompts, smollm2_alone):
   out = specjax.generate(smollm2, smollm2_prompts, max_new_tokens=64, stop_ids=smollm2.tokenizer.stop_ids)
   assert out.tokens == smollm2_alone
-  assert out.texts == [smollm2.tokenizer.decode(r) for r in smollm2_alone]
+  stop_ids = smollm2.tokenizer.stop_ids
+  assert out.texts == [smollm2.tokenizer.decode(r[:-1] if r[-1] in stop_ids else r) for r in smollm2_alone]
+  # Both kinds of row: one ended by its stop token, one cut by max_new_tokens (its text keeps its last token).
+  assert {r[-1] in stop_ids for r in smollm2_alone} == {True, False}
+
+
+def test_texts_stop_before_the_stop_token_and_tokens_keep_it(smollm2, smollm2_prompts, smollm2_alone):
+  end_of_turn = smollm2.tokenizer.token_to_id("<|im_end|>")
+  out = specjax.generate(smollm2, smollm2_prompts[:1], max_new_tokens=64)
+  assert out.tokens[0] == smollm2_alone[0] and out.tokens[0][-1] == end_of_turn
+  assert out.texts[0] == smollm2.tokenizer.decode(out.tokens[0][:-1])
+  assert "<|im_end|>" not in out.texts[0] and "Paris" in out.texts[0]

@@ -144,12 +144,12 @@ def correct_from_p(key, draft_tokens, draft_probs, target_probs):
 def test_the_test_detects_a_broken_verifier(broken, target, draft, monkeypatch):
   sampling = SETTINGS[0]
   monkeypatch.setattr(speculative, "speculative_verify", broken)
-  speculative._generate_speculative.clear_cache()  # retrace with the broken rule
+  speculative._speculative_program.clear()  # retrace with the broken rule
   try:
     samples, _ = speculative_samples(target, draft, sampling, samples=5_000)  # a gross error needs few
   finally:
     monkeypatch.undo()
-    speculative._generate_speculative.clear_cache()
+    speculative._speculative_program.clear()
   assert chi_square_pvalue(samples, exact_joint(target, sampling)) < 1e-6
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -133,6 +135,19 @@ def test_unknown_drafter_and_bad_options_are_rejected(target):
     specjax.make_drafter("layer_skip", target, skip_layers=[0, 1, 2, 3])
 
 
+@pytest.mark.parametrize("name, options, message", [
+    ("layer_skip", {"bogus_option": 1}, "drafter 'layer_skip' has no option 'bogus_option'; "
+                                        "its options: exit_layer, skip_layers"),
+    ("prompt_lookup", {"ngram_size": 2}, "drafter 'prompt_lookup' has no option 'ngram_size'; "
+                                         "its options: ngram_sizes"),
+    ("draft_model", {"path": "x", "gamma": 3}, "drafter 'draft_model' has no option 'gamma', 'path'; "
+                                               "its options: draft"),
+])
+def test_unknown_drafter_options_name_the_drafter_and_its_options(target, name, options, message):
+  with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+    specjax.make_drafter(name, target, **options)
+
+
 def test_draft_model_with_another_vocabulary_is_rejected(target):
   with pytest.raises(ValueError, match="vocabulary"):
     specjax.make_drafter("draft_model", target, draft=tiny_model(2, vocab_size=64))
@@ -153,12 +168,14 @@ def test_draft_model_with_another_tokenizer_is_rejected(smollm2):
 def test_second_call_does_not_recompile_and_program_has_no_host_callbacks(target):
   drafter = specjax.make_drafter("layer_skip", target, exit_layer=1)
   prompts = ragged_prompts(4)
-  specjax.generate(target, prompts, max_new_tokens=10, drafter=drafter, gamma=2, stop_ids=[])
-  before = speculative._generate_speculative._cache_size()
+  first = specjax.generate(target, prompts, max_new_tokens=10, drafter=drafter, gamma=2, stop_ids=[])
+  before = speculative._speculative_program.cache_size()
   # Same shapes, a new but equal drafter object, new prompt contents: no new compilation.
   again = specjax.make_drafter("layer_skip", target, exit_layer=1)
-  specjax.generate(target, ragged_prompts(4, seed=1), max_new_tokens=10, drafter=again, gamma=2, stop_ids=[])
-  assert speculative._generate_speculative._cache_size() == before
+  out = specjax.generate(target, ragged_prompts(4, seed=1), max_new_tokens=10, drafter=again, gamma=2, stop_ids=[])
+  assert speculative._speculative_program.cache_size() == before
+  assert first.stats["compile_seconds"] > 0 and out.stats["compile_seconds"] == 0.0
+  assert out.stats["tokens_per_second"] == out.stats["new_tokens"] / out.stats["seconds"]
   text = speculative._generate_speculative.lower(
       target.params, drafter.params, np.zeros((4, 16), np.int32), np.full(4, 5, np.int32),
       jax.random.PRNGKey(0), config=target.config, drafter=drafter.static(), gamma=2,

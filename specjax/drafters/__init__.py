@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -167,4 +168,11 @@ def make_drafter(name: str, model, **options) -> Drafter:
   """Builds a drafter for `model` (the target). Names: see `available()`; options: each module's `make`."""
   if name not in _FACTORIES:
     raise ValueError(f"unknown drafter {name!r}; available: {', '.join(available())}")
-  return importlib.import_module(_FACTORIES[name]).make(model, **options)
+  make = importlib.import_module(_FACTORIES[name]).make
+  parameters = list(inspect.signature(make).parameters.values())[1:]  # after the target model
+  valid = [p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+  unknown = sorted(set(options) - set(valid))
+  if unknown and not any(p.kind == p.VAR_KEYWORD for p in parameters):  # a **options factory checks its own
+    raise TypeError(f"drafter {name!r} has no option {', '.join(map(repr, unknown))}; "
+                    f"its options: {', '.join(valid) or 'none'}")
+  return make(model, **options)

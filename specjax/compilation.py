@@ -1,0 +1,85 @@
+"""Compilation, kept apart from decoding: explicitly compiled programs, their compile time, and a counter.
+
+`jax.jit` compiles a program the first time it meets new static arguments or argument shapes, inside that
+call, so the call's wall time mixes compiling (tens of seconds for SmolLM2 on a CPU) with decoding. `Program`
+compiles ahead of time instead (`jitted.lower(...).compile()`), once per static arguments and argument
+shapes, dtypes and shardings, and returns how long compiling took, so that `generate` can report
+`compile_seconds` apart from the decoding time. It logs (absl, INFO) when it starts compiling, since a new
+shape bucket makes a call pause for as long as compiling takes.
+
+`count()` counts every program XLA builds in this process (ours and any other jit), so that a caller can
+tell whether a timed call had to build one.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any, Callable
+
+import jax
+from absl import logging
+
+_EVENTS = (
+    "/jax/core/compile/backend_compile_duration",
+    # Tracing too: with a persistent compilation cache a new shape is traced and loaded, not compiled.
+    "/jax/core/compile/jaxpr_trace_duration",
+)
+_count = [0]
+
+
+def _listener(event: str, duration: float, **kwargs) -> None:
+  if event in _EVENTS:
+    _count[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_listener)
+
+
+def count() -> int:
+  """Programs compiled (or traced and loaded from the persistent cache) in this process so far."""
+  return _count[0]
+
+
+def _signature(tree: Any) -> tuple:
+  """What a compiled executable is specialised to besides static arguments: structure, shapes, dtypes, shardings."""
+  leaves, treedef = jax.tree.flatten(tree)
+  return treedef, tuple((jax.numpy.shape(x), jax.numpy.result_type(x), getattr(x, "sharding", None),
+                         getattr(x, "weak_type", False)) for x in leaves)
+
+
+class Program:
+  """A `jax.jit` function compiled ahead of time, once per static arguments and argument signature.
+
+  `program(*args, describe=..., **static)` returns (outputs, compile_seconds): 0.0 when an executable for
+  this signature was already compiled. Keeps the `max_programs` most recently used executables.
+  """
+
+  def __init__(self, jitted: Callable, name: str, max_programs: int = 32):
+    self.jitted, self.name, self.max_programs = jitted, name, max_programs
+    self._compiled: collections.OrderedDict = collections.OrderedDict()
+
+  def __call__(self, *args, describe: str = "", **static) -> tuple[Any, float]:
+    key = (_signature(args), tuple(sorted(static.items())))
+    compiled = self._compiled.get(key)
+    compile_seconds = 0.0
+    if compiled is None:
+      logging.info("compiling %s for a new shape bucket (%s); calls with these shapes reuse it", self.name, describe)
+      start = time.perf_counter()
+      compiled = self.jitted.lower(*args, **static).compile()
+      compile_seconds = time.perf_counter() - start
+      logging.info("compiled %s in %.1f s", self.name, compile_seconds)
+      self._compiled[key] = compiled
+      while len(self._compiled) > self.max_programs:
+        self._compiled.popitem(last=False)
+    self._compiled.move_to_end(key)
+    return compiled(*args), compile_seconds
+
+  def cache_size(self) -> int:
+    """Executables held."""
+    return len(self._compiled)
+
+  def clear(self) -> None:
+    """Forgets every executable (and the jit's traces), so that the next call traces and compiles afresh."""
+    self._compiled.clear()
+    self.jitted.clear_cache()
