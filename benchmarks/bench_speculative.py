@@ -54,7 +54,7 @@ from experiments import spec_bench
 from specjax import compilation, layer_skip_search as lss
 from specjax import leviathan
 from specjax.drafters import DraftInputs, PromptInfo
-from specjax.generate import prepare_batch
+from specjax.decoding import prepare_batch
 from specjax.model import forward, init_cache
 from specjax.sampling import SamplingParams
 

@@ -16,7 +16,7 @@ from absl import app, flags
 from tqdm import tqdm
 
 import specjax
-from specjax.generate import prepare_batch
+from specjax.decoding import prepare_batch
 from specjax.layer_skip_search import deep_search, drafter_options, save_skip_set, search, training_sequences
 from experiments import spec_bench
 

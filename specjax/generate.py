@@ -6,115 +6,20 @@ decode step run inside one compiled `jax.lax.while_loop` (no host sync per token
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
-from specjax import compilation, distributed, sharding
+from specjax import compilation, distributed, sharding, speculative
+from specjax.decoding import (Output, check_ids, decode_outputs, describe_shapes, is_stop, place_on_mesh, prefill,
+                              prepare_batch)
 from specjax.loading import Model
-from specjax.model import KVCache, forward, init_cache, lm_head
+from specjax.model import KVCache, forward, init_cache
 from specjax.sampling import SamplingParams, sample
-
-
-@dataclasses.dataclass
-class Output:
-  """tokens: generated ids per row, ending with the stop token when one was produced; texts: those tokens
-  decoded, without the stop token; stats: see `generate`."""
-  tokens: list[list[int]]
-  texts: list[str]
-  stats: dict[str, Any]
-
-
-@dataclasses.dataclass(frozen=True)
-class Batch:
-  """Prompts padded into a shape bucket, ready for the compiled program."""
-  tokens: np.ndarray  # [B, T_bucket] int32, right-padded
-  lengths: np.ndarray  # [B] int32
-  cache_len: int
-
-
-def _round_up(n: int, multiple: int) -> int:
-  return -(-n // multiple) * multiple
-
-
-def _bucket(n: int) -> int:
-  """Prompt-length bucket: powers of two from 16, so a new prompt rarely means a new compile."""
-  return max(16, 1 << (n - 1).bit_length())
-
-
-def prepare_batch(model: Model, prompts: Sequence[str | Sequence[int]], max_new_tokens: int,
-                  extra_positions: int = 0, max_len: int | None = None) -> Batch:
-  """Encodes and validates prompts; sizes the KV cache for prompt + max_new_tokens + extra_positions.
-
-  `max_len` caps the cache (default: the model's context length); exceeding it is an error, not a silent
-  truncation.
-  """
-  if isinstance(prompts, (str, bytes)) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
-    raise TypeError("prompts must be a list of strings or a list of token-id lists (one per row)")
-  if not len(prompts):
-    raise ValueError("prompts is empty")
-  if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-  rows = []
-  for i, p in enumerate(prompts):
-    if isinstance(p, str):
-      if model.tokenizer is None:
-        raise ValueError("this model has no tokenizer: pass prompts as token-id lists")
-      ids = model.tokenizer.encode(p)
-    else:
-      ids = [int(t) for t in p]
-    if not ids:
-      raise ValueError(f"prompt {i} is empty: give at least one token")
-    _check_ids(ids, model.config.vocab_size, f"prompt {i}")
-    rows.append(ids)
-  capacity = max_len or model.config.max_position_embeddings
-  longest = max(len(r) for r in rows)
-  needed = longest + max_new_tokens + extra_positions
-  if needed > capacity:
-    raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens})"
-                     f"{f' + {extra_positions} speculative positions' if extra_positions else ''} = {needed} "
-                     f"exceeds the cache capacity of {capacity} positions")
-  cache_len = min(capacity, _round_up(max(needed, _bucket(longest)), 128))
-  width = min(_bucket(longest), cache_len)  # the pad never outgrows the cache (capacity need not be 2^k)
-  tokens = np.zeros((len(rows), width), np.int32)
-  for i, r in enumerate(rows):
-    tokens[i, :len(r)] = r
-  return Batch(tokens=tokens, lengths=np.array([len(r) for r in rows], np.int32), cache_len=cache_len)
-
-
-def _check_ids(ids: Sequence[int], vocab_size: int, what: str) -> None:
-  # An out-of-range id gathers NaNs (jnp.take's fill mode), which then poison every position.
-  bad = [t for t in ids if not 0 <= t < vocab_size]
-  if bad:
-    raise ValueError(f"{what} has token ids outside [0, {vocab_size}): {bad[:5]}")
-
-
-def place_on_mesh(model: Model, batch: Batch, mesh):
-  """(params, prompt tokens, lengths, cache sharding): placed on `mesh`, or as they are when it is None."""
-  if mesh is None:
-    return model.params, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths), None
-  params = sharding.shard_params(model.params, model.config, mesh)
-  tokens, lengths = sharding.shard_batch((batch.tokens, batch.lengths), mesh)
-  cache = sharding.cache_sharding(model.config, mesh, batch_size=len(batch.lengths), max_len=batch.cache_len)
-  return params, tokens, lengths, cache
-
-
-def prefill(params, config, tokens: jax.Array, lengths: jax.Array, cache: KVCache, **forward_kwargs):
-  """Runs the prompts; returns (next-token logits [B, V], last hidden [B, D], forward output)."""
-  out = forward(params, tokens, cache, jnp.zeros_like(lengths), config, compute_logits=False, **forward_kwargs)
-  rows = jnp.arange(tokens.shape[0])
-  last_hidden = out.hidden[rows, lengths - 1]
-  return lm_head(params, last_hidden, config), last_hidden, out
-
-
-def is_stop(tokens: jax.Array, stop_ids: tuple[int, ...]) -> jax.Array:
-  return jnp.isin(tokens, jnp.asarray(stop_ids, jnp.int32)) if stop_ids else jnp.zeros(tokens.shape, bool)
 
 
 @struct.dataclass
@@ -170,20 +75,6 @@ def _generate_autoregressive(params, prompt_tokens, lengths, key, *, config, sam
 _autoregressive_program = compilation.Program(_generate_autoregressive, "autoregressive decoding")
 
 
-def describe_shapes(batch: Batch) -> str:
-  """The shape bucket a program is compiled for, as the compilation log names it."""
-  return f"batch {len(batch.lengths)}, prompt width {batch.tokens.shape[1]}, cache {batch.cache_len}"
-
-
-def decode_outputs(model: Model, tokens: np.ndarray, num_generated: np.ndarray,
-                   stop_ids: tuple[int, ...]) -> tuple[list[list[int]], list[str]]:
-  """Token rows (a stop token included) and their texts (a final stop token left out: it is not text)."""
-  rows = [tokens[i, :n].tolist() for i, n in enumerate(num_generated)]
-  texts = [model.tokenizer.decode(r[:-1] if r and r[-1] in stop_ids else r) if model.tokenizer else ""
-           for r in rows]
-  return rows, texts
-
-
 def generate(model: Model, prompts: Sequence[str | Sequence[int]], *, max_new_tokens: int,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
              drafter=None, gamma: int = 4, mesh=None, max_len: int | None = None,
@@ -214,7 +105,6 @@ def generate(model: Model, prompts: Sequence[str | Sequence[int]], *, max_new_to
     stop_ids = model.tokenizer.stop_ids if model.tokenizer else ()
   stop_ids = tuple(sorted(int(t) for t in stop_ids))
   if drafter is not None:
-    from specjax import speculative
     return speculative.generate(model, prompts, drafter=drafter, gamma=gamma, sampling=sampling,
                                 max_new_tokens=max_new_tokens, seed=seed, mesh=mesh, max_len=max_len,
                                 stop_ids=stop_ids)
@@ -243,7 +133,7 @@ def logits(model: Model, token_ids: Sequence[int]) -> jax.Array:
     raise ValueError("token_ids is empty")
   if len(token_ids) > model.config.max_position_embeddings:
     raise ValueError(f"{len(token_ids)} tokens exceed the context length {model.config.max_position_embeddings}")
-  _check_ids(token_ids, model.config.vocab_size, "token_ids")
+  check_ids(token_ids, model.config.vocab_size, "token_ids")
   return _logits(model.params, jnp.asarray([token_ids], jnp.int32), config=model.config)[0]
 
 

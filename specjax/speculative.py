@@ -24,7 +24,7 @@ from flax import struct
 
 from specjax import compilation, distributed, sharding
 from specjax.drafters import Drafter, DraftInputs, PromptInfo, RoundResult
-from specjax.generate import (Output, decode_outputs, describe_shapes, is_stop, place_on_mesh, prefill,
+from specjax.decoding import (Output, decode_outputs, describe_shapes, is_stop, place_on_mesh, prefill,
                               prepare_batch)
 from specjax.model import KVCache, forward, init_cache
 from specjax.sampling import SamplingParams, probabilities, sample
@@ -134,7 +134,7 @@ def _features(out, layers: tuple[int, ...]):
 
 def generate(model, prompts, *, drafter: Drafter, gamma: int, sampling: SamplingParams, max_new_tokens: int,
              seed: int, mesh, max_len, stop_ids) -> Output:
-  """Speculative counterpart of `specjax.generate` (which validates arguments and calls this)."""
+  """Speculative counterpart of `specjax.generate` (which resolves the sampling and stop arguments and calls this)."""
   if not isinstance(drafter, Drafter):
     raise TypeError(f"drafter must come from specjax.make_drafter, got {type(drafter).__name__}")
   if not isinstance(gamma, (int, np.integer)) or gamma < 1:

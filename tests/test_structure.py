@@ -1,0 +1,70 @@
+"""Arrows point down: the library imports neither experiments nor benchmarks, and no two of its modules import
+each other (directly or through a longer cycle)."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+OUTSIDE = ("experiments", "benchmarks")
+
+
+def library_imports(root: pathlib.Path = ROOT) -> dict[str, set[str]]:
+  """Module -> the library modules and outside packages it imports (any import statement, also in functions).
+  Package __init__ files are left out: a package importing its own submodules is how packages work."""
+  modules = {}
+  for path in sorted((root / "specjax").rglob("*.py")):
+    modules[".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")] = path
+  graph = {}
+  for module, path in modules.items():
+    if path.name == "__init__.py":
+      continue
+    targets = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.Import):
+        targets |= {alias.name for alias in node.names}
+      elif isinstance(node, ast.ImportFrom) and node.module:
+        targets |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    graph[module] = {t for t in targets if t != module and (
+        (t in modules and modules[t].name != "__init__.py") or t.split(".")[0] in OUTSIDE)}
+  return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+  state: dict[str, int] = {}
+  found = []
+
+  def visit(node, stack):
+    state[node] = 1
+    for nxt in sorted(graph.get(node, ())):
+      if state.get(nxt) == 1:
+        found.append(stack[stack.index(nxt):] + [nxt])
+      elif nxt not in state:
+        visit(nxt, stack + [nxt])
+    state[node] = 2
+
+  for node in sorted(graph):
+    if node not in state:
+      visit(node, [node])
+  return found
+
+
+def test_library_never_imports_experiments_or_benchmarks():
+  offenders = {m: sorted(t for t in ts if t.split(".")[0] in OUTSIDE) for m, ts in library_imports().items()}
+  assert not {m: ts for m, ts in offenders.items() if ts}
+
+
+def test_no_two_library_modules_import_each_other():
+  assert not cycles(library_imports())
+
+
+def test_the_checks_see_a_cycle_and_an_upward_import(tmp_path):
+  package = tmp_path / "specjax"
+  package.mkdir()
+  (package / "__init__.py").write_text("from specjax import a\n")
+  (package / "a.py").write_text("from specjax import b\n")
+  (package / "b.py").write_text("def f():\n  import specjax.a\n  from experiments import run\n")
+  graph = library_imports(tmp_path)
+  assert cycles(graph) == [["specjax.a", "specjax.b", "specjax.a"]]
+  assert "experiments" in graph["specjax.b"]
