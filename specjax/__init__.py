@@ -3,7 +3,8 @@
 Public API:
   load(name_or_path, dtype) -> Model
   logits(model, token_ids) -> [T, vocab]
-  make_drafter(name, model, **options) -> Drafter  ("draft_model", "layer_skip", "prompt_lookup")
+  make_drafter(name, model, **options) -> Drafter  ("mtp_parallel", "mtp_sequential", "layer_skip", "draft_model",
+                                                    "prompt_lookup")
   make_mesh(data, model) -> jax.sharding.Mesh  (pass as generate(..., mesh=mesh))
   generate(model, prompts, *, max_new_tokens, temperature, top_k, top_p, seed, drafter, gamma, mesh, max_len,
            stop_ids) -> Output
