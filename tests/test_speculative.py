@@ -137,11 +137,13 @@ def test_unknown_drafter_and_bad_options_are_rejected(target):
 
 @pytest.mark.parametrize("name, options, message", [
     ("layer_skip", {"bogus_option": 1}, "drafter 'layer_skip' has no option 'bogus_option'; "
-                                        "its options: exit_layer, skip_layers"),
+                                        "its options: exit_layer, skip_layers, adapter, mlp, "
+                                        "token_map"),
     ("prompt_lookup", {"ngram_size": 2}, "drafter 'prompt_lookup' has no option 'ngram_size'; "
                                          "its options: ngram_sizes"),
     ("draft_model", {"path": "x", "gamma": 3}, "drafter 'draft_model' has no option 'gamma', 'path'; "
-                                               "its options: draft"),
+                                               "its options: draft, num_layers, init_layers, "
+                                               "token_map"),
 ])
 def test_unknown_drafter_options_name_the_drafter_and_its_options(target, name, options, message):
   with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
