@@ -15,6 +15,14 @@ from absl import flags
 from ml_collections import config_flags
 
 
+def define_config_flag(help_text: str):
+  """The --config flag (an ml_collections config file), defined once per process: several experiment modules
+  can be imported together (tests, notebooks) and each is also a command of its own. Read it as `.value`."""
+  if "config" not in flags.FLAGS:
+    config_flags.DEFINE_config_file("config", None, help_text, lock_config=True)
+  return flags.FLAGS["config"]
+
+
 def _missing_config(path: str) -> str:
   configs = [c for c in sorted(glob.glob(os.path.join("configs", "*.py"))) if not c.endswith("__init__.py")]
   return f"FATAL --config: no config file {path!r}" + (f"; configs here: {', '.join(configs)}" if configs else "")

@@ -20,14 +20,13 @@ from typing import Any, Sequence
 
 import ml_collections
 from absl import app, flags, logging
-from ml_collections import config_flags
 
 import specjax
 from specjax import features, sequences, sharegpt
+from experiments import cli
 from experiments.cli import parse_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Data config: configs/train_data.py[:variants].",
-                                          lock_config=True)
+_CONFIG = cli.define_config_flag("Data config: configs/train_data.py[:variants].")
 SPLITS = ("train", "held_out")
 
 

@@ -31,11 +31,10 @@ from tqdm import tqdm
 
 import specjax
 from specjax import compilation, distributed, sharding
-from experiments import report, spec_bench
+from experiments import cli, report, spec_bench
 from experiments.cli import environment, parse_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config: configs/<name>.py[:arg].",
-                                          lock_config=True)
+_CONFIG = cli.define_config_flag("Experiment config: configs/<name>.py[:arg].")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (default: workdirs/<config>-<time>).")
 distributed.define_flags()  # --coordinator_address, --num_processes, --process_id (multi-process runs)
 

@@ -22,18 +22,16 @@ from typing import Any, Sequence
 import ml_collections
 import numpy as np
 from absl import app, flags, logging
-from ml_collections import config_flags
 
 import specjax
 from specjax import export, features, sharding
 from specjax.drafters import draft_head, draft_model
 from specjax.loading import CheckpointError
 from specjax.train_drafter import train_drafter
-from experiments import spec_bench
+from experiments import cli, spec_bench
 from experiments.cli import environment, parse_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Training config: configs/train_mtp.py:<variant>.",
-                                          lock_config=True)
+_CONFIG = cli.define_config_flag("Training config: configs/train_mtp.py:<variant>.")
 # The make_drafter keyword that takes a trained checkpoint, per drafter (how the model card says to load it).
 CHECKPOINT_ARGUMENT = {"layer_skip": "adapter", "draft_model": "draft"}
 
