@@ -216,3 +216,33 @@ def test_checkpoint_save_is_atomic(random_target, tmp_path, monkeypatch):
     draft_head.save(perturbed(drafter), path, random_target)
   assert open(path, "rb").read() == before
   assert [p.name for p in tmp_path.iterdir()] == ["heads.safetensors"]
+
+
+def test_killed_training_resumes_to_the_same_drafter(task_target, task_caches, tmp_path, monkeypatch):
+  """A run killed after its step-4 checkpoint, restarted with the same arguments, ends where an unbroken run ends."""
+  import specjax.train_drafter as td
+
+  def run(workdir):
+    fresh = specjax.make_drafter("mtp_sequential", task_target, path=None, depth=2, recurrent=True)
+    return train_drafter(task_target, fresh, task_caches["train"], task_caches["held_out"], workdir=str(workdir),
+                         steps=8, batch_size=8, learning_rate=1e-2, warmup_steps=2, eval_every=4, save_every=4,
+                         progress=False)
+
+  unbroken = run(tmp_path / "unbroken")
+  real_batch, calls = td._batch, []
+
+  def dies_at_step_6(cache, indices, layers):
+    if cache is task_caches["train"]:
+      calls.append(1)
+      if len(calls) == 6:
+        raise KeyboardInterrupt("killed")
+    return real_batch(cache, indices, layers)
+  monkeypatch.setattr(td, "_batch", dies_at_step_6)
+  with pytest.raises(KeyboardInterrupt):
+    run(tmp_path / "killed")
+  monkeypatch.setattr(td, "_batch", real_batch)
+  resumed = run(tmp_path / "killed")
+  assert resumed.steps == unbroken.steps == 8
+  for a, b in zip(jax.tree.leaves(resumed.drafter.params), jax.tree.leaves(unbroken.drafter.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert resumed.final_eval == unbroken.final_eval
