@@ -249,3 +249,14 @@ def test_draft_calls_count_model_forwards_only(target):
                           drafter=specjax.make_drafter("layer_skip", target, exit_layer=2))
   assert lookup.stats["draft_calls"] == 0
   assert skip.stats["draft_calls"] == 3 * skip.stats["rounds"]
+
+
+@pytest.mark.parametrize("name", ["mtp_parallel", "mtp_sequential"])
+def test_shipped_trained_drafters_are_lossless_and_accept_drafts_on_smollm2(name, smollm2, smollm2_ar_outputs):
+  """The checkpoints shipped in specjax/checkpoints load by default, decode exactly what the target decodes, and
+  their drafts are accepted (an untrained head would accept almost none)."""
+  prompts, expected = smollm2_ar_outputs
+  drafter = specjax.make_drafter(name, smollm2)
+  out = specjax.generate(smollm2, prompts, max_new_tokens=32, gamma=3, drafter=drafter)
+  assert out.tokens == expected.tokens
+  assert out.stats["alpha"] > 0.1, out.stats
