@@ -105,7 +105,8 @@ DRAFTERS = {
 def speculative_samples(target, draft, sampling, seed=0, gamma=3, samples=SAMPLES, drafter="draft_model"):
   drafter = DRAFTERS[drafter](target, draft)
   out = specjax.generate(target, [PROMPT] * samples, max_new_tokens=3, drafter=drafter, gamma=gamma, seed=seed,
-                         temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, stop_ids=[], max_len=16)
+                         temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, stop_ids=[],
+                         max_len=16)
   return np.array(out.tokens), out.stats
 
 

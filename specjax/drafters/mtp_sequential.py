@@ -179,8 +179,8 @@ def init(target_params, params, options: Options, prompt: PromptInfo):
   rows = jnp.arange(b)
   shape = (options.num_modules, b, prompt.cache_len, config.num_kv_heads, config.head_dim)
   dtype = jnp.dtype(config.dtype)
-  state = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype), "hidden": jnp.zeros((b, config.hidden_size), dtype),
-           "position": prompt.lengths}
+  state = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype),
+           "hidden": jnp.zeros((b, config.hidden_size), dtype), "position": prompt.lengths}
   next_tokens = draft_head.shifted(prompt.tokens, 1).at[rows, prompt.lengths - 1].set(prompt.first_token)
   positions = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
   state, first = _run_true(target_params, params, options, state, next_tokens, prompt.features, positions)
@@ -246,7 +246,8 @@ def loss(target_params, params, options: Options, batch):
   positions = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
   token_emb = embed(target_params, draft_head.shifted(tokens, 1)).astype(jnp.float32)
   hidden0 = features_to_hidden(params, batch["features"].astype(jnp.float32))
-  teacher_ids, teacher_probs = draft_head.shifted(batch["teacher_ids"], 1), draft_head.shifted(batch["teacher_probs"], 1)
+  teacher_ids = draft_head.shifted(batch["teacher_ids"], 1)
+  teacher_probs = draft_head.shifted(batch["teacher_probs"], 1)
   target_mask = draft_head.shifted(batch["mask"], 1, False)  # depth k at j predicts t_{j+2}: the target at j+1
   true_kv = {}
 
