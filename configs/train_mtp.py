@@ -11,7 +11,8 @@ Variants (the argument after the colon):
   deepseek    3 distinct sequential modules on the last hidden state (DeepSeek-V3 MTP), chained in training
   small       appended with a comma (e.g. `parallel,small`): a few steps, for a quick end-to-end check
 
-Each variant finishes in about 1.5-2 hours on 2 shared CPU cores. Runs write metrics.jsonl and orbax
+`parallel` took 53 min and `sequential` 70 min on 2 CPU cores, the two running side by side with other jobs
+(the Spec-Bench pass adds ~10 min). Runs write metrics.jsonl and orbax
 checkpoints to the workdir (default workdirs/train/<variant>/); a killed run restarted with the same
 command resumes from its last checkpoint. At the end the drafter is exported (safetensors + a model card)
 and its acceptance is measured on Spec-Bench prompts (evaluation only; nothing is trained on them).
