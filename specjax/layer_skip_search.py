@@ -125,6 +125,15 @@ def _validate_skip(num_layers: int, skip: SkipSet) -> SkipSet:
   return tuple(sorted(skip))
 
 
+def _evaluate(objective: Objective, skip: SkipSet, history: list, on_evaluation) -> Evaluation:
+  """Scores one candidate and records it (history, progress callback)."""
+  evaluation = objective(skip)
+  history.append((skip, evaluation))
+  if on_evaluation:
+    on_evaluation(skip, evaluation)
+  return evaluation
+
+
 def greedy_search(num_layers: int, objective: Objective, *, budget: int,
                   candidate_layers: Sequence[int] | None = None, start: Sequence[int] = (),
                   on_evaluation: Callable[[SkipSet, Evaluation], None] | None = None) -> SearchResult:
@@ -164,10 +173,7 @@ def greedy_search(num_layers: int, objective: Objective, *, budget: int,
       if len(history) >= budget:
         break
       tried += 1
-      evaluation = objective(skip)
-      history.append((skip, evaluation))
-      if on_evaluation:
-        on_evaluation(skip, evaluation)
+      evaluation = _evaluate(objective, skip, history, on_evaluation)
       if step_best is None or evaluation.speedup > step_best[1].speedup:
         step_best = (skip, evaluation)
     complete = tried == len(step)
@@ -505,10 +511,7 @@ def greedy_path_search(num_layers: int, objective: Objective, *, candidates: Seq
       if budget is not None and len(history) >= budget:
         break
       skip = tuple(sorted(current + (layer,)))
-      evaluation = objective(skip)
-      history.append((skip, evaluation))
-      if on_evaluation:
-        on_evaluation(skip, evaluation)
+      evaluation = _evaluate(objective, skip, history, on_evaluation)
       if step is None or evaluation.speedup > step[1].speedup:
         step = (skip, evaluation)
     if step is None:  # the budget ran out at a step's start

@@ -100,3 +100,23 @@ def tiny(tiny_config) -> Model:
   """A tiny random specjax model (no tokenizer: prompts are token-id lists)."""
   return Model(config=tiny_config, params=init_params(tiny_config, jax.random.PRNGKey(0), std=0.3), tokenizer=None,
                name="tiny")
+
+
+@pytest.fixture(scope="session")
+def task_target() -> Model:
+  """A tiny target trained on a predictable task (tests/task_drafters.py), for drafter training tests."""
+  from tests import task_drafters
+  return task_drafters.train_task_target()
+
+
+@pytest.fixture(scope="session")
+def task_caches(task_target, tmp_path_factory) -> dict:
+  from tests import task_drafters
+  return task_drafters.task_feature_caches(task_target, tmp_path_factory.mktemp("task_features"))
+
+
+@pytest.fixture(scope="session")
+def random_target() -> Model:
+  """A tiny random target (4 layers, untied head) for drafters' greedy and error tests."""
+  from tests import task_drafters
+  return task_drafters.random_target()

@@ -15,11 +15,7 @@ from specjax.drafters import draft_head, draft_model
 from specjax.loading import CheckpointError, Model
 from specjax.model import init_params
 from specjax.tokenizer import Tokenizer
-from specjax.train_drafter import train_drafter
-from tests.test_mtp import (TASK_CONFIG, VOCAB, perturbed, progression, ragged_prompts, random_target, task_caches,
-                            task_target)
-
-__all__ = ["random_target", "task_caches", "task_target"]  # module fixtures shared with test_mtp
+from tests.task_drafters import TASK_CONFIG, VOCAB, perturbed, ragged_prompts, train_on_task
 
 # test id -> options of a fresh distilled draft (random_target has 4 layers)
 DRAFTS = {
@@ -63,15 +59,10 @@ def test_shipped_draft_name_without_a_checkpoint_says_what_to_do(random_target):
 def test_distilled_draft_learns_a_predictable_task_end_to_end(task_target, task_caches, tmp_path):
   """One layer (the target's first) starts from a random perturbation and learns the target's next tokens."""
   fresh = perturbed(specjax.make_drafter("draft_model", task_target, draft="fresh", num_layers=1), scale=0.5)
-  prompts = [progression(5, 2, 6), progression(11, 1, 9), progression(30, 2, 4)]
-  expected = specjax.generate(task_target, prompts, max_new_tokens=30, stop_ids=[])
-  before = specjax.generate(task_target, prompts, max_new_tokens=30, drafter=fresh, gamma=3, stop_ids=[])
-  result = train_drafter(task_target, fresh, task_caches["train"], task_caches["held_out"], workdir=str(tmp_path),
-                         steps=200, batch_size=16, learning_rate=1e-2, warmup_steps=10, eval_every=200,
-                         progress=False)
+  run = train_on_task(task_target, fresh, task_caches, tmp_path)
+  prompts, before, out, result = run["prompts"], run["before"], run["out"], run["result"]
   assert result.final_eval["eval_top1_1"] >= 0.95, result.final_eval
-  out = specjax.generate(task_target, prompts, max_new_tokens=30, drafter=result.drafter, gamma=3, stop_ids=[])
-  assert out.tokens == expected.tokens
+  assert out.tokens == run["expected"].tokens
   assert before.stats["mean_accepted"] < 2 and out.stats["mean_accepted"] >= 0.9 * 4, (before.stats, out.stats)
   # The drafter checkpoint and the exported HF model both give the same drafts back.
   path = draft_head.save(result.drafter, str(tmp_path / "draft.safetensors"), task_target, dtype="float32")

@@ -10,9 +10,7 @@ import specjax
 from specjax.drafters import draft_head
 from specjax.loading import CheckpointError
 from specjax.train_drafter import train_drafter
-from tests.test_mtp import VOCAB, perturbed, progression, ragged_prompts, random_target, task_caches, task_target
-
-__all__ = ["random_target", "task_caches", "task_target"]  # module fixtures shared with test_mtp
+from tests.task_drafters import VOCAB, perturbed, progression, ragged_prompts, train_on_task
 
 # test id -> options of a fresh adapter
 ADAPTERS = {
@@ -71,15 +69,10 @@ def test_trained_exit_adapter_learns_a_predictable_task_end_to_end(mlp, task_tar
   features."""
   fresh = perturbed(specjax.make_drafter("layer_skip", task_target, adapter="fresh", exit_layer=1, mlp=mlp),
                     scale=0.5)
-  prompts = [progression(5, 2, 6), progression(11, 1, 9), progression(30, 2, 4)]
-  expected = specjax.generate(task_target, prompts, max_new_tokens=30, stop_ids=[])
-  before = specjax.generate(task_target, prompts, max_new_tokens=30, drafter=fresh, gamma=3, stop_ids=[])
-  result = train_drafter(task_target, fresh, task_caches["train"], task_caches["held_out"], workdir=str(tmp_path),
-                         steps=200, batch_size=16, learning_rate=1e-2, warmup_steps=10, eval_every=200,
-                         progress=False)
+  run = train_on_task(task_target, fresh, task_caches, tmp_path)
+  prompts, before, out, result = run["prompts"], run["before"], run["out"], run["result"]
   assert result.final_eval["eval_top1_1"] >= 0.95, result.final_eval
-  out = specjax.generate(task_target, prompts, max_new_tokens=30, drafter=result.drafter, gamma=3, stop_ids=[])
-  assert out.tokens == expected.tokens
+  assert out.tokens == run["expected"].tokens
   assert before.stats["mean_accepted"] < 2 and out.stats["mean_accepted"] >= 0.9 * 4, (before.stats, out.stats)
   # The checkpoint round trip gives the same drafter; its exit layer comes with it.
   path = draft_head.save(result.drafter, str(tmp_path / "adapter.safetensors"), task_target, dtype="float32")

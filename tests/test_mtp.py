@@ -7,26 +7,16 @@ them: held-out top-1 agreement and the tokens accepted per round must be near th
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import specjax
-from specjax import train
-from specjax.config import ModelConfig
 from specjax.drafters import draft_head
-from specjax.features import build_feature_cache
-from specjax.loading import CheckpointError, Model
-from specjax.model import init_params
+from specjax.loading import CheckpointError
 from specjax.train_drafter import train_drafter
-
-VOCAB = 32
-# Hidden size twice the vocabulary: a one-block head can then map any token's direction to another's.
-TASK_CONFIG = ModelConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
-                          num_kv_heads=2, head_dim=16, max_position_embeddings=256, tie_embeddings=True)
+from tests.task_drafters import VOCAB, perturbed, progression, ragged_prompts
 
 # test id -> (drafter name, options for fresh parameters)
 MTP_DRAFTERS = {
@@ -39,51 +29,9 @@ MTP_DRAFTERS = {
 }
 
 
-def progression(start: int, stride: int, length: int) -> list[int]:
-  return [(start + stride * i) % VOCAB for i in range(length)]
-
-
-def task_sequences(n: int, length: int, seed: int) -> list[list[int]]:
-  rng = np.random.RandomState(seed)
-  return [progression(rng.randint(VOCAB), rng.choice([1, 2]), length) for _ in range(n)]
-
-
-@pytest.fixture(scope="module")
-def task_target() -> Model:
-  """A tiny target trained to continue arithmetic progressions mod VOCAB (stride 1 or 2)."""
-  params = init_params(TASK_CONFIG, jax.random.PRNGKey(0), std=0.1)
-  data = np.asarray(task_sequences(512, 32, seed=0), np.int32)
-  optimizer = train.make_optimizer(1e-2, 20, 300)
-  state = train.init_train_state(params, optimizer)
-  step = train.make_train_step(train.lm_loss(TASK_CONFIG), optimizer)
-  for i in range(300):
-    state, _ = step(state, None, {"tokens": data[(i * 32) % 512:(i * 32) % 512 + 32]})
-  return Model(TASK_CONFIG, state.params, None, "task")
-
-
-def perturbed(drafter, seed=1, scale=0.3):
-  """Random (untrained) parameters, so drafts are wrong in varied ways."""
-  leaves, treedef = jax.tree.flatten(drafter.params)
-  keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
-  leaves = [x + scale * jax.random.normal(k, x.shape, x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
-            for x, k in zip(leaves, keys)]
-  return dataclasses.replace(drafter, params=jax.tree.unflatten(treedef, leaves))
-
-
 def make(name, target, seed=1):
   drafter_name, options = MTP_DRAFTERS[name]
   return perturbed(specjax.make_drafter(drafter_name, target, path=None, **options), seed)
-
-
-def ragged_prompts(batch, seed=0):
-  rng = np.random.RandomState(seed)
-  return [list(rng.randint(0, VOCAB, size=n)) * 2 for n in [7, 12, 3, 9][:batch]]
-
-
-@pytest.fixture(scope="module")
-def random_target():
-  config = TASK_CONFIG.replace(tie_embeddings=False, num_layers=4)
-  return Model(config, init_params(config, jax.random.PRNGKey(0), std=0.3), None, "tiny-random")
 
 
 # Every drafter at gamma 1, 3 and 5; its variants (truncated vocabulary, recurrent, EAGLE-3) at gamma 3.
@@ -137,17 +85,6 @@ def test_truncated_vocabulary_drafts_only_mapped_tokens_and_q_is_zero_elsewhere(
 
 
 # --------------------------------------------------------------------------------------------- end to end
-
-
-@pytest.fixture(scope="module")
-def task_caches(task_target, tmp_path_factory):
-  root = tmp_path_factory.mktemp("task_features")
-  caches = {}
-  for split, (n, seed) in {"train": (192, 1), "held_out": (32, 2)}.items():
-    seqs = [(np.asarray(s, np.int32), np.ones(len(s), bool)) for s in task_sequences(n, 48, seed)]
-    caches[split] = build_feature_cache(task_target, seqs, str(root / split), seq_len=48,
-                                        feature_layers=(0, 1, 2), top_k=8, batch_size=16)
-  return caches
 
 
 @pytest.mark.parametrize("name, options", [

@@ -8,7 +8,6 @@ accepted draft, a correction from the residual, or the bonus token), so every br
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 import jax
@@ -22,6 +21,7 @@ from specjax import speculative, verify
 from specjax.config import ModelConfig
 from specjax.loading import Model
 from specjax.model import init_params
+from tests.task_drafters import perturbed
 from specjax.sampling import SamplingParams, probabilities, sample_from_probs
 
 VOCAB, SAMPLES, PROMPT = 16, 20_000, [3, 1, 4, 1, 5]
@@ -77,28 +77,20 @@ def chi_square_pvalue(samples: np.ndarray, probs: np.ndarray) -> float:
   return float(stats.chi2.sf(statistic, len(observed) - 1))
 
 
-def perturbed(drafter, scale=0.5):
-  """Random, untrained drafter parameters: drafts that are often but not always accepted."""
-  leaves, treedef = jax.tree.flatten(drafter.params)
-  keys = jax.random.split(jax.random.PRNGKey(3), len(leaves))
-  leaves = [x + scale * jax.random.normal(k, x.shape, x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
-            for x, k in zip(leaves, keys)]
-  return dataclasses.replace(drafter, params=jax.tree.unflatten(treedef, leaves))
-
-
 # Drafters whose q differ in kind: an independent model, MTP heads over a truncated vocabulary (q is zero on
 # tokens 0-2, which only the residual can produce), a recurrent sequential module, an exit adapter over a
 # truncated vocabulary, a draft model distilled from the target's layers.
 DRAFTERS = {
     "draft_model": lambda target, draft: specjax.make_drafter("draft_model", target, draft=draft),
     "draft_model_distilled": lambda target, draft: perturbed(specjax.make_drafter(
-        "draft_model", target, draft="fresh", num_layers=1), scale=0.1),
+        "draft_model", target, draft="fresh", num_layers=1), seed=3, scale=0.1),
     "layer_skip_adapter_truncated": lambda target, draft: perturbed(specjax.make_drafter(
-        "layer_skip", target, adapter="fresh", exit_layer=1, token_map=list(range(3, VOCAB))), scale=0.1),
+        "layer_skip", target, adapter="fresh", exit_layer=1, token_map=list(range(3, VOCAB))),
+        seed=3, scale=0.1),
     "mtp_parallel_truncated": lambda target, draft: perturbed(specjax.make_drafter(
-        "mtp_parallel", target, path=None, num_heads=3, token_map=list(range(3, VOCAB))), scale=0.1),
+        "mtp_parallel", target, path=None, num_heads=3, token_map=list(range(3, VOCAB))), seed=3, scale=0.1),
     "mtp_sequential": lambda target, draft: perturbed(specjax.make_drafter(
-        "mtp_sequential", target, path=None, depth=2, recurrent=True)),
+        "mtp_sequential", target, path=None, depth=2, recurrent=True), seed=3, scale=0.5),
 }
 
 

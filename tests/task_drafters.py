@@ -1,0 +1,85 @@
+"""Test doubles for trained drafters: a tiny target that learned a predictable task, its feature caches, a tiny
+random target, and random drafter parameters. The fixtures built from them live in conftest.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import train
+from specjax.config import ModelConfig
+from specjax.features import build_feature_cache
+from specjax.loading import Model
+from specjax.model import init_params
+
+VOCAB = 32
+# Hidden size twice the vocabulary: a one-block head can then map any token's direction to another's.
+TASK_CONFIG = ModelConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
+                          num_kv_heads=2, head_dim=16, max_position_embeddings=256, tie_embeddings=True)
+
+
+def progression(start: int, stride: int, length: int) -> list[int]:
+  return [(start + stride * i) % VOCAB for i in range(length)]
+
+
+def task_sequences(n: int, length: int, seed: int) -> list[list[int]]:
+  rng = np.random.RandomState(seed)
+  return [progression(rng.randint(VOCAB), rng.choice([1, 2]), length) for _ in range(n)]
+
+
+def train_task_target() -> Model:
+  """A tiny target trained to continue arithmetic progressions mod VOCAB (stride 1 or 2)."""
+  params = init_params(TASK_CONFIG, jax.random.PRNGKey(0), std=0.1)
+  data = np.asarray(task_sequences(512, 32, seed=0), np.int32)
+  optimizer = train.make_optimizer(1e-2, 20, 300)
+  state = train.init_train_state(params, optimizer)
+  step = train.make_train_step(train.lm_loss(TASK_CONFIG), optimizer)
+  for i in range(300):
+    state, _ = step(state, None, {"tokens": data[(i * 32) % 512:(i * 32) % 512 + 32]})
+  return Model(TASK_CONFIG, state.params, None, "task")
+
+
+def task_feature_caches(target: Model, root) -> dict:
+  """Train and held-out feature caches of the task (every layer's output stored)."""
+  caches = {}
+  for split, (n, seed) in {"train": (192, 1), "held_out": (32, 2)}.items():
+    seqs = [(np.asarray(s, np.int32), np.ones(len(s), bool)) for s in task_sequences(n, 48, seed)]
+    caches[split] = build_feature_cache(target, seqs, str(root / split), seq_len=48,
+                                        feature_layers=(0, 1, 2), top_k=8, batch_size=16)
+  return caches
+
+
+def random_target() -> Model:
+  config = TASK_CONFIG.replace(tie_embeddings=False, num_layers=4)
+  return Model(config, init_params(config, jax.random.PRNGKey(0), std=0.3), None, "tiny-random")
+
+
+def perturbed(drafter, seed=1, scale=0.3):
+  """Random (untrained) parameters, so drafts are wrong in varied ways."""
+  leaves, treedef = jax.tree.flatten(drafter.params)
+  keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+  leaves = [x + scale * jax.random.normal(k, x.shape, x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+            for x, k in zip(leaves, keys)]
+  return dataclasses.replace(drafter, params=jax.tree.unflatten(treedef, leaves))
+
+
+def ragged_prompts(batch, seed=0):
+  rng = np.random.RandomState(seed)
+  return [list(rng.randint(0, VOCAB, size=n)) * 2 for n in [7, 12, 3, 9][:batch]]
+
+
+def train_on_task(target: Model, fresh, caches: dict, workdir) -> dict:
+  """Decodes task prompts with `fresh`, trains it (200 steps) and decodes again; returns what tests check:
+  prompts, expected (autoregressive), before and out (speculative, untrained and trained), result."""
+  import specjax
+  from specjax.train_drafter import train_drafter
+  prompts = [progression(5, 2, 6), progression(11, 1, 9), progression(30, 2, 4)]
+  expected = specjax.generate(target, prompts, max_new_tokens=30, stop_ids=[])
+  before = specjax.generate(target, prompts, max_new_tokens=30, drafter=fresh, gamma=3, stop_ids=[])
+  result = train_drafter(target, fresh, caches["train"], caches["held_out"], workdir=str(workdir), steps=200,
+                         batch_size=16, learning_rate=1e-2, warmup_steps=10, eval_every=200, progress=False)
+  out = specjax.generate(target, prompts, max_new_tokens=30, drafter=result.drafter, gamma=3, stop_ids=[])
+  return {"prompts": prompts, "expected": expected, "before": before, "out": out, "result": result}
