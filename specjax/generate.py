@@ -112,7 +112,8 @@ def generate(model: Model, prompts: Sequence[str | Sequence[int]], *, max_new_to
   start = time.perf_counter()
   params, prompt_tokens, lengths, cache_sharding = place_on_mesh(model, batch, mesh)
   (tokens, num_generated, steps), compile_seconds = _autoregressive_program(
-      params, prompt_tokens, lengths, jax.random.PRNGKey(seed), describe=describe_shapes(batch),
+      params, prompt_tokens, lengths, jax.random.PRNGKey(seed),
+      describe=f"{describe_shapes(batch)}, up to {max_new_tokens} new tokens",
       config=model.config, sampling=sampling, max_new_tokens=int(max_new_tokens), cache_len=batch.cache_len,
       stop_ids=stop_ids, cache_sharding=cache_sharding)
   tokens, num_generated, steps = distributed.to_host((tokens, num_generated, steps))  # also multi-process arrays
