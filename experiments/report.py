@@ -3,6 +3,10 @@
 Per method and prompt batch, the batch's time is the median over repeats; tokens/s of a method is the median
 over batches of (new tokens / batch time), and its speedup is that divided by the autoregressive baseline's
 tokens/s from the same run. Per-category speedups use the batches of that category only.
+
+Greedy agreement with the baseline (for peers, other implementations, whose tokens may differ): per row, the
+tokens before the first divergence over the longer row's length; `agreement` is its mean over rows and
+`equal_rows` the fraction of rows equal token for token.
 """
 
 from __future__ import annotations
@@ -22,6 +26,15 @@ import numpy as np  # noqa: E402
 def _median(values) -> float | None:
   values = [v for v in values if v is not None and not math.isnan(v)]
   return float(np.median(values)) if values else None
+
+
+def agreement(rows: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]) -> list[float]:
+  """Per row: the length of the prefix shared with the reference row over the longer row's length (1.0: equal)."""
+  fractions = []
+  for row, ref in zip(rows, reference, strict=True):
+    same = next((i for i, (a, b) in enumerate(zip(row, ref)) if a != b), min(len(row), len(ref)))
+    fractions.append(same / max(len(row), len(ref)) if row or ref else 1.0)
+  return fractions
 
 
 def batch_throughput(records: Sequence[dict], method: str) -> dict[int, dict[str, Any]]:
@@ -49,6 +62,7 @@ def summarize(records: Sequence[dict], methods: Sequence[str], baseline: str,
     batches = batch_throughput(records, method)
     rs = [r for r in records if r["method"] == method]
     tps = _median(b["tokens_per_second"] for b in batches.values())
+    row_agreement = [a for r in rs for a in (r.get("agreement") or ())]
     summary[method] = {
         "tokens_per_second": tps,
         "speedup": tps / base_tps,
@@ -62,6 +76,8 @@ def summarize(records: Sequence[dict], methods: Sequence[str], baseline: str,
         "recompiles": sum(r["compile_call_seconds"] is not None for r in rs),
         "recompile_seconds": sum(r["compile_call_seconds"] or 0.0 for r in rs),
         "lossless": lossless.get(method),
+        "agreement": float(np.mean(row_agreement)) if row_agreement else None,
+        "equal_rows": float(np.mean([a == 1.0 for a in row_agreement])) if row_agreement else None,
         "batches": len(batches),
         "new_tokens": int(sum(b["new_tokens"] for b in batches.values())),
     }
@@ -89,6 +105,14 @@ def markdown_table(summary: dict[str, Any]) -> str:
                 f"{_fmt(s['mean_accepted'], '.2f')} | {_fmt(s['acceptance_rate'], '.2f')} | "
                 f"{_fmt(s['alpha'], '.2f')} | {_fmt(s['compile_seconds'], '.1f')} | {_fmt(s['lossless'], '')} |")
   return "\n".join(rows)
+
+
+def agreement_table(summary: dict[str, Any]) -> str:
+  rows = ["| method | equal rows | tokens until first divergence |", "|---|---:|---:|"]
+  for method, s in summary["methods"].items():
+    if s.get("agreement") is not None:
+      rows.append(f"| {method} | {_fmt(s['equal_rows'], '.0%')} | {_fmt(s['agreement'], '.0%')} |")
+  return "\n".join(rows) if len(rows) > 2 else ""
 
 
 def plot_speedup(summary: dict[str, Any], path: str) -> None:
@@ -153,8 +177,12 @@ def write(workdir: str, results: dict[str, Any]) -> str:
             f"{env['cpu_count']} CPUs. tokens/s: median over prompt batches; speedup: over "
             f"{summary['baseline']} in the same run; compile s: compiling the program for the first (warmup) call; "
             f"{sum(s['recompiles'] for s in summary['methods'].values())} timed calls compiled a new shape "
-            "and were rerun.\n\n"
-            "![speedup](speedup.png)\n\n![speedup by category](speedup_by_category.png)\n")
+            "and were rerun.\n\n")
+    agreement = agreement_table(summary)
+    if agreement:
+      f.write(f"Greedy agreement with {summary['baseline']} (lossless methods agree fully; peers run other "
+              "kernels, so near ties can flip a token):\n\n" + agreement + "\n\n")
+    f.write("![speedup](speedup.png)\n\n![speedup by category](speedup_by_category.png)\n")
   plot_speedup(summary, os.path.join(workdir, "speedup.png"))
   plot_speedup_by_category(summary, os.path.join(workdir, "speedup_by_category.png"))
   return table

@@ -15,6 +15,13 @@ Timing, so that the comparison is fair on a noisy shared machine:
     bucket" while it does) is run again and only the rerun counts;
   * tokens/s is the median over batches, speedup is relative to the autoregressive baseline of this run.
 With temperature 0 every method's tokens are compared with the baseline's, token for token (`lossless`).
+
+A method names a specjax drafter (`"drafter"`; none: autoregressive) or a peer (`"peer"`: another
+implementation on the same weights, e.g. HF transformers or llama.cpp, see experiments/peers.py), timed
+interleaved with the rest. A peer is not specjax, so it is not checked for losslessness: its greedy tokens'
+agreement with the baseline is reported instead (`agreement`: tokens until the first divergence over the row's
+length, averaged over rows; `equal_rows`: the fraction of rows equal token for token). A peer whose library is
+not installed is left out with a printed reason.
 """
 
 from __future__ import annotations
@@ -31,14 +38,14 @@ from tqdm import tqdm
 
 import specjax
 from specjax import compilation, distributed, sharding
-from experiments import cli, report, spec_bench
+from experiments import cli, peers, report, spec_bench
 from experiments.cli import environment, parse_flags
 
 _CONFIG = cli.define_config_flag("Experiment config: configs/<name>.py[:arg].")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (default: workdirs/<config>-<time>).")
 distributed.define_flags()  # --coordinator_address, --num_processes, --process_id (multi-process runs)
 
-METHOD_KEYS = {"name", "drafter", "options", "gamma"}
+METHOD_KEYS = {"name", "drafter", "peer", "options", "gamma"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +53,7 @@ class Method:
   name: str
   drafter: Any  # from specjax.make_drafter; None decodes autoregressively
   gamma: int
+  peer: Any = None  # from peers.make: another implementation, which decodes instead of specjax
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,12 +71,16 @@ def make_methods(config: ml_collections.ConfigDict, model: specjax.Model) -> lis
     if "name" not in spec or set(spec) - METHOD_KEYS:
       raise ValueError(f"a method is a dict with 'name' and optionally {sorted(METHOD_KEYS - {'name'})}, "
                        f"got {spec}")
+    if spec.get("drafter") and spec.get("peer"):
+      raise ValueError(f"a method names a drafter or a peer, not both: {spec}")
+    if spec.get("peer") and spec["peer"] not in peers.PEERS:
+      raise ValueError(f"unknown peer {spec['peer']!r} in {spec}; peers: {', '.join(peers.PEERS)}")
   names = [s["name"] for s in specs]
   if len(set(names)) != len(names):
     raise ValueError(f"method names must be unique, got {names}")
-  baselines = [s for s in specs if not s.get("drafter")]
+  baselines = [s for s in specs if not s.get("drafter") and not s.get("peer")]
   if not baselines:
-    raise ValueError("config.methods needs an autoregressive baseline (a method without a drafter)")
+    raise ValueError("config.methods needs an autoregressive baseline (a method without a drafter or peer)")
   only = [n.strip() for n in config.only.split(",") if n.strip()]
   unknown = sorted(set(only) - set(names))
   if unknown:
@@ -76,9 +88,20 @@ def make_methods(config: ml_collections.ConfigDict, model: specjax.Model) -> lis
   chosen = [baselines[0]] + [s for s in specs if s is not baselines[0] and (not only or s["name"] in only)]
   methods = []
   for spec in chosen:
+    gamma = int(spec.get("gamma", config.gamma))
+    if spec.get("peer"):
+      try:
+        peer = peers.make(spec["peer"], model, config.model, gamma=gamma, temperature=config.temperature,
+                          **dict(spec.get("options", {})))
+      except peers.Unavailable as e:
+        print(f"leaving out {spec['name']}: {e}")
+        logging.warning("leaving out %s: %s", spec["name"], e)
+        continue
+      methods.append(Method(spec["name"], None, gamma, peer=peer))
+      continue
     drafter = (specjax.make_drafter(spec["drafter"], model, **dict(spec.get("options", {})))
                if spec.get("drafter") else None)
-    methods.append(Method(spec["name"], drafter, int(spec.get("gamma", config.gamma))))
+    methods.append(Method(spec["name"], drafter, gamma))
   return methods
 
 
@@ -121,6 +144,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model: specjax.Model
     """One generate call: (output, wall seconds, compilations it triggered)."""
     compiled_before = compilation.count()
     start = time.perf_counter()
+    if method.peer is not None:
+      out = method.peer.generate(batch.prompts, max_new_tokens=config.max_new_tokens)
+      return out, time.perf_counter() - start, 0
     out = specjax.generate(model, list(batch.prompts), max_new_tokens=config.max_new_tokens,
                            temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
                            seed=config.seed, drafter=method.drafter, gamma=method.gamma, mesh=mesh)
@@ -135,7 +161,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model: specjax.Model
                    compile_seconds[method.name])
 
   records, outputs = [], []
-  lossless: dict[str, bool | None] = {m.name: (True if greedy else None) for m in methods}
+  lossless: dict[str, bool | None] = {m.name: (True if greedy and m.peer is None else None) for m in methods}
   for batch in tqdm(batches, desc="prompt batches", unit="batch", disable=not distributed.is_main_process()):
     reference = None  # the baseline's tokens for this batch
     for repeat in range(config.repeats):
@@ -148,7 +174,12 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model: specjax.Model
         if reference is None:
           reference = out.tokens
         matches = out.tokens == reference if greedy else None
-        if greedy and not matches:
+        agreement = report.agreement(out.tokens, reference) if greedy else None
+        if method.peer is not None:
+          if repeat == 0 and agreement is not None:
+            logging.info("%s agrees with %s on batch %d: %s of the tokens until the first divergence", method.name,
+                         baseline, batch.index, [round(a, 2) for a in agreement])
+        elif greedy and not matches:
           lossless[method.name] = False
           logging.warning("%s differs from %s on batch %d (questions %s)", method.name, baseline, batch.index,
                           [q.question_id for q in batch.questions])
@@ -160,13 +191,14 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model: specjax.Model
             "target_calls": stats["target_calls"], "mean_accepted": stats["mean_accepted"],
             "acceptance_rate": stats.get("acceptance_rate"), "alpha": stats.get("alpha"),
             "compile_call_seconds": compile_call_seconds,
-            "matches_baseline": matches})
+            "matches_baseline": matches, "agreement": agreement})
         if repeat == 0:
           for row, q in enumerate(batch.questions):
             outputs.append({
                 "method": method.name, "question_id": q.question_id, "category": q.category,
                 "prompt_tokens": len(batch.prompts[row]), "new_tokens": len(out.tokens[row]),
                 "matches_baseline": out.tokens[row] == reference[row] if greedy else None,
+                "agreement": agreement[row] if greedy else None,
                 "tokens": out.tokens[row], "text": out.texts[row]})
 
   names = [m.name for m in methods]

