@@ -1,0 +1,161 @@
+"""Peers in the experiment runner: HF transformers decodes the same weights greedily token for token like specjax,
+its speculative modes' acceptance is counted from its forward passes, llama.cpp is left out with a printed
+reason where it is not installed, and configs/bench_peers.py loads."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import specjax
+from configs import bench_peers, quickstart
+from experiments import peers, report, run
+from specjax import export
+from specjax.config import ModelConfig
+from specjax.drafters import draft_model
+from specjax.loading import Model
+from specjax.model import init_params
+
+STOP = (2,)
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tiny_hf_llama_dir):
+  """The tiny random HF Llama (untied, GQA) as specjax loads it, and a fresh 1-layer distilled draft of it
+  exported as an HF Llama directory (untrained: it drafts, the target mostly rejects)."""
+  model = specjax.load(tiny_hf_llama_dir)
+  drafter = specjax.make_drafter("draft_model", model, draft="fresh", num_layers=1)
+  return model, export.save_hf(draft_model.as_model(model, drafter), tiny_hf_llama_dir + "-draft1")
+
+
+def _prompts(model) -> list[list[int]]:
+  rng = np.random.default_rng(0)
+  repeated = rng.integers(3, model.config.vocab_size, 10).tolist()
+  return [repeated * 3, rng.integers(3, model.config.vocab_size, 17).tolist()]  # a copy-friendly one, a plain one
+
+
+@pytest.mark.parametrize("name", ["hf_autoregressive", "hf_prompt_lookup", "hf_assisted"])
+def test_hf_peer_greedy_equals_specjax_on_the_same_weights(name, tiny_hf, tiny_hf_llama_dir):
+  model, draft_dir = tiny_hf
+  prompts = _prompts(model)
+  reference = specjax.generate(model, prompts, max_new_tokens=12, stop_ids=STOP)
+  options = {"draft": draft_dir} if name == "hf_assisted" else {}
+  peer = peers.make(name, model, tiny_hf_llama_dir, gamma=3, temperature=0.0, stop_ids=STOP, threads=1, **options)
+  out = peer.generate(prompts, max_new_tokens=12)
+  assert out.tokens == reference.tokens
+  assert report.agreement(out.tokens, reference.tokens) == [1.0, 1.0]
+  stats = out.stats
+  assert stats["new_tokens"] == sum(map(len, reference.tokens)) and stats["compile_seconds"] == 0.0
+  if name == "hf_autoregressive":  # one forward per token; no drafts
+    assert stats["target_calls"] == stats["new_tokens"] and stats["mean_accepted"] == 1.0
+    assert stats["acceptance_rate"] is None and stats["proposed"] == 0
+  else:
+    assert 0 < stats["target_calls"] <= stats["new_tokens"]
+    assert stats["proposed"] > 0 and 0.0 <= stats["acceptance_rate"] <= 1.0 and 0.0 <= stats["alpha"] <= 1.0
+    assert stats["accepted"] == stats["new_tokens"] - stats["target_calls"]  # every forward adds accepted + 1
+  if name != "hf_autoregressive":  # at most gamma drafts per forward (fewer near max_new_tokens)
+    assert stats["proposed"] <= 3 * stats["target_calls"]
+
+
+def test_trace_counts_follow_the_committed_sequence():
+  # Prompt of 8; the first forward verifies 3 drafts with the prompt and accepts 2 (commits 3 tokens); the next
+  # reads the newest token with 3 drafts and accepts all (4 tokens); the last rejects its 2 drafts (1 token).
+  forwards = [peers.Forward(past=0, inputs=11), peers.Forward(past=10, inputs=4), peers.Forward(past=14, inputs=3)]
+  counts = peers.trace_counts(forwards, prompt_len=8, new_tokens=8)
+  assert counts == {"target_calls": 3, "proposed": 8, "accepted": 5, "rejections": 2, "from_rounds": 5}
+  # Autoregressive: a prefill, then one token read per forward.
+  plain = [peers.Forward(past=0, inputs=5)] + [peers.Forward(past=5 + i, inputs=1) for i in range(3)]
+  assert peers.trace_counts(plain, prompt_len=5, new_tokens=4) == {
+      "target_calls": 4, "proposed": 0, "accepted": 0, "rejections": 0, "from_rounds": 3}
+
+
+def test_agreement_is_the_prefix_before_the_first_divergence():
+  assert report.agreement([[1, 2, 3, 4], [5, 6], [7, 8, 9]], [[1, 2, 0, 4], [5, 6], [7, 8]]) == [0.5, 1.0, 2 / 3]
+
+
+def test_hf_assisted_without_its_draft_directory_says_how_to_make_one(tiny_hf, tiny_hf_llama_dir, tmp_path):
+  model, _ = tiny_hf
+  with pytest.raises(FileNotFoundError, match="no HF draft model directory at .*configs/train_draft.py"):
+    peers.make("hf_assisted", model, tiny_hf_llama_dir, gamma=3, temperature=0.0, draft=str(tmp_path / "none"))
+
+
+@pytest.mark.parametrize("name, kwargs, error, message", [
+    ("hf_autoregressive", {"temperature": 0.7}, ValueError, "decodes greedily"),
+    ("hf_prompt_lookup", {"ngram": 3}, TypeError, r"takes options \['max_matching_ngram_size'"),
+    ("vllm", {}, ValueError, "unknown peer 'vllm'"),
+])
+def test_peer_rejects_bad_input(name, kwargs, error, message, tiny_hf, tiny_hf_llama_dir):
+  model, _ = tiny_hf
+  kwargs = {"gamma": 3, "temperature": 0.0, **kwargs}
+  with pytest.raises(error, match=message):
+    peers.make(name, model, tiny_hf_llama_dir, **kwargs)
+
+
+@pytest.mark.parametrize("methods, message", [
+    (({"name": "ar"}, {"name": "x", "peer": "hf_autoregressive", "drafter": "prompt_lookup"}), "not both"),
+    (({"name": "ar"}, {"name": "x", "peer": "vllm"}), "unknown peer 'vllm'"),
+    (({"name": "hf", "peer": "hf_autoregressive"},), "needs an autoregressive baseline"),
+])
+def test_make_methods_rejects_bad_peer_specs(methods, message):
+  config = quickstart.get_config()
+  config.methods = methods
+  with pytest.raises(ValueError, match=message):
+    run.make_methods(config, model=None)  # fails before building anything
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_dir(smollm2, tmp_path_factory) -> str:
+  """A tiny random model with SmolLM2's tokenizer (so the runner can render Spec-Bench prompts), as an HF directory."""
+  config = ModelConfig(vocab_size=smollm2.config.vocab_size, hidden_size=32, intermediate_size=64, num_layers=2,
+                       num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-5,
+                       tie_embeddings=True, max_position_embeddings=1024)
+  model = Model(config=config, params=init_params(config, jax.random.PRNGKey(1), std=0.3), tokenizer=smollm2.tokenizer,
+                name="tiny-chat")
+  return export.save_hf(model, str(tmp_path_factory.mktemp("tiny_chat")))
+
+
+def test_runner_times_peers_and_reports_their_agreement(tiny_chat_dir, tmp_path, monkeypatch, capsys):
+  monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as where llama-cpp-python is not installed
+  config = quickstart.get_config()
+  config.model = tiny_chat_dir
+  config.max_new_tokens = 5
+  config.prompts.categories = ("qa", "writing")
+  config.methods = ({"name": "autoregressive"},
+                    {"name": "hf_autoregressive", "peer": "hf_autoregressive", "options": {"threads": 1}},
+                    {"name": "llamacpp_autoregressive", "peer": "llamacpp_autoregressive", "options": {}})
+  results = run.run(config, str(tmp_path), name="peers")
+
+  assert "leaving out llamacpp_autoregressive: llama-cpp-python is not installed" in capsys.readouterr().out
+  summary = json.loads((tmp_path / "results.json").read_text())["summary"]["methods"]
+  assert list(summary) == ["autoregressive", "hf_autoregressive"]
+  assert summary["autoregressive"]["lossless"] is True and summary["hf_autoregressive"]["lossless"] is None
+  assert summary["autoregressive"]["agreement"] == summary["autoregressive"]["equal_rows"] == 1.0
+  # float32 HF on the same random weights: the same greedy tokens.
+  assert summary["hf_autoregressive"]["agreement"] == summary["hf_autoregressive"]["equal_rows"] == 1.0
+  outputs = {(o["method"], o["question_id"]): o for o in results["outputs"]}
+  for (method, question), o in outputs.items():
+    assert o["tokens"] == outputs[("autoregressive", question)]["tokens"] and o["agreement"] == 1.0
+  assert [(r["batch"], r["method"]) for r in results["records"]] == [
+      (b, m) for b in (0, 1) for m in ("autoregressive", "hf_autoregressive")]
+  table = (tmp_path / "results.md").read_text()
+  assert "| hf_autoregressive |" in table and "| method | equal rows | tokens until first divergence |" in table
+
+
+@pytest.mark.parametrize("arg, prompts, max_new_tokens", [(None, 26, 128), ("small", 13, 64)])
+def test_bench_peers_config_runs_every_drafter_and_peer(arg, prompts, max_new_tokens):
+  from experiments import spec_bench
+  config = bench_peers.get_config(arg)
+  assert len(spec_bench.select(spec_bench.load_questions(), **config.prompts.to_dict())) == prompts
+  assert config.max_new_tokens == max_new_tokens and config.temperature == 0.0
+  names = [m["name"] for m in config.methods]
+  assert names[0] == "autoregressive" and len(set(names)) == len(names)
+  assert {"prompt_lookup", "layer_skip_24", "mtp_parallel", "mtp_sequential"} <= set(names)
+  assert {"hf_autoregressive", "hf_prompt_lookup", "llamacpp_autoregressive", "llamacpp_prompt_lookup"} <= set(names)
+  assert all(m.get("peer") in peers.PEERS for m in config.methods if "peer" in m)
+  assert all(set(m) <= run.METHOD_KEYS for m in config.methods)
+  with pytest.raises(ValueError, match="'small'"):
+    bench_peers.get_config("huge")
