@@ -16,7 +16,7 @@ from configs import bench_peers, quickstart
 from experiments import peers, report, run
 from specjax import export
 from specjax.config import ModelConfig
-from specjax.drafters import draft_model
+from specjax.drafters import draft_head, draft_model
 from specjax.loading import Model
 from specjax.model import init_params
 
@@ -75,6 +75,19 @@ def test_trace_counts_follow_the_committed_sequence():
 
 def test_agreement_is_the_prefix_before_the_first_divergence():
   assert report.agreement([[1, 2, 3, 4], [5, 6], [7, 8, 9]], [[1, 2, 0, 4], [5, 6], [7, 8]]) == [0.5, 1.0, 2 / 3]
+
+
+def test_hf_assisted_exports_a_specjax_distilled_draft_checkpoint(tiny_hf, tiny_hf_llama_dir, tmp_path):
+  model, _ = tiny_hf
+  drafter = specjax.make_drafter("draft_model", model, draft="fresh", init_layers=(0, 2))
+  path = draft_head.save(drafter, str(tmp_path / "draft_model.safetensors"), model, dtype="float32")
+  peer = peers.make("hf_assisted", model, tiny_hf_llama_dir, gamma=2, temperature=0.0, stop_ids=STOP, threads=1,
+                    draft=path)
+  assert peer.generate_kwargs["assistant_model"].config.num_hidden_layers == 2
+  prompts = _prompts(model)
+  out = peer.generate(prompts, max_new_tokens=10)
+  assert out.tokens == specjax.generate(model, prompts, max_new_tokens=10, stop_ids=STOP).tokens
+  assert out.stats["accepted"] > 0  # two of the target's three layers draft well enough to be accepted sometimes
 
 
 def test_hf_assisted_without_its_draft_directory_says_how_to_make_one(tiny_hf, tiny_hf_llama_dir, tmp_path):
