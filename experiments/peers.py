@@ -4,13 +4,16 @@ A method spec names a peer where a specjax method names a drafter (configs/bench
 
   {"name": "hf_assisted", "peer": "hf_assisted", "options": {"draft": "workdirs/train/draft4/smollm2-135m-draft"}}
 
-| peer | what decodes |
-|---|---|
-| `hf_autoregressive` | HF transformers `generate`, torch CPU, float32, on the config's model: a GGUF file loaded with `gguf_file=` (HF dequantizes it itself) or an HF directory |
-| `hf_prompt_lookup` | the same with `prompt_lookup_num_tokens=` (prompt lookup decoding, Saxena 2023) |
-| `hf_assisted` | the same with `assistant_model=` (assisted generation: speculative decoding with greedy verification, Leviathan et al. 2023) and a draft model given as an HF Llama directory, or as a specjax distilled draft (`"smollm2-135m-draft"`, a `.safetensors` checkpoint) that is exported to one with `specjax.export.save_hf` |
-| `llamacpp_autoregressive` | llama.cpp through `llama-cpp-python` on the same GGUF file, with its own kernels on the file's quantized weights (`pip install 'specjax[peers]'`; it compiles llama.cpp) |
-| `llamacpp_prompt_lookup` | the same with `LlamaPromptLookupDecoding` drafting |
+  hf_autoregressive        HF transformers `generate`, torch CPU, float32, on the config's model: a GGUF file
+                           loaded with `gguf_file=` (HF dequantizes it itself) or an HF directory
+  hf_prompt_lookup         the same with `prompt_lookup_num_tokens=` (prompt lookup decoding, Saxena 2023)
+  hf_assisted              the same with `assistant_model=` (assisted generation: speculative decoding with
+                           greedy verification, Leviathan et al. 2023); option draft= an HF Llama directory, or
+                           a specjax distilled draft ("smollm2-135m-draft", a .safetensors checkpoint), which is
+                           exported to one with `specjax.export.save_hf`
+  llamacpp_autoregressive  llama.cpp through `llama-cpp-python` on the same GGUF file, with its own kernels on
+                           the file's quantized weights (`pip install 'specjax[peers]'`; it compiles llama.cpp)
+  llamacpp_prompt_lookup   the same with `LlamaPromptLookupDecoding` drafting
 
 What is held equal: the prompt token ids (the chat template as the runner renders it), greedy decoding, the
 runner's `max_new_tokens` and the tokenizer's stop tokens (a row ends with its stop token, as in specjax).
@@ -20,10 +23,10 @@ runs its own kernels: HF float32 torch (argmax agrees with specjax's float32 on 
 flip), llama.cpp the GGUF's own quantization (Q4_1 for SmolLM2), which is why agreement with specjax is
 reported rather than required. Drafts per round default to the method's `gamma`, as for specjax drafters,
 with a fixed schedule; HF's own defaults (20 assistant tokens with a heuristic schedule and a confidence
-threshold) are options. torch runs with the faster of 1 and all CPU threads, probed once per model on a short
-decode (torch's OpenMP workers spin-wait, and on a busy machine one thread can be several times faster than
-all); llama.cpp with all CPU threads, as XLA. There is nothing to compile: `compile_seconds` is 0 and the
-runner's untimed warmup call absorbs first-call allocation.
+threshold) are options. torch and llama.cpp run with the faster of 1 and all CPU threads (XLA uses all),
+probed once per model on a short decode, unless the `threads` / `n_threads` option sets them: their workers
+spin-wait, and on a busy machine one thread can be several times faster than all. There is nothing to
+compile: `compile_seconds` is 0 and the runner's untimed warmup call absorbs first-call allocation.
 
 Stats (the keys of `specjax.generate`'s) come from a trace of the target's forward passes: forward i reads
 `inputs_i` tokens after `past_i` cached ones. Before forward i the committed sequence holds `committed_0` =
@@ -241,16 +244,17 @@ def make_hf(name: str, model: specjax.Model, path: str, stop_ids, gamma: int, th
 # ------------------------------------------------------------------------------------------------ llama.cpp
 
 
+_LLAMACPP_THREADS: dict[str, int] = {}
+
+
 class LlamaCppPeer:
   """llama-cpp-python's `Llama.generate` (greedy sampler) on the GGUF, with a trace of its `eval` calls."""
 
   def __init__(self, name: str, path: str, tokenizer, stop_ids: Sequence[int], draft, gamma: int | None,
                n_threads: int, n_ctx: int):
-    from llama_cpp import Llama
+    import llama_cpp
     self.name, self.tokenizer, self.stop_ids, self.gamma, self.n_ctx = name, tokenizer, tuple(stop_ids), gamma, n_ctx
-    self.llm = Llama(model_path=path, n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads,
-                     draft_model=draft, verbose=False)
-    self.n_threads = n_threads
+    self.llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, draft_model=draft, verbose=False)
     self._forwards: list[Forward] = []
     evaluate = self.llm.eval
 
@@ -258,6 +262,27 @@ class LlamaCppPeer:
       self._forwards.append(Forward(past=self.llm.n_tokens, inputs=len(tokens)))
       return evaluate(tokens)
     self.llm.eval = traced_eval
+    self.n_threads = 0
+    if not n_threads:  # the faster of 1 and all, found once per model file
+      if path not in _LLAMACPP_THREADS:
+        _LLAMACPP_THREADS[path] = self._probe_threads()
+      n_threads = _LLAMACPP_THREADS[path]
+    self.n_threads = n_threads
+    llama_cpp.llama_set_n_threads(self.llm.ctx, n_threads, n_threads)
+
+  def _probe_threads(self) -> int:
+    """The faster of 1 and all CPU threads for 8 greedy tokens after a 16-token prompt (llama.cpp's threads
+    spin-wait at barriers too, so on a busy machine fewer can be much faster)."""
+    import llama_cpp
+    times = {}
+    for threads in dict.fromkeys((1, os.cpu_count() or 1)):
+      llama_cpp.llama_set_n_threads(self.llm.ctx, threads, threads)
+      for _ in range(2):  # the first call allocates
+        times[threads] = self.generate([list(range(100, 116))], max_new_tokens=8).stats["seconds"]
+    best = min(times, key=times.get)
+    logging.info("threads for llama.cpp peers: %d (8 tokens: %s)", best,
+                 ", ".join(f"{n} threads {t:.2f} s" for n, t in times.items()))
+    return best
 
   def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> Output:
     rows, traces = [], []
@@ -282,7 +307,7 @@ class LlamaCppPeer:
 def make_llamacpp(name: str, model: specjax.Model, path: str, stop_ids, gamma: int, n_threads: int = 0,
                   n_ctx: int = 4096, **options) -> LlamaCppPeer:
   try:
-    import llama_cpp
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
   except ImportError as e:
     raise Unavailable(f"llama-cpp-python is not installed ({e}); {INSTALL_HINT} (it compiles llama.cpp, "
                       "minutes)") from e
@@ -295,10 +320,10 @@ def make_llamacpp(name: str, model: specjax.Model, path: str, stop_ids, gamma: i
   draft, draft_gamma = None, None
   if allowed:
     kwargs = {**allowed, **options}
-    draft = llama_cpp.llama_speculative.LlamaPromptLookupDecoding(**kwargs)
+    draft = LlamaPromptLookupDecoding(**kwargs)
     draft_gamma = int(kwargs["num_pred_tokens"])
   return LlamaCppPeer(name, path, model.tokenizer, stop_ids, draft, draft_gamma,
-                      n_threads=int(n_threads) or os.cpu_count() or 1, n_ctx=int(n_ctx))
+                      n_threads=int(n_threads), n_ctx=int(n_ctx))
 
 
 # ----------------------------------------------------------------------------------------------------- entry
