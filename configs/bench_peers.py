@@ -9,16 +9,19 @@ methods: autoregressive decoding (the baseline), every drafter (prompt lookup, u
 after 24 layers, the shipped MTP heads), and the distilled draft model and trained exit adapter once their
 checkpoints are shipped in specjax/checkpoints/ (until then they are left out, with a log line). Peers
 (experiments/peers.py), timed interleaved with them: HF transformers float32 on torch CPU (autoregressive,
-prompt lookup, assisted generation with the distilled draft exported as an HF Llama directory) and llama.cpp
-on the GGUF's own quantized weights (autoregressive, prompt lookup; `pip install 'specjax[peers]'`, else
-left out with the reason). Every method drafts `gamma` = 4 tokens per round. Peers are not checked for
-losslessness; their greedy agreement with specjax's autoregressive tokens is reported instead.
+prompt lookup, and assisted generation with the distilled draft as an HF Llama directory: the shipped draft
+exported on the fly, else configs/train_draft.py's export in workdirs/train/draft4/smollm2-135m-draft, else
+left out with a log line) and llama.cpp on the GGUF's own quantized weights (autoregressive, prompt lookup;
+`pip install 'specjax[peers]'`, else left out with the reason). Every method drafts `gamma` = 4 tokens per
+round. Peers are not checked for losslessness; their greedy agreement with specjax's autoregressive tokens is
+reported instead.
 
-Time, on 2 shared CPU cores: `:small` (13 prompts x 13 methods) about 30-40 min: specjax compiles one program
-per method and prompt-length bucket (about a third of the run), HF float32 decodes at ~15 tokens/s and its
-assisted generation loads the target twice; the full config is about 4x that. `--config.prompts.max_prompts=3`
-takes about 10 min. `--config.only=hf_autoregressive,llamacpp_autoregressive` times the peers' plain decoding
-alone against specjax.
+Time: `:small --config.prompts.max_prompts=3` took 14 min on 2 CPU cores shared with other jobs (load ~6),
+about half of it compiling (one program per specjax method and prompt-length bucket); `:small` (13 prompts)
+has about 4x the decoding and a few more buckets, so about an hour on such a machine, less on an idle one;
+the full config (26 prompts, 128 tokens) is for a quiet machine. HF loads the GGUF in about a minute, and
+each peer probes its thread count once. `--config.only=hf_autoregressive,llamacpp_autoregressive` times the
+peers' plain decoding alone against specjax.
 """
 
 import os

@@ -39,9 +39,11 @@ forward after the first (the first is the prefill, which HF's assisted generatio
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import os
+import shutil
 import tempfile
 import time
 from typing import Any, Callable, Sequence
@@ -196,13 +198,15 @@ class HFPeer:
 
 def hf_draft_dir(draft: str, model: specjax.Model) -> str:
   """An HF Llama directory for the assistant: `draft` itself, or a specjax distilled draft ("<target>-draft",
-  a .safetensors checkpoint) exported to a temporary directory."""
+  a .safetensors checkpoint) exported to a temporary directory (removed at exit). An HF Llama has no truncated
+  draft vocabulary: the exported draft scores every token with the target's head, where specjax's scores V'."""
   draft = str(draft)
   if draft.endswith(".safetensors") or draft.lower().endswith("-draft"):
     from specjax import export
     from specjax.drafters import draft_model
     drafter = specjax.make_drafter("draft_model", model, draft=draft)
     path = tempfile.mkdtemp(prefix="hf-draft-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
     export.save_hf(draft_model.as_model(model, drafter), path)
     logging.info("hf_assisted: exported the draft %s to %s", draft, path)
     return path
