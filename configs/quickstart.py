@@ -1,4 +1,4 @@
-r"""Quickstart: autoregressive vs prompt lookup vs layer skip on a few Spec-Bench prompts (2-4 min on 2 CPUs).
+r"""Quickstart: autoregressive vs prompt lookup, layer skip and the shipped MTP drafters on a few Spec-Bench prompts.
 
   python -m experiments.run --config=configs/quickstart.py
 
@@ -40,8 +40,16 @@ def get_config(arg=None):
       {"name": "autoregressive"},
       {"name": "prompt_lookup", "drafter": "prompt_lookup", "options": {}},
       {"name": "layer_skip_24", "drafter": "layer_skip", "options": {"exit_layer": 24}},
+      # The shipped MTP drafters (specjax/checkpoints/smollm2-135m/).
+      {"name": "mtp_parallel", "drafter": "mtp_parallel", "options": {}},
+      {"name": "mtp_sequential", "drafter": "mtp_sequential", "options": {}},
   )
   config.only = ""  # comma-separated method names to run (the autoregressive baseline always runs)
   config.repeats = 1  # timed runs of every method per prompt batch
   config.warmup = True  # one untimed (compile + run) call per method on the first batch
+
+  config.costs = ml_collections.ConfigDict()
+  config.costs.enabled = True  # c and r in compiled loops after decoding (experiments/costs.py)
+  config.costs.repeats = 3  # interleaved rounds; the median counts
+  config.costs.count_bytes = True  # bytes per step for the accelerator projection (specjax/roofline.py)
   return config

@@ -46,4 +46,9 @@ def get_config(arg=None):
   config.only = ""
   config.repeats = 1 if small else 2
   config.warmup = True
+
+  config.costs = ml_collections.ConfigDict()
+  config.costs.enabled = True  # c and r in compiled loops after decoding (experiments/costs.py)
+  config.costs.repeats = 5  # interleaved rounds; the median counts
+  config.costs.count_bytes = True  # bytes per step for the accelerator projection (specjax/roofline.py)
   return config
