@@ -2,7 +2,14 @@
 
 Per method and prompt batch, the batch's time is the median over repeats; tokens/s of a method is the median
 over batches of (new tokens / batch time), and its speedup is that divided by the autoregressive baseline's
-tokens/s from the same run. Per-category speedups use the batches of that category only.
+tokens/s from the same run. Per-category speedups use the batches of that category only. The spread of the
+speedup (min / median / max) is over (batch, repeat) pairs, each call against the baseline's interleaved call.
+
+Acceptance is pooled over every call of a method from the engine's per-row counts (not a median of ratios):
+alpha = accepted / (accepted + rejections) (Leviathan's α), mean accepted = tokens committed by verification
+rounds / rounds (bonus included), acceptance per position k = rounds whose drafts 1..k were all accepted / rounds.
+With costs (experiments/costs.py), `add_costs` puts Leviathan's prediction, the efficiency and the accelerator
+projection beside them (formulas in its docstring and in results.md).
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@ r"""Runs an experiment config: decoding methods on Spec-Bench prompts, timed aga
   python -m experiments.run --config=configs/quickstart.py [--workdir=DIR] [--config.max_new_tokens=16]
 
 Writes to the workdir (default workdirs/<config>-<time>/): results.json (config, environment, every timed
-call, every prompt's output per method, summary), results.md (the table), speedup.png and
-speedup_by_category.png; prints the table.
+call, every prompt's output per method, costs, summary), results.md (the tables) and plots (speedup.png,
+speedup_by_category.png, acceptance_per_position.png, and when the run has them mean_accepted_vs_gamma.png,
+acceptance_vs_depth.png, alpha_by_temperature.png); prints the table.
 
 Timing, so that the comparison is fair on a noisy shared machine:
   * warmup: every method runs once on the first prompt batch, untimed; the compilation it needed
