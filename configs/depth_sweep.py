@@ -8,7 +8,9 @@ so does its cost. An MTP head at depth k predicts k tokens ahead from the newest
 acceptance given the heads before it were right falls with k. acceptance_vs_depth.png puts both side by side
 (left: alpha against exit layer; right: per-depth acceptance of the MTP drafters), acceptance_per_position.png
 shows every method's share of rounds with drafts 1..k accepted. Greedy, gamma 4. Expected time on 2 shared CPU
-cores: `:small` about 40 minutes (mostly compiling 8 programs per prompt-length bucket and the cost loops).
+cores (estimated from compare_drafters.py:small's measured ~20 s per compiled program, not run end to end):
+`:small` about 25 minutes (8 programs per prompt-length bucket, 4 buckets, then the cost loops); the full config
+hours.
 """
 
 from configs import compare_drafters

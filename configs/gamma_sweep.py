@@ -5,8 +5,10 @@ r"""Gamma sweep: tokens per target forward (mean_accepted) and speedup against g
 
 Every drafter runs at each gamma in `config.gammas` (named `<method>_g<gamma>`; a drafter that proposes at most
 K tokens, like 4 parallel MTP heads, stops at K). Writes mean_accepted_vs_gamma.png (mean accepted and speedup
-against gamma, one line per drafter) beside the usual table. Expected time on 2 shared CPU cores: `:small` about
-an hour (19 programs to compile per prompt-length bucket, then the cost loops); the full config several hours.
+against gamma, one line per drafter) beside the usual table. Expected time on 2 shared CPU cores (estimated from
+compare_drafters.py:small's measured ~20 s per compiled program, not run end to end): `:small` about an hour
+(20 programs per prompt-length bucket, 4 buckets, then cost loops for 19 drafter/gamma pairs); the full config
+several hours.
 Greedy; `--config.temperature=0.7` samples instead. Methods needing a checkpoint not shipped yet are left out
 with a warning (see configs/compare_drafters.py).
 """

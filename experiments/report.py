@@ -23,6 +23,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 import numpy as np  # noqa: E402
 
 from specjax import leviathan  # noqa: E402
@@ -240,6 +241,7 @@ def plot_acceptance_per_position(summary: dict[str, Any], path: str) -> bool:
   for method, per in drafted.items():
     ax.plot(np.arange(1, len(per) + 1), per, marker="o", label=method)
   ax.set_xlabel("draft position k")
+  ax.xaxis.set_major_locator(MaxNLocator(integer=True))
   ax.set_ylabel("rounds with drafts 1..k accepted")
   ax.set_ylim(0, 1)
   ax.legend(fontsize="small")
@@ -262,6 +264,8 @@ def plot_mean_accepted_vs_gamma(summary: dict[str, Any], path: str) -> bool:
     left.plot(gammas, [s["mean_accepted"] for s in runs], marker="o", label=family)
     right.plot(gammas, [s["speedup"] for s in runs], marker="o", label=family)
   left.set(xlabel="gamma", ylabel="mean accepted (tokens per target forward)")
+  for ax in (left, right):
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
   right.set(xlabel="gamma", ylabel=f"speedup over {summary['baseline']}")
   right.axhline(1.0, color="k", lw=0.8, ls="--")
   left.legend(fontsize="small")
@@ -288,6 +292,7 @@ def plot_acceptance_vs_depth(summary: dict[str, Any], path: str) -> bool:
     conditional = [p / prev if prev else np.nan for p, prev in zip(per, [1.0] + per[:-1])]
     right.plot(np.arange(1, len(per) + 1), conditional, marker="o", label=method)
   right.set(xlabel="MTP head depth k", ylabel="acceptance of draft k given drafts < k accepted")
+  right.xaxis.set_major_locator(MaxNLocator(integer=True))
   if heads:
     right.legend(fontsize="small")
   _save(fig, path)
