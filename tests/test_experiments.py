@@ -225,7 +225,7 @@ def test_cli_rejects_an_unknown_config_key(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--config=configs/does_not_exist.py"], "FATAL --config: no config file 'configs/does_not_exist.py'; "
-                                             "configs here: configs/quickstart.py, "),
+                                             "configs here: configs/compare_drafters.py, "),
     (["--config=configs/does_not_exist.py", "--config.gamma=3"], "no config file 'configs/does_not_exist.py'"),
     (["--config", "configs/does_not_exist.py"], "no config file 'configs/does_not_exist.py'"),
     (["--config=configs/spec_bench.py:huge"], "FATAL --config: configs/spec_bench.py takes no argument or 'small', "
