@@ -205,12 +205,14 @@ def test_run_writes_results_table_and_plots(smollm2, tmp_path):
 
 def test_command_line_overrides_reach_the_config():
   argv = ["run", "--config=configs/quickstart.py", "--config.max_new_tokens=16", "--config.only=prompt_lookup",
-          "--config.prompts.categories=('qa','math')", "--config.mesh_shape=(2,1)"]
+          "--config.prompts.categories=('qa','math')", "--config.mesh_shape=(2,1)", "--config.temperatures=(0.0,0.7)",
+          "--config.gammas=(1,3)", "--config.costs.enabled=False"]
   values = flags.FlagValues()
   config = config_flags.DEFINE_config_file("config", flag_values=values, lock_config=True, sys_argv=argv)
   values(argv)
   assert (config.value.max_new_tokens, config.value.only) == (16, "prompt_lookup")
   assert config.value.prompts.categories == ("qa", "math") and config.value.mesh_shape == (2, 1)
+  assert config.value.temperatures == (0.0, 0.7) and config.value.gammas == (1, 3) and not config.value.costs.enabled
 
 
 def test_cli_rejects_an_unknown_config_key(tmp_path):
