@@ -16,7 +16,8 @@ Timing, so that the comparison is fair on a noisy shared machine:
     bucket" while it does) is run again and only the rerun counts;
   * tokens/s is the median over batches, speedup is relative to the autoregressive baseline of this run.
 With temperature 0 every method's tokens are compared with the baseline's, token for token (`lossless`); a
-mismatch is logged as an error and heads results.md and results.json (`summary.lossless_failures`).
+mismatch is logged as an error, heads results.md and results.json (`summary.lossless_failures`), and the command
+exits with status 1.
 
 Costs (`config.costs`, experiments/costs.py): after decoding, every drafter's draft cost c and verification cost
 r are measured in compiled loops, interleaved, on a cache of the prompts' typical size, with the bytes each step
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 from typing import Any, Sequence
 
@@ -311,7 +313,9 @@ def main(argv: Sequence[str]) -> None:
   config_file = config_flags.get_config_filename(flags.FLAGS["config"])
   name = os.path.basename(config_file).replace(".py", "").replace(":", "-")
   workdir = _WORKDIR.value or os.path.join("workdirs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
-  run(_CONFIG.value, workdir, name=name)
+  results = run(_CONFIG.value, workdir, name=name)
+  if results["summary"]["lossless_failures"]:  # the results are written; the exit status says they are wrong
+    sys.exit(f"NOT LOSSLESS: {report.lossless_banner(results['summary'])} Results in {workdir}")
 
 
 if __name__ == "__main__":
