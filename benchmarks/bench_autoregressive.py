@@ -10,7 +10,8 @@ For each case (dtype x batch size) it times greedy `specjax.generate` for exactl
   bytes per step       = all parameter bytes + KV bytes attended (layers x {K,V} x batch x positions in use,
                          averaged over the decode, x kv_heads x head_dim x itemsize)
   roofline fraction    = bytes per step / step time / copy bandwidth,
-where copy bandwidth is a numpy copy of a large array (read + write counted), measured in the same run.
+where copy bandwidth is a numpy copy of a large array (read + write counted; `specjax.roofline`), measured in
+the same run.
 A decode step reads every weight once whatever the batch, so at batch 1 on CPU the step is memory-bound and
 the fraction says how close to the hardware limit the compiled program runs.
 Cases run interleaved (one call of each per round), and every figure is a median over rounds. With
@@ -30,7 +31,9 @@ from absl import app, flags
 
 import specjax
 from experiments import spec_bench
+from specjax import roofline
 from specjax.loading import resolve_path
+from specjax.roofline import copy_bandwidth
 
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 64, "Tokens generated per row.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed rounds after the compile call.")
@@ -42,22 +45,14 @@ _COPY_MB = flags.DEFINE_integer("copy_mb", 512, "Array size for the copy-bandwid
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model name or path for specjax.load.")
 
 
-def copy_bandwidth(src: np.ndarray, dst: np.ndarray) -> float:
-  """Bytes/s of one numpy copy, read + write counted."""
-  start = time.perf_counter()
-  np.copyto(dst, src)
-  return 2 * src.nbytes / (time.perf_counter() - start)
-
-
 class SpecjaxCase:
   """Greedy specjax decode of one prompt repeated `batch` times."""
 
   def __init__(self, model: specjax.Model, prompt: list[int], batch: int):
     self.model, self.prompts, self.batch = model, [prompt] * batch, batch
     self.name = f"specjax {model.config.dtype} b{batch}"
-    self.param_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(model.params))
-    self.kv_bytes_per_position = (2 * model.config.num_layers * model.config.num_kv_heads * model.config.head_dim
-                                  * np.dtype(model.config.dtype).itemsize)
+    self.param_bytes = roofline.param_bytes(model.params)
+    self.kv_bytes_per_position = roofline.kv_bytes_per_position(model.config)
 
   def __call__(self, new_tokens: int) -> tuple[float, list[int]]:
     start = time.perf_counter()

@@ -28,11 +28,13 @@ def get_config(arg=None):
 
   config.max_new_tokens = 64 if small else 128
   config.temperature = 0.0
+  config.temperatures = ()  # run the comparison at each of these, the first giving the main table (empty: temperature)
   config.top_k = 0
   config.top_p = 1.0
   config.seed = 0
   config.batch_size = 1
   config.gamma = 4
+  config.gammas = ()  # a gamma sweep: every drafter at each of these (empty: each method's own gamma)
   config.mesh_shape = ml_collections.config_dict.placeholder(tuple)
 
   config.methods = (
@@ -46,4 +48,9 @@ def get_config(arg=None):
   config.only = ""
   config.repeats = 1 if small else 2
   config.warmup = True
+
+  config.costs = ml_collections.ConfigDict()
+  config.costs.enabled = True  # c and r in compiled loops after decoding (experiments/costs.py)
+  config.costs.repeats = 5  # interleaved rounds; the median counts
+  config.costs.count_bytes = True  # bytes per step for the accelerator projection (specjax/roofline.py)
   return config

@@ -2,7 +2,14 @@
 
 Per method and prompt batch, the batch's time is the median over repeats; tokens/s of a method is the median
 over batches of (new tokens / batch time), and its speedup is that divided by the autoregressive baseline's
-tokens/s from the same run. Per-category speedups use the batches of that category only.
+tokens/s from the same run. Per-category speedups use the batches of that category only. The spread of the
+speedup (min / median / max) is over (batch, repeat) pairs, each call against the baseline's interleaved call.
+
+Acceptance is pooled over every call of a method from the engine's per-row counts (not a median of ratios):
+alpha = accepted / (accepted + rejections) (Leviathan's α), mean accepted = tokens committed by verification
+rounds / rounds (bonus included), acceptance per position k = rounds whose drafts 1..k were all accepted / rounds.
+With costs (experiments/costs.py), `add_costs` puts Leviathan's prediction, the efficiency and the accelerator
+projection beside them (formulas in its docstring and in results.md).
 
 Greedy agreement with the baseline (for peers, other implementations, whose tokens may differ): per row, the
 tokens before the first divergence over the longer row's length; `agreement` is its mean over rows and
@@ -20,7 +27,11 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 import numpy as np  # noqa: E402
+
+from specjax import leviathan  # noqa: E402
+from specjax.layer_skip_search import merge_stats  # noqa: E402
 
 
 def _median(values) -> float | None:
@@ -52,9 +63,30 @@ def batch_throughput(records: Sequence[dict], method: str) -> dict[int, dict[str
   return out
 
 
+def _pooled(records: Sequence[dict], gamma: int) -> dict[str, Any]:
+  """The engine's acceptance figures pooled over every timed call (per-row counts summed, not medians of ratios)."""
+  pooled = merge_stats(records, gamma)
+  return {"mean_accepted": pooled["mean_accepted"], "acceptance_rate": pooled["acceptance_rate"],
+          "alpha": leviathan.alpha_from_stats(pooled, gamma),
+          "acceptance_per_position": pooled["acceptance_per_position"]}
+
+
+def paired_speedups(records: Sequence[dict], method: str, baseline: str) -> list[float]:
+  """Per (batch, repeat): the method's tokens/s over the baseline's in the same batch and repeat (interleaved)."""
+  base = {(r["batch"], r["repeat"]): r["tokens_per_second"] for r in records if r["method"] == baseline}
+  return [r["tokens_per_second"] / base[(r["batch"], r["repeat"])] for r in records
+          if r["method"] == method and (r["batch"], r["repeat"]) in base]
+
+
 def summarize(records: Sequence[dict], methods: Sequence[str], baseline: str,
-              compile_seconds: dict[str, float | None], lossless: dict[str, bool | None]) -> dict[str, Any]:
-  """Per-method summary and per-category speedups (see the module docstring for the statistics)."""
+              compile_seconds: dict[str, float | None], lossless: dict[str, bool | None],
+              methods_info: dict[str, dict] | None = None) -> dict[str, Any]:
+  """Per-method summary and per-category speedups (see the module docstring for the statistics).
+
+  `methods_info`: {name: {"drafter", "family", "options", "gamma"}}; a method with a gamma gets the engine's
+  acceptance figures pooled over its calls (alpha, mean_accepted, acceptance_per_position).
+  """
+  info = methods_info or {}
   base = batch_throughput(records, baseline)
   base_tps = _median(b["tokens_per_second"] for b in base.values())
   summary, per_category = {}, {}
@@ -62,15 +94,25 @@ def summarize(records: Sequence[dict], methods: Sequence[str], baseline: str,
     batches = batch_throughput(records, method)
     rs = [r for r in records if r["method"] == method]
     tps = _median(b["tokens_per_second"] for b in batches.values())
+    spread = paired_speedups(records, method, baseline)
     row_agreement = [a for r in rs for a in (r.get("agreement") or ())]
+    meta = info.get(method, {})
+    gamma = meta.get("gamma")
+    drafted = gamma is not None and all(r.get("rounds_per_row") is not None for r in rs)
+    acceptance = _pooled(rs, gamma) if drafted else {
+        "mean_accepted": _median(r["mean_accepted"] for r in rs), "acceptance_rate": None, "alpha": None,
+        "acceptance_per_position": None}
     summary[method] = {
+        "drafter": meta.get("drafter"), "family": meta.get("family", method), "options": meta.get("options", {}),
+        "gamma": gamma,
         "tokens_per_second": tps,
         "speedup": tps / base_tps,
+        "speedup_min": min(spread) if spread else None,
+        "speedup_median": _median(spread),
+        "speedup_max": max(spread) if spread else None,
         "median_batch_speedup": _median(b["tokens_per_second"] / base[i]["tokens_per_second"]
                                         for i, b in batches.items()),
-        "mean_accepted": _median(r["mean_accepted"] for r in rs),
-        "acceptance_rate": _median(r["acceptance_rate"] for r in rs),
-        "alpha": _median(r.get("alpha") for r in rs),
+        **acceptance,
         "target_calls_per_batch": _median(r["target_calls"] for r in rs),
         "compile_seconds": compile_seconds.get(method),
         "recompiles": sum(r["compile_call_seconds"] is not None for r in rs),
@@ -86,7 +128,47 @@ def summarize(records: Sequence[dict], methods: Sequence[str], baseline: str,
         c: _median(b["tokens_per_second"] for b in batches.values() if b["category"] == c)
         / _median(b["tokens_per_second"] for b in base.values() if b["category"] == c)
         for c in categories}
-  return {"baseline": baseline, "methods": summary, "speedup_by_category": per_category}
+  failures = [{"method": r["method"], "temperature": r.get("temperature"), "batch": r["batch"],
+               "repeat": r["repeat"], "question_ids": r["question_ids"]}
+              for r in records if r.get("matches_baseline") is False]
+  return {"baseline": baseline, "methods": summary, "speedup_by_category": per_category,
+          "lossless_failures": failures,
+          "all_lossless": None if all(v is None for v in lossless.values()) else not failures}
+
+
+def add_costs(summary: dict[str, Any], costs: dict[str, Any]) -> None:
+  """Adds c, r, Leviathan's prediction, the efficiency and the accelerator projection to each drafted method.
+
+    predicted = E(alpha, gamma) / (gamma c + r),  E = (1 - alpha^(gamma+1)) / (1 - alpha),
+    efficiency = measured speedup / predicted,
+    projected (accelerator) = E(alpha, gamma) / (gamma c_bytes + r_bytes), c and r from bytes moved per step.
+  """
+  for name, s in summary["methods"].items():
+    cost = costs["methods"].get(name)
+    if cost is None or s["alpha"] is None:
+      continue
+    alpha, gamma = s["alpha"], s["gamma"]
+    s["draft_cost"], s["verify_cost"] = cost["draft_cost"], cost["verify_cost"]
+    s["expected_tokens_per_round"] = leviathan.expected_tokens_per_round(alpha, gamma)
+    s["predicted_speedup"] = leviathan.predicted_speedup(alpha, gamma, cost["draft_cost"], cost["verify_cost"])
+    s["efficiency"] = s["speedup"] / s["predicted_speedup"]
+    if "draft_cost_bytes" in cost:
+      s["draft_cost_bytes"], s["verify_cost_bytes"] = cost["draft_cost_bytes"], cost["verify_cost_bytes"]
+      s["projected_speedup"] = leviathan.predicted_speedup(alpha, gamma, cost["draft_cost_bytes"],
+                                                           cost["verify_cost_bytes"])
+
+
+def lossless_banner(summary: dict[str, Any]) -> str:
+  """One line naming every method and prompt whose greedy tokens differ from the baseline's ('' if none)."""
+  failures = summary.get("lossless_failures") or []
+  if not failures:
+    return ""
+  by_method: dict[str, set] = {}
+  for f in failures:
+    by_method.setdefault(f["method"], set()).update(f["question_ids"])
+  listed = "; ".join(f"{m} on questions {sorted(q)}" for m, q in by_method.items())
+  return (f"greedy output differs from {summary['baseline']} ({len(failures)} timed calls): {listed}. "
+          "Speculative decoding must be lossless: this is a bug.")
 
 
 def _fmt(x, spec: str) -> str:
@@ -97,22 +179,44 @@ def _fmt(x, spec: str) -> str:
   return format(x, spec)
 
 
-def markdown_table(summary: dict[str, Any]) -> str:
-  rows = ["| method | tokens/s | speedup | mean accepted | acceptance rate | alpha | compile s | lossless |",
-          "|---|---:|---:|---:|---:|---:|---:|:---:|"]
-  for method, s in summary["methods"].items():
-    rows.append(f"| {method} | {_fmt(s['tokens_per_second'], '.1f')} | {_fmt(s['speedup'], '.2f')}x | "
-                f"{_fmt(s['mean_accepted'], '.2f')} | {_fmt(s['acceptance_rate'], '.2f')} | "
-                f"{_fmt(s['alpha'], '.2f')} | {_fmt(s['compile_seconds'], '.1f')} | {_fmt(s['lossless'], '')} |")
-  return "\n".join(rows)
-
-
 def agreement_table(summary: dict[str, Any]) -> str:
   rows = ["| method | equal rows | tokens until first divergence |", "|---|---:|---:|"]
   for method, s in summary["methods"].items():
     if s.get("agreement") is not None:
       rows.append(f"| {method} | {_fmt(s['equal_rows'], '.0%')} | {_fmt(s['agreement'], '.0%')} |")
   return "\n".join(rows) if len(rows) > 2 else ""
+
+
+def markdown_table(summary: dict[str, Any]) -> str:
+  rows = ["| method | γ | tokens/s | speedup | min–max | mean accepted | alpha | c | r | predicted | efficiency | "
+          "accelerator projection | compile s | lossless |",
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
+  for method, s in summary["methods"].items():
+    spread = (f"{_fmt(s.get('speedup_min'), '.2f')}–{_fmt(s.get('speedup_max'), '.2f')}"
+              if s.get("speedup_min") is not None else "–")
+    rows.append(f"| {method} | {_fmt(s.get('gamma'), 'd')} | {_fmt(s['tokens_per_second'], '.1f')} | "
+                f"{_fmt(s['speedup'], '.2f')}x | {spread} | {_fmt(s['mean_accepted'], '.2f')} | "
+                f"{_fmt(s['alpha'], '.2f')} | {_fmt(s.get('draft_cost'), '.3f')} | "
+                f"{_fmt(s.get('verify_cost'), '.2f')} | "
+                f"{_fmt(s.get('predicted_speedup'), '.2f')} | {_fmt(s.get('efficiency'), '.2f')} | "
+                f"{_fmt(s.get('projected_speedup'), '.2f')} | {_fmt(s['compile_seconds'], '.1f')} | "
+                f"{_fmt(s['lossless'], '')} |")
+  return "\n".join(rows)
+
+
+def acceptance_table(summary: dict[str, Any]) -> str:
+  """Acceptance per draft position: the share of rounds whose first k drafts were all accepted."""
+  drafted = {m: s for m, s in summary["methods"].items() if s.get("acceptance_per_position")}
+  if not drafted:
+    return ""
+  width = max(len(s["acceptance_per_position"]) for s in drafted.values())
+  rows = ["| method | " + " | ".join(f"k={k + 1}" for k in range(width)) + " | c (bytes) | r (bytes) |",
+          "|---|" + "---:|" * (width + 2)]
+  for method, s in drafted.items():
+    per = s["acceptance_per_position"] + [None] * (width - len(s["acceptance_per_position"]))
+    rows.append(f"| {method} | " + " | ".join(_fmt(p, ".3f") for p in per) +
+                f" | {_fmt(s.get('draft_cost_bytes'), '.3f')} | {_fmt(s.get('verify_cost_bytes'), '.3f')} |")
+  return "\n".join(rows)
 
 
 def plot_speedup(summary: dict[str, Any], path: str) -> None:
@@ -125,9 +229,7 @@ def plot_speedup(summary: dict[str, Any], path: str) -> None:
   ax.set_ylim(0, 1.15 * max(speedups + [1.0]))  # room for the labels
   ax.set_ylabel(f"speedup over {summary['baseline']}")
   ax.tick_params(axis="x", labelrotation=20)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  _save(fig, path)
 
 
 def plot_speedup_by_category(summary: dict[str, Any], path: str) -> None:
@@ -148,6 +250,102 @@ def plot_speedup_by_category(summary: dict[str, Any], path: str) -> None:
   plt.close(fig)
 
 
+def _save(fig, path: str) -> None:
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def plot_acceptance_per_position(summary: dict[str, Any], path: str) -> bool:
+  """Share of rounds whose first k drafts were all accepted, per drafted method (layer skip beside MTP)."""
+  drafted = {m: s["acceptance_per_position"] for m, s in summary["methods"].items() if s.get("acceptance_per_position")}
+  if not drafted:
+    return False
+  fig, ax = plt.subplots(figsize=(6, 3.8))
+  for method, per in drafted.items():
+    ax.plot(np.arange(1, len(per) + 1), per, marker="o", label=method)
+  ax.set_xlabel("draft position k")
+  ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+  ax.set_ylabel("rounds with drafts 1..k accepted")
+  ax.set_ylim(0, 1)
+  ax.legend(fontsize="small")
+  _save(fig, path)
+  return True
+
+
+def plot_mean_accepted_vs_gamma(summary: dict[str, Any], path: str) -> bool:
+  """Tokens per target forward (bonus included) and speedup against gamma, one line per method family."""
+  families: dict[str, list] = {}
+  for s in summary["methods"].values():
+    if s.get("gamma") is not None:
+      families.setdefault(s["family"], []).append(s)
+  families = {f: sorted(v, key=lambda s: s["gamma"]) for f, v in families.items() if len(v) > 1}
+  if not families:
+    return False
+  fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+  for family, runs in families.items():
+    gammas = [s["gamma"] for s in runs]
+    left.plot(gammas, [s["mean_accepted"] for s in runs], marker="o", label=family)
+    right.plot(gammas, [s["speedup"] for s in runs], marker="o", label=family)
+  left.set(xlabel="gamma", ylabel="mean accepted (tokens per target forward)")
+  for ax in (left, right):
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+  right.set(xlabel="gamma", ylabel=f"speedup over {summary['baseline']}")
+  right.axhline(1.0, color="k", lw=0.8, ls="--")
+  left.legend(fontsize="small")
+  _save(fig, path)
+  return True
+
+
+def plot_acceptance_vs_depth(summary: dict[str, Any], path: str) -> bool:
+  """Left: layer skip's alpha against its exit layer. Right: MTP's acceptance per head depth k, i.e. the share of
+  rounds whose drafts 1..k were accepted over those whose drafts 1..k-1 were (head k given heads < k right)."""
+  exits = sorted((s["options"]["exit_layer"], s["alpha"]) for s in summary["methods"].values()
+                 if s.get("drafter") == "layer_skip" and "exit_layer" in (s.get("options") or {})
+                 and s.get("alpha") is not None and not (s.get("options") or {}).get("adapter"))
+  heads = {m: s["acceptance_per_position"] for m, s in summary["methods"].items()
+           if (s.get("drafter") or "").startswith("mtp") and s.get("acceptance_per_position")}
+  if len(exits) < 2 and not heads:
+    return False
+  fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+  if exits:
+    left.plot([e for e, _ in exits], [a for _, a in exits], marker="o", label="layer skip (untrained exit)")
+    left.legend(fontsize="small")
+  left.set(xlabel="exit layer", ylabel="acceptance (alpha)", ylim=(0, 1))
+  for method, per in heads.items():
+    conditional = [p / prev if prev else np.nan for p, prev in zip(per, [1.0] + per[:-1])]
+    right.plot(np.arange(1, len(per) + 1), conditional, marker="o", label=method)
+  right.set(xlabel="MTP head depth k", ylabel="acceptance of draft k given drafts < k accepted")
+  right.xaxis.set_major_locator(MaxNLocator(integer=True))
+  if heads:
+    right.legend(fontsize="small")
+  _save(fig, path)
+  return True
+
+
+def plot_alpha_by_temperature(summary: dict[str, Any], path: str) -> bool:
+  """alpha of every drafted method at each temperature of the run (config.temperatures)."""
+  by_t = summary.get("by_temperature") or {}
+  if len(by_t) < 2:
+    return False
+  methods = [m for m, s in next(iter(by_t.values())).items() if s.get("alpha") is not None]
+  if not methods:
+    return False
+  width = 0.8 / len(by_t)
+  x = np.arange(len(methods))
+  fig, ax = plt.subplots(figsize=(2 + 1.1 * len(methods), 3.8))
+  for i, (t, per_method) in enumerate(by_t.items()):
+    values = [per_method.get(m, {}).get("alpha") for m in methods]
+    ax.bar(x + (i - (len(by_t) - 1) / 2) * width, [np.nan if v is None else v for v in values], width,
+           label=f"temperature {t}")
+  ax.set_xticks(x, methods, rotation=30, ha="right")
+  ax.set_ylabel("alpha (accepted / tested drafts)")
+  ax.set_ylim(0, 1)
+  ax.legend(fontsize="small")
+  _save(fig, path)
+  return True
+
+
 def _json_safe(x):
   """NaN -> None (JSON has no NaN); numpy scalars -> Python."""
   if isinstance(x, dict):
@@ -161,28 +359,59 @@ def _json_safe(x):
   return x
 
 
+PROJECTION = ("**Accelerator projection** (not measured): the same alpha and gamma with c and r from bytes moved per "
+              "step, as on hardware where every decode step is memory-bound: projected = (1 − α^(γ+1)) / (1 − α) / "
+              "(γ·c_bytes + r_bytes), c_bytes = XLA's bytes accessed by one draft step / by one target step "
+              "(`compiled.cost_analysis()`), r_bytes = (weights + KV read + (γ+1) KV rows written) / (weights + "
+              "KV read + 1 row) ≈ 1 (specjax/roofline.py).")
+
+
 def write(workdir: str, results: dict[str, Any]) -> str:
-  """Writes results.json, results.md, speedup.png and speedup_by_category.png; returns the table."""
+  """Writes results.json, results.md and the plots; returns the table (headed by any lossless failure)."""
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "results.json"), "w") as f:
     json.dump(_json_safe(results), f, indent=1)
   summary = results["summary"]
   table = markdown_table(summary)
-  env = results["environment"]
+  banner = lossless_banner(summary)
+  if banner:
+    table = f"**LOSSLESS CHECK FAILED**: {banner}\n\n{table}"
+  env, config = results["environment"], results["config"]
+  costs = results.get("costs")
+  plots = {"speedup.png": plot_speedup, "speedup_by_category.png": plot_speedup_by_category,
+           "acceptance_per_position.png": plot_acceptance_per_position,
+           "mean_accepted_vs_gamma.png": plot_mean_accepted_vs_gamma,
+           "acceptance_vs_depth.png": plot_acceptance_vs_depth, "alpha_by_temperature.png": plot_alpha_by_temperature}
+  written = [name for name, plot in plots.items() if plot(summary, os.path.join(workdir, name)) is not False]
+  temperatures = list(summary.get("by_temperature") or [config["temperature"]])
+  lines = [f"# {results['name']}\n", table, "",
+           f"{config['model']} ({config['dtype']}), prompts: {len(results['prompts'])}, max_new_tokens "
+           f"{config['max_new_tokens']}, temperature {', '.join(map(str, temperatures))} (this table: the first; "
+           f"top-p {config['top_p']} when sampling), batch {config['batch_size']}; jax {env['jax']} on "
+           f"{env['devices']}, {env['cpu_count']} CPUs. tokens/s: median over prompt batches; speedup: over "
+           f"{summary['baseline']} in the same run; min–max: over (batch, repeat) pairs, each against the baseline's "
+           f"interleaved call; mean accepted: tokens per target forward (bonus included); alpha: accepted / tested "
+           f"drafts (Leviathan's α); compile s: compiling the program for the first (warmup) call; "
+           f"{sum(s['recompiles'] for s in summary['methods'].values())} timed calls compiled a new shape and were "
+           "rerun. Greedy outputs are compared token for token with the baseline (lossless)."]
+  if costs:
+    lines += ["", f"c: one draft step / one 1-token target step; r: a (γ+1)-token verification / a 1-token step; both "
+              f"timed inside compiled loops in this run (median of {costs['repeats']} interleaved rounds, context "
+              f"{costs['context_tokens']} tokens, cache {costs['cache_len']}). predicted = (1 − α^(γ+1)) / (1 − α) / "
+              "(γ·c + r) (Leviathan et al. 2023); efficiency = measured speedup / predicted.", "", PROJECTION]
+  skipped = summary.get("skipped_methods") or {}
+  if skipped:
+    lines += ["", "Left out (shipped checkpoint missing): " +
+              "; ".join(f"{m} ({', '.join(c)})" for m, c in skipped.items()) + "."]
+  agreement = agreement_table(summary)
+  if agreement:
+    lines += ["", f"Greedy agreement with {summary['baseline']} (lossless methods agree fully; peers run other "
+              "kernels, so near ties can flip a token):", "", agreement]
+  per_position = acceptance_table(summary)
+  if per_position:
+    lines += ["", "## Acceptance per draft position", "",
+              "Share of rounds whose drafts 1..k were all accepted (pooled over every call):", "", per_position]
+  lines += [""] + [f"![{name[:-4]}]({name})" for name in written]
   with open(os.path.join(workdir, "results.md"), "w") as f:
-    f.write(f"# {results['name']}\n\n{table}\n\n"
-            f"{results['config']['model']} ({results['config']['dtype']}), prompts: {len(results['prompts'])}, "
-            f"max_new_tokens {results['config']['max_new_tokens']}, temperature {results['config']['temperature']}, "
-            f"batch {results['config']['batch_size']}; jax {env['jax']} on {env['devices']}, "
-            f"{env['cpu_count']} CPUs. tokens/s: median over prompt batches; speedup: over "
-            f"{summary['baseline']} in the same run; compile s: compiling the program for the first (warmup) call; "
-            f"{sum(s['recompiles'] for s in summary['methods'].values())} timed calls compiled a new shape "
-            "and were rerun.\n\n")
-    agreement = agreement_table(summary)
-    if agreement:
-      f.write(f"Greedy agreement with {summary['baseline']} (lossless methods agree fully; peers run other "
-              "kernels, so near ties can flip a token):\n\n" + agreement + "\n\n")
-    f.write("![speedup](speedup.png)\n\n![speedup by category](speedup_by_category.png)\n")
-  plot_speedup(summary, os.path.join(workdir, "speedup.png"))
-  plot_speedup_by_category(summary, os.path.join(workdir, "speedup_by_category.png"))
+    f.write("\n".join(lines) + "\n")
   return table

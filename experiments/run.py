@@ -3,8 +3,9 @@ r"""Runs an experiment config: decoding methods on Spec-Bench prompts, timed aga
   python -m experiments.run --config=configs/quickstart.py [--workdir=DIR] [--config.max_new_tokens=16]
 
 Writes to the workdir (default workdirs/<config>-<time>/): results.json (config, environment, every timed
-call, every prompt's output per method, summary), results.md (the table), speedup.png and
-speedup_by_category.png; prints the table.
+call, every prompt's output per method, costs, summary), results.md (the tables) and plots (speedup.png,
+speedup_by_category.png, acceptance_per_position.png, and when the run has them mean_accepted_vs_gamma.png,
+acceptance_vs_depth.png, alpha_by_temperature.png); prints the table.
 
 Timing, so that the comparison is fair on a noisy shared machine:
   * warmup: every method runs once on the first prompt batch, untimed; the compilation it needed
@@ -14,7 +15,9 @@ Timing, so that the comparison is fair on a noisy shared machine:
   * a timed call that compiled (a new prompt-length bucket; specjax logs "compiling ... for a new shape
     bucket" while it does) is run again and only the rerun counts;
   * tokens/s is the median over batches, speedup is relative to the autoregressive baseline of this run.
-With temperature 0 every method's tokens are compared with the baseline's, token for token (`lossless`).
+With temperature 0 every method's tokens are compared with the baseline's, token for token (`lossless`); a
+mismatch is logged as an error, heads results.md and results.json (`summary.lossless_failures`), and the command
+exits with status 1.
 
 A method names a specjax drafter (`"drafter"`; none: autoregressive) or a peer (`"peer"`: another
 implementation on the same weights, e.g. HF transformers or llama.cpp, see experiments/peers.py), timed
@@ -22,30 +25,50 @@ interleaved with the rest. A peer is not specjax, so it is not checked for lossl
 agreement with the baseline is reported instead (`agreement`: tokens until the first divergence over the row's
 length, averaged over rows; `equal_rows`: the fraction of rows equal token for token). A peer whose library is
 not installed is left out with a printed reason.
+
+Costs (`config.costs`, experiments/costs.py): after decoding, every drafter's draft cost c and verification cost
+r are measured in compiled loops, interleaved, on a cache of the prompts' typical size, with the bytes each step
+moves (specjax/roofline.py); the report adds Leviathan's prediction from alpha, c and r, the efficiency (measured
+/ predicted) and an accelerator projection (c and r from bytes moved).
+
+Temperatures: `config.temperatures` (a tuple; empty: just `config.temperature`) runs the whole comparison once
+per temperature, the first one being the main summary (`summary.methods`); every temperature's per-method
+summary is in `summary.by_temperature["<t>"]`, and alpha per temperature is plotted (alpha_by_temperature.png).
+Gamma sweeps: `config.gammas` (a tuple; empty: each method's own gamma) runs every drafter at each gamma, named
+`<method>_g<gamma>` (`family` and `gamma` in its summary).
+Methods that need a shipped checkpoint name it (`"needs": ("exit_adapter",)`: specjax/checkpoints/<model>/
+exit_adapter.safetensors); while it is not shipped, the method is left out with a warning in the log, and the
+results list it under `summary.skipped_methods`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 from typing import Any, Sequence
 
+import jax
 import ml_collections
+import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 from tqdm import tqdm
 
 import specjax
 from specjax import compilation, distributed, sharding
-from experiments import cli, peers, report, spec_bench
+from specjax.decoding import prepare_batch
+from specjax.drafters import draft_head
+from specjax.sampling import SamplingParams
+from experiments import cli, costs, peers, report, spec_bench
 from experiments.cli import environment, parse_flags
 
 _CONFIG = cli.define_config_flag("Experiment config: configs/<name>.py[:arg].")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (default: workdirs/<config>-<time>).")
 distributed.define_flags()  # --coordinator_address, --num_processes, --process_id (multi-process runs)
 
-METHOD_KEYS = {"name", "drafter", "peer", "options", "gamma"}
+METHOD_KEYS = {"name", "drafter", "peer", "options", "gamma", "needs"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +76,8 @@ class Method:
   name: str
   drafter: Any  # from specjax.make_drafter; None decodes autoregressively
   gamma: int
+  family: str = ""  # the config's method name (a gamma sweep runs one family at several gammas)
+  options: dict = dataclasses.field(default_factory=dict)  # make_drafter options, for the report
   peer: Any = None  # from peers.make: another implementation, which decodes instead of specjax
 
 
@@ -86,23 +111,56 @@ def make_methods(config: ml_collections.ConfigDict, model: specjax.Model) -> lis
   if unknown:
     raise ValueError(f"config.only names unknown methods {unknown}; methods: {names}")
   chosen = [baselines[0]] + [s for s in specs if s is not baselines[0] and (not only or s["name"] in only)]
+  unshipped = unshipped_checkpoints(chosen, model)
+  for method, missing in unshipped.items():
+    logging.warning("leaving out method %s: its shipped checkpoint(s) %s are not in specjax/checkpoints yet",
+                    method, ", ".join(missing))
+  gammas = [int(g) for g in config.get("gammas", ())]
   methods = []
   for spec in chosen:
-    gamma = int(spec.get("gamma", config.gamma))
+    if spec["name"] in unshipped:
+      continue
+    options = dict(spec.get("options", {}))
     if spec.get("peer"):
+      gamma = int(spec.get("gamma", config.gamma))
+      temperature = ([*config.get("temperatures", ())] or [config.temperature])[0]
       try:
-        peer = peers.make(spec["peer"], model, config.model, gamma=gamma, temperature=config.temperature,
-                          **dict(spec.get("options", {})))
+        peer = peers.make(spec["peer"], model, config.model, gamma=gamma, temperature=temperature, **options)
       except peers.Unavailable as e:
         print(f"leaving out {spec['name']}: {e}")
         logging.warning("leaving out %s: %s", spec["name"], e)
         continue
-      methods.append(Method(spec["name"], None, gamma, peer=peer))
+      methods.append(Method(spec["name"], None, gamma, spec["name"], options, peer=peer))
       continue
-    drafter = (specjax.make_drafter(spec["drafter"], model, **dict(spec.get("options", {})))
-               if spec.get("drafter") else None)
-    methods.append(Method(spec["name"], drafter, gamma))
+    drafter = specjax.make_drafter(spec["drafter"], model, **options) if spec.get("drafter") else None
+    if drafter is None or not gammas:
+      methods.append(Method(spec["name"], drafter, int(spec.get("gamma", config.gamma)), spec["name"], options))
+      continue
+    for gamma in gammas:
+      if drafter.max_gamma is not None and gamma > drafter.max_gamma:
+        logging.warning("%s proposes at most %d tokens a round: no run at gamma %d", spec["name"], drafter.max_gamma,
+                        gamma)
+        continue
+      methods.append(Method(f"{spec['name']}_g{gamma}", drafter, gamma, spec["name"], options))
   return methods
+
+
+def unshipped_checkpoints(specs: Sequence[dict], model: specjax.Model) -> dict[str, list[str]]:
+  """{method name: the shipped checkpoints it `needs` that specjax/checkpoints does not hold} (none: absent)."""
+  missing = {}
+  for spec in specs:
+    needs = spec.get("needs", ())
+    if isinstance(needs, str) or not all(isinstance(n, str) for n in needs):
+      raise ValueError(f"method {spec['name']!r}: 'needs' is a tuple of shipped checkpoint names, got {needs!r}")
+    absent = []
+    for checkpoint in needs:
+      try:
+        draft_head.shipped_checkpoint(model, checkpoint)
+      except specjax.CheckpointError:
+        absent.append(f"{checkpoint}.safetensors")
+    if absent:
+      missing[spec["name"]] = absent
+  return missing
 
 
 def make_batches(questions: Sequence[spec_bench.Question], prompts: Sequence[Sequence[int]],
@@ -138,9 +196,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model: specjax.Model
     model = sharding.shard_model(model, mesh)  # place the parameters once, not in every timed call
   methods = make_methods(config, model)
   baseline = methods[0].name
-  greedy = config.temperature == 0
+  temperatures = [float(t) for t in config.get("temperatures", ())] or [float(config.temperature)]
 
-  def call(method: Method, batch: PromptBatch) -> tuple[specjax.Output, float, int]:
+  def call(method: Method, batch: PromptBatch, temperature: float) -> tuple[specjax.Output, float, int]:
     """One generate call: (output, wall seconds, compilations it triggered)."""
     compiled_before = compilation.count()
     start = time.perf_counter()
@@ -148,74 +206,137 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model: specjax.Model
       out = method.peer.generate(batch.prompts, max_new_tokens=config.max_new_tokens)
       return out, time.perf_counter() - start, 0
     out = specjax.generate(model, list(batch.prompts), max_new_tokens=config.max_new_tokens,
-                           temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
+                           temperature=temperature, top_k=config.top_k, top_p=config.top_p,
                            seed=config.seed, drafter=method.drafter, gamma=method.gamma, mesh=mesh)
     return out, time.perf_counter() - start, compilation.count() - compiled_before
 
-  compile_seconds: dict[str, float | None] = {m.name: None for m in methods}
-  if config.warmup:
-    for method in methods:
-      out, seconds, _ = call(method, batches[0])
-      compile_seconds[method.name] = out.stats["compile_seconds"]
-      logging.info("warmup %s: %.1f s, of which compiling %.1f s", method.name, seconds,
-                   compile_seconds[method.name])
-
-  records, outputs = [], []
-  lossless: dict[str, bool | None] = {m.name: (True if greedy and m.peer is None else None) for m in methods}
-  for batch in tqdm(batches, desc="prompt batches", unit="batch", disable=not distributed.is_main_process()):
-    reference = None  # the baseline's tokens for this batch
-    for repeat in range(config.repeats):
+  records, outputs, summaries = [], [], {}
+  for temperature in temperatures:
+    greedy = temperature == 0
+    compile_seconds: dict[str, float | None] = {m.name: None for m in methods}
+    if config.warmup:
       for method in methods:
-        out, seconds, new_programs = call(method, batch)
-        compile_call_seconds = None
-        if new_programs:  # this call compiled a new shape: time a second, compiled call instead
-          compile_call_seconds = out.stats["compile_seconds"]
-          out, seconds, _ = call(method, batch)
-        if reference is None:
-          reference = out.tokens
-        matches = out.tokens == reference if greedy else None
-        agreement = report.agreement(out.tokens, reference) if greedy else None
-        if method.peer is not None:
-          if repeat == 0 and agreement is not None:
-            logging.info("%s agrees with %s on batch %d: %s of the tokens until the first divergence", method.name,
-                         baseline, batch.index, [round(a, 2) for a in agreement])
-        elif greedy and not matches:
-          lossless[method.name] = False
-          logging.warning("%s differs from %s on batch %d (questions %s)", method.name, baseline, batch.index,
-                          [q.question_id for q in batch.questions])
-        stats = out.stats
-        records.append({
-            "method": method.name, "batch": batch.index, "repeat": repeat, "category": batch.category,
-            "question_ids": [q.question_id for q in batch.questions], "seconds": seconds,
-            "new_tokens": stats["new_tokens"], "tokens_per_second": stats["new_tokens"] / seconds,
-            "target_calls": stats["target_calls"], "mean_accepted": stats["mean_accepted"],
-            "acceptance_rate": stats.get("acceptance_rate"), "alpha": stats.get("alpha"),
-            "compile_call_seconds": compile_call_seconds,
-            "matches_baseline": matches, "agreement": agreement})
-        if repeat == 0:
-          for row, q in enumerate(batch.questions):
-            outputs.append({
-                "method": method.name, "question_id": q.question_id, "category": q.category,
-                "prompt_tokens": len(batch.prompts[row]), "new_tokens": len(out.tokens[row]),
-                "matches_baseline": out.tokens[row] == reference[row] if greedy else None,
-                "agreement": agreement[row] if greedy else None,
-                "tokens": out.tokens[row], "text": out.texts[row]})
+        out, seconds, _ = call(method, batches[0], temperature)
+        compile_seconds[method.name] = out.stats["compile_seconds"]
+        logging.info("warmup %s (temperature %g): %.1f s, of which compiling %.1f s", method.name, temperature,
+                     seconds, compile_seconds[method.name])
 
-  names = [m.name for m in methods]
+    run_records = []
+    lossless: dict[str, bool | None] = {m.name: (True if greedy and m.peer is None else None) for m in methods}
+    for batch in tqdm(batches, desc=f"prompt batches (temperature {temperature:g})", unit="batch",
+                      disable=not distributed.is_main_process()):
+      reference = None  # the baseline's tokens for this batch
+      for repeat in range(config.repeats):
+        for method in methods:
+          out, seconds, new_programs = call(method, batch, temperature)
+          compile_call_seconds = None
+          if new_programs:  # this call compiled a new shape: time a second, compiled call instead
+            compile_call_seconds = out.stats["compile_seconds"]
+            out, seconds, _ = call(method, batch, temperature)
+          if reference is None:
+            reference = out.tokens
+          matches = out.tokens == reference if greedy else None
+          agreement = report.agreement(out.tokens, reference) if greedy else None
+          if method.peer is not None:
+            if repeat == 0 and agreement is not None:
+              logging.info("%s agrees with %s on batch %d: %s of the tokens until the first divergence",
+                           method.name, baseline, batch.index, [round(a, 2) for a in agreement])
+          elif greedy and not matches:
+            lossless[method.name] = False
+            logging.error("NOT LOSSLESS: %s differs from %s on batch %d (questions %s)", method.name, baseline,
+                          batch.index, [q.question_id for q in batch.questions])
+          run_records.append(_record(method, batch, repeat, temperature, out, seconds, compile_call_seconds, matches,
+                                     agreement))
+          if repeat == 0:
+            for row, q in enumerate(batch.questions):
+              outputs.append({
+                  "method": method.name, "temperature": temperature, "question_id": q.question_id,
+                  "category": q.category, "prompt_tokens": len(batch.prompts[row]), "new_tokens": len(out.tokens[row]),
+                  "matches_baseline": out.tokens[row] == reference[row] if greedy else None,
+                  "agreement": agreement[row] if greedy else None, "tokens": out.tokens[row], "text": out.texts[row]})
+    records += run_records
+    summaries[temperature] = report.summarize(run_records, [m.name for m in methods], baseline, compile_seconds,
+                                              lossless, methods_info=_method_info(methods))
+
+  summary = summaries[temperatures[0]]
+  measured = _measure_costs(config, model, methods, questions, prompts, outputs, temperatures[0])
+  if measured is not None:
+    for t in temperatures:
+      report.add_costs(summaries[t], measured)
+  summary["by_temperature"] = {f"{t:g}": summaries[t]["methods"] for t in temperatures}
+  summary["lossless_failures"] = [failure for t in temperatures for failure in summaries[t]["lossless_failures"]]
+  summary["skipped_methods"] = unshipped_checkpoints([dict(m) for m in config.methods], model)
   results = {
       "name": name,
       "config": config.to_dict(),
       "environment": environment(),
       "prompts": [{"question_id": q.question_id, "category": q.category, "prompt_tokens": len(p)}
                   for q, p in zip(questions, prompts)],
-      "summary": report.summarize(records, names, baseline, compile_seconds, lossless),
+      "summary": summary,
+      "costs": measured,
       "records": records,
       "outputs": outputs,
   }
+  if summary["lossless_failures"]:
+    logging.error("NOT LOSSLESS: %s", report.lossless_banner(summary))
   if distributed.is_main_process():  # every process computed the same results; one writes them
     table = report.write(workdir, results)
     print(f"\n{table}\n\nresults in {workdir}")
   return results
+
+
+def _record(method: Method, batch: PromptBatch, repeat: int, temperature: float, out: specjax.Output, seconds: float,
+            compile_call_seconds: float | None, matches: bool | None,
+            agreement: list[float] | None = None) -> dict[str, Any]:
+  """One timed call: its time, and the engine's per-row counts (so that the report can pool them exactly)."""
+  stats = out.stats
+  return {
+      "method": method.name, "batch": batch.index, "repeat": repeat, "temperature": temperature,
+      "category": batch.category, "question_ids": [q.question_id for q in batch.questions], "seconds": seconds,
+      "new_tokens": stats["new_tokens"], "tokens_per_second": stats["new_tokens"] / seconds,
+      "target_calls": stats["target_calls"], "mean_accepted": stats["mean_accepted"],
+      "acceptance_rate": stats.get("acceptance_rate"), "alpha": stats.get("alpha"),
+      "acceptance_per_position": stats.get("acceptance_per_position"),
+      "new_tokens_per_row": stats.get("new_tokens_per_row"), "rounds_per_row": stats.get("rounds_per_row"),
+      "accepted_per_row": stats.get("accepted_per_row"), "rejections_per_row": stats.get("rejections_per_row"),
+      "compile_call_seconds": compile_call_seconds,
+      "matches_baseline": matches, "agreement": agreement}
+
+
+def _method_info(methods: Sequence[Method]) -> dict[str, dict[str, Any]]:
+  return {m.name: {"drafter": m.drafter.name if m.drafter is not None else None, "family": m.family or m.name,
+                   "options": m.options, "gamma": m.gamma if m.drafter is not None else None} for m in methods}
+
+
+def _measure_costs(config: ml_collections.ConfigDict, model: specjax.Model, methods: Sequence[Method],
+                   questions: Sequence[spec_bench.Question], prompts: Sequence[Sequence[int]], outputs: Sequence[dict],
+                   temperature: float) -> dict | None:
+  """experiments/costs.py on the run's typical context: the prompt of median length with the first half of its
+  baseline answer, in a cache of the prompts' median size, `config.batch_size` rows."""
+  options = config.get("costs")
+  drafted = [(m.name, m.drafter, m.gamma) for m in methods if m.drafter is not None]
+  if options is None or not options.enabled or not drafted:
+    return None
+  if jax.process_count() > 1:
+    logging.warning("costs are measured in single-process runs only; this run has %d processes", jax.process_count())
+    return None
+  lengths = [len(p) for p in prompts]
+  median = int(np.argsort(lengths)[len(lengths) // 2])
+  answer = next(o["tokens"] for o in outputs if o["method"] == methods[0].name and o["temperature"] == temperature
+                and o["question_id"] == questions[median].question_id)
+  context = list(prompts[median]) + list(answer[:config.max_new_tokens // 2])
+  max_gamma = max(g for _, _, g in drafted)
+  cache_len = int(np.median([prepare_batch(model, [p], config.max_new_tokens, extra_positions=max_gamma + 1).cache_len
+                             for p in prompts]))
+  sampling = SamplingParams(temperature=temperature, top_k=config.top_k, top_p=config.top_p)
+  start = time.perf_counter()
+  measured = costs.measure(model, drafted, context, max(cache_len, len(context) + max_gamma + 2),
+                           rows=config.batch_size, repeats=options.repeats, sampling=sampling,
+                           count_bytes=options.count_bytes)
+  measured["seconds"] = time.perf_counter() - start
+  logging.info("costs measured in %.1f s (context %d tokens, cache %d)", measured["seconds"], len(context),
+               measured["cache_len"])
+  return measured
 
 
 def main(argv: Sequence[str]) -> None:
@@ -225,7 +346,9 @@ def main(argv: Sequence[str]) -> None:
   config_file = config_flags.get_config_filename(flags.FLAGS["config"])
   name = os.path.basename(config_file).replace(".py", "").replace(":", "-")
   workdir = _WORKDIR.value or os.path.join("workdirs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
-  run(_CONFIG.value, workdir, name=name)
+  results = run(_CONFIG.value, workdir, name=name)
+  if results["summary"]["lossless_failures"]:  # the results are written; the exit status says they are wrong
+    sys.exit(f"NOT LOSSLESS: {report.lossless_banner(results['summary'])} Results in {workdir}")
 
 
 if __name__ == "__main__":

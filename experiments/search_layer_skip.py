@@ -131,7 +131,7 @@ def _define_flags():
   flags.DEFINE_integer("repeats", 2, "Interleaved timing rounds per candidate (measured objective).")
   flags.DEFINE_list("exit_layers", ["28"], "Early-exit points swept before the greedy search.")
   flags.DEFINE_integer("candidate_pool", 0, "Greedy: only the N least-influential layers (0: all).")
-  flags.DEFINE_float("verify_cost", 1.0, "Proxy: verification cost in AR steps (see bench_speculative.py).")
+  flags.DEFINE_float("verify_cost", 1.0, "Proxy: verification cost in AR steps (experiments/costs.py measures it).")
 
 
 if __name__ == "__main__":

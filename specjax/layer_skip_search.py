@@ -244,7 +244,7 @@ def proxy_objective(model, prompts: Sequence[Sequence[int]], *, gamma: int, max_
   """Leviathan-model speedup from the acceptance of one greedy speculative run over all prompts (one batch).
 
   verify_cost: a verification forward (gamma + 1 tokens) over one autoregressive step. 1 is the memory-bound
-  ideal; benchmarks/bench_speculative.py measures it (on XLA:CPU 1.34-1.54 for 3-6 tokens: small matmuls
+  ideal; experiments/costs.py measures it in every experiment run (on XLA:CPU 1.34-1.54 for 3-6 tokens: small matmuls
   with more than one row take a slower kernel than matrix-vector products).
   """
   def evaluate(skip: SkipSet) -> Evaluation:

@@ -8,14 +8,20 @@ import os
 import subprocess
 import sys
 
+import jax
 import ml_collections
 import numpy as np
 import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from configs import quickstart, spec_bench as spec_bench_config
-from experiments import run, spec_bench
+import specjax
+from configs import compare_drafters, depth_sweep, gamma_sweep, quickstart, spec_bench as spec_bench_config
+from experiments import report, run, spec_bench
+from specjax import leviathan
+from specjax.config import ModelConfig
+from specjax.loading import Model
+from specjax.model import init_params
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -67,12 +73,57 @@ def test_prompt_ids_use_the_chat_template_on_the_first_turn_only(smollm2):
     (quickstart, None, 5, 64),
     (spec_bench_config, None, 65, 128),
     (spec_bench_config, "small", 13, 64),
+    (compare_drafters, None, 65, 128),
+    (compare_drafters, "small", 13, 64),
+    (compare_drafters, "small,sampling", 13, 64),
+    (gamma_sweep, "small", 13, 64),
+    (depth_sweep, None, 26, 128),
 ])
 def test_configs_select_their_prompts(module, arg, prompts, max_new_tokens):
   config = module.get_config(arg)
   assert len(spec_bench.select(spec_bench.load_questions(), **config.prompts.to_dict())) == prompts
   assert config.max_new_tokens == max_new_tokens
   assert dict(config.methods[0]) == {"name": "autoregressive"}
+  assert all(set(m) <= run.METHOD_KEYS for m in config.methods)
+
+
+def test_compare_drafters_variants():
+  assert compare_drafters.get_config("small,sampling").temperature == 0.7
+  assert compare_drafters.get_config("small,sampling").top_p == 0.9
+  assert tuple(compare_drafters.get_config("both").temperatures) == (0.0, 0.7)
+  assert compare_drafters.get_config(None).temperature == 0.0
+  with pytest.raises(ValueError, match="comma-separated subset of small, sampling, both"):
+    compare_drafters.get_config("small,greedy")
+  with pytest.raises(ValueError, match="exclude each other"):
+    compare_drafters.get_config("sampling,both")
+  names = [m["name"] for m in compare_drafters.get_config("small").methods]
+  assert names == ["autoregressive", "prompt_lookup", "layer_skip_exit24", "layer_skip_best_set",
+                   "layer_skip_trained_exit", "draft_model", "mtp_parallel", "mtp_sequential"]
+  best = compare_drafters.best_skip_set()
+  assert best["gamma"] == 2 and best["options"] == {"skip_layers": [12]}  # the record in configs/layer_skip_sets
+
+
+def test_compare_drafters_leaves_out_exactly_the_unshipped_checkpoints(smollm2):
+  config = compare_drafters.get_config("small")
+  shipped = os.path.join(os.path.dirname(specjax.__file__), "checkpoints", "smollm2-135m")
+  expected = {name: [f"{checkpoint}.safetensors"] for name, checkpoint in
+              (("layer_skip_trained_exit", "exit_adapter"), ("draft_model", "draft_model"))
+              if not os.path.exists(os.path.join(shipped, f"{checkpoint}.safetensors"))}
+  assert run.unshipped_checkpoints([dict(m) for m in config.methods], smollm2) == expected
+  config.only = "prompt_lookup,layer_skip_trained_exit,draft_model,layer_skip_best_set"
+  methods = run.make_methods(config, smollm2)
+  assert [m.name for m in methods] == ["autoregressive", "prompt_lookup", "layer_skip_best_set"] + [
+      n for n in ("layer_skip_trained_exit", "draft_model") if n not in expected]
+  assert methods[2].gamma == 2 and methods[2].drafter.options.layers == tuple(i for i in range(30) if i != 12)
+
+
+def test_gamma_sweep_runs_each_drafter_at_each_gamma_up_to_its_limit(tiny_chat):
+  config = _config(methods=({"name": "ar"}, {"name": "pld", "drafter": "prompt_lookup"},
+                            {"name": "heads", "drafter": "mtp_parallel", "options": {"path": None, "num_heads": 2}}),
+                   gammas=(1, 3))
+  methods = run.make_methods(config, tiny_chat)
+  assert [(m.name, m.family, m.gamma) for m in methods] == [
+      ("ar", "ar", 4), ("pld_g1", "pld", 1), ("pld_g3", "pld", 3), ("heads_g1", "heads", 1)]
 
 
 def test_config_rejects_an_unknown_variant():
@@ -117,6 +168,7 @@ def test_batches_never_mix_categories():
 def test_run_writes_results_table_and_plots(smollm2, tmp_path):
   # qa and writing prompts fall into one length bucket: one compilation per method.
   config = _config(max_new_tokens=8, repeats=2, only="prompt_lookup")
+  config.costs.enabled = False  # measured on a tiny model below
   config.prompts.categories = ("qa", "writing")
   results = run.run(config, str(tmp_path), model=smollm2, name="test")
 
@@ -145,7 +197,7 @@ def test_run_writes_results_table_and_plots(smollm2, tmp_path):
   assert results["summary"] == saved["summary"]
 
   table = (tmp_path / "results.md").read_text()
-  assert "| method | tokens/s | speedup |" in table
+  assert "| method | γ | tokens/s | speedup | min–max |" in table
   assert "| autoregressive |" in table and "| prompt_lookup |" in table
   for plot in ("speedup.png", "speedup_by_category.png"):
     assert (tmp_path / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -153,12 +205,14 @@ def test_run_writes_results_table_and_plots(smollm2, tmp_path):
 
 def test_command_line_overrides_reach_the_config():
   argv = ["run", "--config=configs/quickstart.py", "--config.max_new_tokens=16", "--config.only=prompt_lookup",
-          "--config.prompts.categories=('qa','math')", "--config.mesh_shape=(2,1)"]
+          "--config.prompts.categories=('qa','math')", "--config.mesh_shape=(2,1)", "--config.temperatures=(0.0,0.7)",
+          "--config.gammas=(1,3)", "--config.costs.enabled=False"]
   values = flags.FlagValues()
   config = config_flags.DEFINE_config_file("config", flag_values=values, lock_config=True, sys_argv=argv)
   values(argv)
   assert (config.value.max_new_tokens, config.value.only) == (16, "prompt_lookup")
   assert config.value.prompts.categories == ("qa", "math") and config.value.mesh_shape == (2, 1)
+  assert config.value.temperatures == (0.0, 0.7) and config.value.gammas == (1, 3) and not config.value.costs.enabled
 
 
 def test_cli_rejects_an_unknown_config_key(tmp_path):
@@ -188,3 +242,137 @@ def test_cli_config_that_does_not_load_is_one_line(tmp_path, args, message):
   if "configs here" in message:
     assert "configs/quickstart.py, configs/spec_bench.py" in result.stderr
   assert not os.listdir(tmp_path)
+
+
+# --- The runner end to end on a tiny random model with SmolLM2's tokenizer (Spec-Bench prompts are text) -----
+
+@pytest.fixture(scope="module")
+def tiny_chat(smollm2) -> Model:
+  config = ModelConfig(vocab_size=smollm2.config.vocab_size, hidden_size=32, intermediate_size=64, num_layers=3,
+                       num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-5,
+                       tie_embeddings=False, max_position_embeddings=1024)
+  return Model(config=config, params=init_params(config, jax.random.PRNGKey(0), std=0.3),
+               tokenizer=smollm2.tokenizer, name="tiny-chat")
+
+
+TINY_METHODS = (
+    {"name": "autoregressive"},
+    {"name": "prompt_lookup", "drafter": "prompt_lookup"},
+    {"name": "exit2", "drafter": "layer_skip", "options": {"exit_layer": 2}},
+    {"name": "heads", "drafter": "mtp_parallel", "options": {"path": None, "num_heads": 3}},
+    {"name": "unshipped", "drafter": "layer_skip", "options": {"adapter": "default"}, "needs": ("exit_adapter",)},
+)
+
+
+def _tiny_config(**overrides) -> ml_collections.ConfigDict:
+  config = compare_drafters.get_config("small")
+  config.update(dict(max_new_tokens=12, methods=TINY_METHODS, warmup=False, gamma=3))  # one verification shape
+  config.prompts.categories = ("qa", "writing")
+  config.costs.repeats = 1
+  config.update(overrides)
+  return config
+
+
+def test_run_reports_costs_prediction_efficiency_and_projection(tiny_chat, tmp_path):
+  results = run.run(_tiny_config(repeats=2), str(tmp_path), model=tiny_chat, name="costs")
+  with open(tmp_path / "results.json") as f:
+    saved = json.load(f)
+  summary = saved["summary"]
+  methods = summary["methods"]
+  assert list(methods) == ["autoregressive", "prompt_lookup", "exit2", "heads"]
+  assert summary["skipped_methods"] == {"unshipped": ["exit_adapter.safetensors"]}
+  assert summary["all_lossless"] is True and summary["lossless_failures"] == []
+  for name in ("prompt_lookup", "exit2", "heads"):
+    s = methods[name]
+    records = [r for r in saved["records"] if r["method"] == name]
+    accepted = sum(sum(r["accepted_per_row"]) for r in records)
+    rejections = sum(sum(r["rejections_per_row"]) for r in records)
+    assert s["alpha"] == pytest.approx(accepted / (accepted + rejections))  # pooled over calls, not a median
+    assert len(s["acceptance_per_position"]) == s["gamma"]
+    assert all(a >= b for a, b in zip(s["acceptance_per_position"], s["acceptance_per_position"][1:]))
+    assert s["speedup_min"] <= s["speedup_median"] <= s["speedup_max"]
+    assert s["draft_cost"] > 0 and s["verify_cost"] > 0 and 0 < s["draft_cost_bytes"] and s["verify_cost_bytes"] >= 1
+    assert s["predicted_speedup"] == pytest.approx(leviathan.predicted_speedup(
+        s["alpha"], s["gamma"], s["draft_cost"], s["verify_cost"]))
+    assert s["efficiency"] == pytest.approx(s["speedup"] / s["predicted_speedup"])
+    assert s["projected_speedup"] == pytest.approx(leviathan.predicted_speedup(
+        s["alpha"], s["gamma"], s["draft_cost_bytes"], s["verify_cost_bytes"]))
+    assert s["draft_cost"] == pytest.approx(
+        saved["costs"]["draft_seconds"][name] / s["gamma"] / saved["costs"]["target_seconds"]["1"])
+  # Bytes per step: two layers of three read less than a target step; prompt lookup reads next to nothing.
+  assert methods["prompt_lookup"]["draft_cost_bytes"] < 0.01 < methods["exit2"]["draft_cost_bytes"] < 1
+  assert methods["autoregressive"]["alpha"] is None and methods["autoregressive"]["mean_accepted"] == 1
+  assert results["summary"]["methods"]["heads"]["gamma"] == 3
+
+  text = (tmp_path / "results.md").read_text()
+  assert "LOSSLESS CHECK FAILED" not in text
+  assert "**Accelerator projection**" in text and "(γ·c_bytes + r_bytes)" in text
+  assert "| heads | 3 |" in text and "## Acceptance per draft position" in text
+  assert "Left out (shipped checkpoint missing): unshipped (exit_adapter.safetensors)" in text
+  for plot in ("speedup.png", "speedup_by_category.png", "acceptance_per_position.png", "acceptance_vs_depth.png"):
+    assert (tmp_path / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"({plot})" in text
+
+
+def test_rerun_with_the_same_seed_reproduces_every_acceptance_figure(tiny_chat, tmp_path):
+  # The greedy programs are those of the test above (same shapes), so only the sampling ones compile here.
+  config = _tiny_config(temperatures=(0.0, 0.7), only="heads")
+  config.prompts.categories = ("qa",)
+  config.costs.enabled = False
+  figures = ("alpha", "mean_accepted", "acceptance_rate", "acceptance_per_position", "new_tokens")
+  runs = [run.run(config, str(tmp_path / str(i)), model=tiny_chat) for i in range(2)]
+  first, second = (r["summary"]["by_temperature"] for r in runs)
+  assert list(first) == ["0", "0.7"]
+  for t in first:
+    for method in ("autoregressive", "heads"):
+      assert {f: first[t][method][f] for f in figures} == {f: second[t][method][f] for f in figures}
+  assert [o["tokens"] for o in runs[0]["outputs"]] == [o["tokens"] for o in runs[1]["outputs"]]
+  # Sampling is not greedy: no token check at 0.7, and the main table is the first temperature's.
+  assert runs[0]["summary"]["methods"]["heads"]["alpha"] == first["0"]["heads"]["alpha"]
+  assert all(o["matches_baseline"] is None for o in runs[0]["outputs"] if o["temperature"] == 0.7)
+  assert (tmp_path / "0" / "alpha_by_temperature.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_planted_mismatch_is_reported_loudly(tiny_chat, tmp_path, monkeypatch):
+  generate = specjax.generate
+
+  def broken(*args, drafter=None, **kwargs):  # a verifier bug: the drafted method's last token is wrong
+    out = generate(*args, drafter=drafter, **kwargs)
+    if drafter is not None and drafter.name == "prompt_lookup":
+      out.tokens[0][-1] += 1
+    return out
+  monkeypatch.setattr(specjax, "generate", broken)
+  config = _tiny_config(only="prompt_lookup")
+  config.costs.enabled = False
+  run.run(config, str(tmp_path), model=tiny_chat, name="planted")
+
+  saved = json.loads((tmp_path / "results.json").read_text())
+  summary = saved["summary"]
+  assert summary["all_lossless"] is False and summary["methods"]["prompt_lookup"]["lossless"] is False
+  assert summary["methods"]["autoregressive"]["lossless"] is True
+  assert {(f["method"], tuple(f["question_ids"])) for f in summary["lossless_failures"]} == {
+      ("prompt_lookup", (q,)) for q in (o["question_id"] for o in saved["outputs"] if o["method"] == "autoregressive")}
+  text = (tmp_path / "results.md").read_text()
+  assert text.splitlines()[2].startswith("**LOSSLESS CHECK FAILED**: greedy output differs from autoregressive")
+  assert "| prompt_lookup |" in text and "| NO |" in text
+
+
+def test_depth_and_gamma_plots_from_a_summary(tmp_path):
+  def method(drafter, gamma, alpha, per_position, family=None, **options):
+    return {"drafter": drafter, "gamma": gamma, "alpha": alpha, "acceptance_per_position": per_position,
+            "family": family, "options": options, "mean_accepted": 1 + sum(per_position), "speedup": 1.0}
+  summary = {"baseline": "ar", "methods": {
+      "ar": {"drafter": None, "gamma": None, "alpha": None, "acceptance_per_position": None, "family": "ar",
+             "options": {}, "mean_accepted": 1.0, "speedup": 1.0},
+      "exit8": method("layer_skip", 2, 0.1, [0.1, 0.01], "exit8", exit_layer=8),
+      "exit24": method("layer_skip", 2, 0.3, [0.3, 0.1], "exit24", exit_layer=24),
+      "heads_g1": method("mtp_parallel", 1, 0.2, [0.2], "heads"),
+      "heads_g2": method("mtp_parallel", 2, 0.2, [0.2, 0.05], "heads")}}
+  assert not report.plot_alpha_by_temperature(summary, str(tmp_path / "alpha.png"))  # one temperature
+  assert not os.path.exists(tmp_path / "alpha.png")
+  summary["by_temperature"] = {"0": summary["methods"], "0.7": {**summary["methods"], "exit8": {"alpha": 0.2}}}
+  assert report.plot_alpha_by_temperature(summary, str(tmp_path / "alpha.png"))
+  assert report.plot_acceptance_vs_depth(summary, str(tmp_path / "depth.png"))
+  assert report.plot_mean_accepted_vs_gamma(summary, str(tmp_path / "gamma.png"))
+  for plot in ("depth.png", "gamma.png", "alpha.png"):
+    assert (tmp_path / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

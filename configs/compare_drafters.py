@@ -1,0 +1,100 @@
+r"""Every drafter against autoregressive decoding on all 13 Spec-Bench categories, with costs and projections.
+
+  python -m experiments.run --config=configs/compare_drafters.py:small      # 1 prompt x 13 categories, 64 tokens
+  python -m experiments.run --config=configs/compare_drafters.py            # 5 prompts x 13 categories, 128 tokens
+  python -m experiments.run --config=configs/compare_drafters.py:small,sampling   # temperature 0.7, top-p 0.9
+  python -m experiments.run --config=configs/compare_drafters.py:small,both       # greedy, then 0.7 (alpha plot)
+
+Expected time on 2 CPU cores: `:small --config.max_new_tokens=16` took 19 min on cores shared with other jobs
+(load ~8): 24 programs compiled in 8.5 min (6 methods x 4 prompt-length buckets, 11-28 s each), 13 prompt
+batches, then 3 min of cost loops. `:small` at 64 tokens: add the decoding, roughly 25-30 min; the full config
+is hours (40x `:small`'s decoding: meant for a GPU or TPU). `both` runs everything twice.
+
+Methods (SmolLM2-135M-Instruct, fp32, batch 1, gamma 4 unless a method sets its own): prompt lookup; untrained
+early exit after layer 24; the best layer-skip set found by the search (configs/layer_skip_sets/smollm2-135m.json,
+with the gamma it was searched for); a trained exit adapter (layer_skip adapter="default"); the distilled draft
+model ("smollm2-135m-draft"); parallel MTP heads and a sequential MTP module (the shipped checkpoints). A method
+that `needs` a shipped checkpoint not yet in specjax/checkpoints/smollm2-135m/ is left out with a warning in the
+log and listed in results.md. Variants (comma-separated): `small` (one prompt per category, 64 tokens, one
+repeat), `sampling` (temperature 0.7, top-p 0.9: lossless in distribution, so no token check), `both` (greedy,
+then temperature 0.7 on the same prompts: results.md's table is greedy, alpha_by_temperature.png compares them).
+"""
+
+import os
+
+import ml_collections
+
+from specjax import layer_skip_search
+
+SKIP_SET = os.path.join(os.path.dirname(os.path.abspath(__file__)), "layer_skip_sets", "smollm2-135m.json")
+VARIANTS = ("small", "sampling", "both")
+
+
+def best_skip_set(path: str = SKIP_SET) -> dict:
+  """The searched layer-skip set as a method: its options and the gamma it was searched for."""
+  record = layer_skip_search.read_skip_set(path)
+  return {"name": "layer_skip_best_set", "drafter": "layer_skip", "options": layer_skip_search.load_skip_set(path),
+          "gamma": int(record["gamma"])}
+
+
+def drafter_methods() -> tuple:
+  return (
+      {"name": "autoregressive"},
+      {"name": "prompt_lookup", "drafter": "prompt_lookup", "options": {}},
+      {"name": "layer_skip_exit24", "drafter": "layer_skip", "options": {"exit_layer": 24}},
+      best_skip_set(),
+      {"name": "layer_skip_trained_exit", "drafter": "layer_skip", "options": {"adapter": "default"},
+       "needs": ("exit_adapter",)},
+      {"name": "draft_model", "drafter": "draft_model", "options": {"draft": "smollm2-135m-draft"},
+       "needs": ("draft_model",)},
+      {"name": "mtp_parallel", "drafter": "mtp_parallel", "options": {}},
+      {"name": "mtp_sequential", "drafter": "mtp_sequential", "options": {}},
+  )
+
+
+def parse_variants(arg, config_name: str, allowed=VARIANTS) -> set:
+  variants = {a.strip() for a in (arg or "").split(",") if a.strip()}
+  unknown = sorted(variants - set(allowed))
+  if unknown:
+    raise ValueError(f"{config_name} takes a comma-separated subset of {', '.join(allowed)}; got {unknown}")
+  if {"sampling", "both"} <= variants:
+    raise ValueError(f"{config_name}: 'sampling' and 'both' exclude each other")
+  return variants
+
+
+def get_config(arg=None):
+  variants = parse_variants(arg, "configs/compare_drafters.py")
+  small = "small" in variants
+  config = ml_collections.ConfigDict()
+  config.model = "smollm2-135m"
+  config.dtype = "float32"
+
+  config.prompts = ml_collections.ConfigDict()
+  config.prompts.categories = ()  # all 13
+  config.prompts.per_category = 1 if small else 5
+  config.prompts.question_ids = ()
+  config.prompts.max_prompts = 0
+  config.chat = True
+
+  config.max_new_tokens = 64 if small else 128
+  config.temperature = 0.7 if "sampling" in variants else 0.0
+  # The comparison runs once per temperature, the first giving the main table (empty: just `temperature`).
+  config.temperatures = (0.0, 0.7) if "both" in variants else ()
+  config.top_k = 0
+  config.top_p = 0.9  # applies when sampling
+  config.seed = 0
+  config.batch_size = 1
+  config.gamma = 4
+  config.gammas = ()  # a gamma sweep: every drafter at each of these (configs/gamma_sweep.py)
+  config.mesh_shape = ml_collections.config_dict.placeholder(tuple)
+
+  config.methods = drafter_methods()
+  config.only = ""
+  config.repeats = 1 if small else 2
+  config.warmup = True
+
+  config.costs = ml_collections.ConfigDict()
+  config.costs.enabled = True  # c and r in compiled loops after decoding (experiments/costs.py)
+  config.costs.repeats = 5  # interleaved rounds; the median counts
+  config.costs.count_bytes = True  # bytes per step for the accelerator projection (specjax/roofline.py)
+  return config

@@ -1,0 +1,175 @@
+r"""What a draft step and a verification cost, measured inside compiled loops in the same run as the decoding.
+
+Per method (drafter and gamma), in units of one autoregressive target step (a 1-token forward, t_1):
+
+  c = t_draft / gamma / t_1     t_draft: one `propose` call for gamma tokens (layer skip: gamma forwards through
+                                its layers + LM head; MTP heads: gamma heads; prompt lookup: the n-gram search)
+  r = t_verify / t_1            t_verify: one target forward over gamma + 1 tokens
+
+and Leviathan et al.'s (2023) prediction from the measured alpha (`specjax.leviathan`):
+
+  predicted speedup = (1 - alpha^(gamma+1)) / (1 - alpha) / (gamma c + r).
+
+Each is timed as the decode loop runs it: a standalone jit call of one forward costs ~20 ms more on XLA:CPU
+(per-call work a loop hoists), which would distort c and r. So every cost is a `fori_loop` of `calls`
+iterations, and seconds per iteration = (t(long loop) - t(short loop)) / (long - short): the fixed per-call
+overhead cancels. The costs are interleaved (one long/short pair of every cost in turn, `repeats` rounds, the
+median per cost), so a drift of the shared machine hits them alike; the cache holds a real context (the prompt
+of median length and half of its autoregressive answer) in a cache of the prompts' median size, donated and
+threaded through the loop as in decoding.
+
+The same setup also gives the bytes each step moves (`specjax.roofline`), from which the accelerator
+projection takes c and r: c_bytes = draft step bytes / target step bytes, r_bytes ~ 1.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import roofline
+from specjax.drafters import DraftInputs, Drafter, PromptInfo, RoundResult
+from specjax.model import forward, init_cache
+from specjax.sampling import SamplingParams
+
+
+@functools.partial(jax.jit, static_argnames=("config",), donate_argnums=(1,))
+def _target_loop(params, cache, tokens, position, calls, *, config):
+  def body(i, carry):
+    tokens, cache = carry
+    out = forward(params, tokens, cache, position, config)
+    return jnp.argmax(out.logits, axis=-1).astype(jnp.int32), out.cache  # a dependency between iterations
+  return jax.lax.fori_loop(0, calls, body, (tokens, cache))
+
+
+@functools.partial(jax.jit, static_argnames=("drafter", "gamma", "sampling", "hidden_size", "dtype"),
+                   donate_argnums=(2, 3))
+def _propose_loop(target_params, params, state, target_cache, sequence, position, key, calls, *, drafter, gamma,
+                  sampling, hidden_size, dtype):
+  rows = jnp.arange(sequence.shape[0])
+
+  def body(i, carry):
+    state, cache, sequence = carry
+    inputs = DraftInputs(sequence=sequence, position=position, target_cache=cache, key=key)
+    proposal = drafter.propose(target_params, params, drafter.options, state, inputs, gamma, sampling)
+    # The round's `update`, on hidden states that depend on the proposal: a drafter that drafts from its state
+    # alone (MTP heads) would otherwise propose the same tokens every iteration, and XLA would hoist the call.
+    hidden = jnp.zeros((rows.size, gamma + 1, hidden_size), dtype) + proposal.tokens[:, :1, None].astype(dtype) * 0.0
+    features = (jnp.broadcast_to(hidden[:, :, None], (rows.size, gamma + 1, len(drafter.feature_layers), hidden_size))
+                if drafter.feature_layers else None)
+    sequence = sequence.at[rows, position].set(proposal.tokens[:, -1])
+    result = RoundResult(sequence=sequence, position=position, accepted=jnp.zeros_like(position),
+                         verify_hidden=hidden, features=features)
+    state = drafter.update(target_params, params, drafter.options, proposal.state, result)
+    return state, proposal.target_cache, sequence
+  return jax.lax.fori_loop(0, calls, body, (state, target_cache, sequence))
+
+
+@functools.partial(jax.jit, static_argnames=("drafter",))
+def _draft_init(target_params, params, prompt, *, drafter):
+  return drafter.init(target_params, params, drafter.options, prompt)
+
+
+def _timed(run: Callable[[int], Any], calls: int) -> float:
+  start = time.perf_counter()
+  jax.block_until_ready(run(calls))
+  return time.perf_counter() - start
+
+
+def interleaved_seconds(runs: dict[str, Callable[[int], Any]], repeats: int, short: int = 2,
+                        long: int = 8) -> dict[str, float]:
+  """Seconds per loop iteration of each `run(calls)` (a pytree to wait for), median over `repeats` rounds.
+
+  Every run is compiled and warmed first; then each round times a long and a short loop of every run in turn.
+  """
+  for run in runs.values():
+    _timed(run, short)
+    _timed(run, long)
+  deltas: dict[str, list[float]] = {name: [] for name in runs}
+  for _ in range(repeats):
+    for name, run in runs.items():
+      deltas[name].append((_timed(run, long) - _timed(run, short)) / (long - short))
+  return {name: statistics.median(d) for name, d in deltas.items()}
+
+
+def measure(model, methods: Sequence[tuple[str, Drafter, int]], context: Sequence[int], cache_len: int, *,
+            rows: int = 1, repeats: int = 5, sampling: SamplingParams = SamplingParams(),
+            count_bytes: bool = True) -> dict[str, Any]:
+  """Costs of every (name, drafter, gamma) in `methods` (the module docstring), for `rows` copies of `context`.
+
+  Returns {"context_tokens", "cache_len", "rows", "target_seconds": {tokens: s}, "draft_seconds": {name: s},
+  "methods": {name: {"gamma", "draft_cost", "verify_cost"[, "draft_cost_bytes", "verify_cost_bytes"]}}} and,
+  with `count_bytes`, "target_step_bytes" (formula), "target_step_bytes_xla" and "draft_step_bytes" {name: B}.
+  """
+  config, params = model.config, model.params
+  position = len(context)
+  if position + max([g for _, _, g in methods] or [0]) + 2 > cache_len:
+    raise ValueError(f"a cost context of {position} tokens does not fit a cache of {cache_len} positions")
+  sequence = np.zeros((rows, cache_len), np.int32)
+  sequence[:, :position + 1] = list(context) + [context[-1]]  # the pending token at `position`
+  positions = jnp.full((rows,), position, jnp.int32)
+  sequence, key = jnp.asarray(sequence), jax.random.PRNGKey(0)
+  prompt_tokens = jnp.asarray([list(context)] * rows, jnp.int32)
+  state = {"cache": _target_loop(params, init_cache(config, rows, cache_len), prompt_tokens,
+                                 jnp.zeros(rows, jnp.int32), 1, config=config)[1]}
+
+  def target_run(num_tokens):
+    tokens = jnp.repeat(sequence[:, position:position + 1], num_tokens, axis=1)
+
+    def run(calls):
+      out, state["cache"] = _target_loop(params, state["cache"], tokens, positions, calls, config=config)
+      return out
+    return run
+
+  def prompt_info(drafter: Drafter) -> PromptInfo:
+    features = (jnp.zeros((rows, position, len(drafter.feature_layers), config.hidden_size), jnp.dtype(config.dtype))
+                if drafter.feature_layers else None)
+    return PromptInfo(tokens=prompt_tokens, lengths=jnp.full((rows,), position, jnp.int32),
+                      first_token=jnp.full((rows,), context[-1], jnp.int32),
+                      last_hidden=jnp.zeros((rows, config.hidden_size), jnp.dtype(config.dtype)), features=features,
+                      cache_len=cache_len)
+
+  draft_states: dict[str, Any] = {}
+
+  def draft_run(name: str, drafter: Drafter, gamma: int):
+    static, draft_params = drafter.static(), drafter.params
+    draft_states[name] = _draft_init(params, draft_params, prompt_info(drafter), drafter=static)
+
+    def run(calls):
+      draft_states[name], state["cache"], _ = _propose_loop(
+          params, draft_params, draft_states[name], state["cache"], sequence, positions, key, calls, drafter=static,
+          gamma=gamma, sampling=sampling, hidden_size=config.hidden_size, dtype=config.dtype)
+      return state["cache"]
+    return run
+
+  gammas = sorted({g for _, _, g in methods})
+  runs = {"target 1": target_run(1)}
+  runs.update({f"target {g + 1}": target_run(g + 1) for g in gammas})
+  runs.update({f"draft {name}": draft_run(name, drafter, gamma) for name, drafter, gamma in methods})
+  seconds = interleaved_seconds(runs, repeats)
+  t_1 = seconds["target 1"]
+  costs: dict[str, Any] = {
+      "context_tokens": position, "cache_len": cache_len, "rows": rows, "repeats": repeats,
+      "target_seconds": {1: t_1, **{g + 1: seconds[f"target {g + 1}"] for g in gammas}},
+      "draft_seconds": {name: seconds[f"draft {name}"] for name, _, _ in methods},
+      "methods": {name: {"gamma": gamma, "draft_cost": seconds[f"draft {name}"] / gamma / t_1,
+                         "verify_cost": seconds[f"target {gamma + 1}"] / t_1}
+                  for name, _, gamma in methods}}
+  if count_bytes:
+    costs["target_step_bytes"] = roofline.target_step_bytes(params, config, position, rows)
+    costs["target_step_bytes_xla"] = roofline.target_step_bytes_xla(params, state["cache"], config, positions)
+    costs["draft_step_bytes"] = {}
+    for name, drafter, gamma in methods:
+      inputs = DraftInputs(sequence=sequence, position=positions, target_cache=state["cache"], key=key)
+      step = roofline.draft_step_bytes(drafter, params, draft_states[name], inputs, sampling)
+      costs["draft_step_bytes"][name] = step
+      costs["methods"][name].update(
+          draft_cost_bytes=step / costs["target_step_bytes_xla"],
+          verify_cost_bytes=roofline.verify_cost_bytes(params, config, position, gamma, rows))
+  return costs

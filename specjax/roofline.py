@@ -1,0 +1,107 @@
+"""Bytes moved per decode step, and the memory bandwidth they are moved at (the roofline of batch-1 decoding).
+
+A batch-1 decode step reads every weight it uses once and the KV cache in use; its arithmetic is tiny, so on any
+hardware its time is bounded below by bytes / memory bandwidth (Williams et al. 2009, "Roofline"):
+
+  target step bytes  = all parameter bytes + KV bytes read,
+  KV bytes read      = layers x {K, V} x rows x positions in use x kv_heads x head_dim x itemsize,
+  roofline fraction  = bytes per step / step time / copy bandwidth.
+
+A verification forward over gamma + 1 tokens reads the same weights and the same cache as a 1-token step and
+writes gamma + 1 cache rows instead of one, so while decoding is memory-bound its cost over a 1-token step is
+
+  r_bytes = (weights + KV read + (gamma + 1) KV rows written) / (weights + KV read + 1 KV row written) ~ 1.
+
+A drafter's step is counted by XLA itself: `draft_step_bytes` compiles one `propose` call for a single draft
+token and reads the compiled program's "bytes accessed" (`compiled.cost_analysis()`), so every drafter (layer
+subsets, heads, an independent draft model, prompt lookup) is counted by the same rule without a formula per
+drafter. XLA counts what every fused operation reads and writes, a gather included as its whole operand, so its
+count of a target step (`target_step_bytes_xla`) is larger than the formula above (SmolLM2: ~650 MB against
+~540 MB); c_bytes = draft step / target step divides two counts made by the same rule, so such over-counts
+largely cancel. These are what speculative decoding would cost on an accelerator where every step is
+memory-bound (Leviathan et al. 2023, section 3: c is the draft's cost over the target's).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.config import ModelConfig
+from specjax.drafters import DraftInputs, Drafter
+from specjax.model import KVCache, forward
+from specjax.sampling import SamplingParams
+
+
+def param_bytes(params) -> int:
+  """Bytes of every array in a parameter pytree."""
+  return int(sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params)))
+
+
+def kv_bytes_per_position(config: ModelConfig, itemsize: int | None = None) -> int:
+  """Bytes of keys and values one position occupies across all layers, for one row."""
+  itemsize = itemsize or np.dtype(config.dtype).itemsize
+  return 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize
+
+
+def target_step_bytes(params, config: ModelConfig, positions_in_use: float, rows: int = 1,
+                      new_tokens: int = 1) -> float:
+  """Bytes one target forward of `new_tokens` tokens per row moves: weights once, the KV cache in use read, the
+  new tokens' KV written. The formula in the module docstring."""
+  kv = kv_bytes_per_position(config)
+  return param_bytes(params) + rows * (positions_in_use + new_tokens) * kv
+
+
+def verify_cost_bytes(params, config: ModelConfig, positions_in_use: float, gamma: int, rows: int = 1) -> float:
+  """r_bytes: a (gamma + 1)-token verification's bytes over a 1-token step's (~1 while memory-bound)."""
+  return (target_step_bytes(params, config, positions_in_use, rows, gamma + 1)
+          / target_step_bytes(params, config, positions_in_use, rows, 1))
+
+
+def compiled_bytes(fn, *args, **static) -> float:
+  """XLA's "bytes accessed" of `jax.jit(fn, static_argnames=static)(*args, **static)` as compiled here."""
+  compiled = jax.jit(fn, static_argnames=tuple(static)).lower(*args, **static).compile()
+  analysis = compiled.cost_analysis()
+  if isinstance(analysis, (list, tuple)):  # older jax: one dict per computation
+    analysis = analysis[0] if analysis else {}
+  if not analysis or "bytes accessed" not in analysis:
+    raise RuntimeError(f"XLA on {jax.default_backend()} gives no 'bytes accessed' cost analysis")
+  return float(analysis["bytes accessed"])
+
+
+def target_step_bytes_xla(params, cache: KVCache, config: ModelConfig, position: jax.Array) -> float:
+  """XLA's count of bytes for one 1-token target forward at `position` ([B]) over `cache`."""
+  tokens = jnp.zeros((position.shape[0], 1), jnp.int32)
+
+  def step(params, tokens, cache, position, *, config):
+    return forward(params, tokens, cache, position, config).logits
+  return compiled_bytes(step, params, tokens, cache, position, config=config)
+
+
+def draft_step_bytes(drafter: Drafter, target_params, state: Any, inputs: DraftInputs,
+                     sampling: SamplingParams = SamplingParams()) -> float:
+  """XLA's count of bytes for one draft step: `propose` of a single token from `state` (after `init`)."""
+  static = drafter.static()
+
+  def propose_one(target_params, params, state, inputs, *, static, sampling):
+    return static.propose(target_params, params, static.options, state, inputs, 1, sampling).tokens
+  return compiled_bytes(propose_one, target_params, drafter.params, state, inputs, static=static, sampling=sampling)
+
+
+def copy_bandwidth(src: np.ndarray, dst: np.ndarray) -> float:
+  """Bytes/s of one numpy copy of `src` into `dst`, read + write counted."""
+  start = time.perf_counter()
+  np.copyto(dst, src)
+  return 2 * src.nbytes / (time.perf_counter() - start)
+
+
+def measure_copy_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
+  """Median copy bandwidth (bytes/s) of a `megabytes` float32 array, after one copy that touches the pages."""
+  src = np.ones(megabytes * 2**20 // 4, np.float32)
+  dst = np.empty_like(src)
+  copy_bandwidth(src, dst)
+  return float(np.median([copy_bandwidth(src, dst) for _ in range(repeats)]))
