@@ -55,7 +55,7 @@ def test_adapter_options_are_checked(random_target):
     specjax.make_drafter("layer_skip", random_target, adapter="fresh", skip_layers=[1])
   with pytest.raises(ValueError, match="pass adapter='fresh'"):
     specjax.make_drafter("layer_skip", random_target, exit_layer=2, mlp=False)
-  with pytest.raises(CheckpointError, match="no shipped 'layer_skip' checkpoint.*adapter=None for plain early exit"):
+  with pytest.raises(CheckpointError, match="no shipped 'exit_adapter' checkpoint.*adapter=None for plain early exit"):
     specjax.make_drafter("layer_skip", random_target, adapter="default")
 
 

@@ -38,6 +38,7 @@ from specjax.model import attention_block, forward, mlp_block, param_shapes
 from specjax.sampling import SamplingParams
 
 NAME = "layer_skip"  # an adapter belongs to the layer-skip drafter; its checkpoints carry this name
+SHIPPED_NAME = "exit_adapter"
 ATTENTION = ("attn_norm", "wq", "wk", "wv", "wo")
 MLP = ("mlp_norm", "w_gate", "w_up", "w_down")
 SHIPPED_HINT = ("pass adapter=<checkpoint.safetensors>, adapter='fresh' for a new adapter to train, or "
@@ -169,6 +170,8 @@ def make(model, adapter: str, exit_layer: int | None = None, mlp: bool | None = 
   else:
     if mlp is not None or token_map is not None:
       raise ValueError("mlp and token_map describe a fresh adapter (adapter='fresh'); a checkpoint brings its own")
+    if adapter == "default":  # shipped as checkpoints/<model>/exit_adapter.safetensors
+      adapter = draft_head.shipped_checkpoint(model, SHIPPED_NAME, hint=SHIPPED_HINT)
     options, params = draft_head.load(model, NAME, adapter, saved_specs, lambda saved: Options(
         config=config, exit_layer=int(saved["exit_layer"]), mlp=bool(saved["mlp"]), draft_vocab=saved["draft_vocab"]),
         hint=SHIPPED_HINT)
