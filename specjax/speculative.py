@@ -193,8 +193,10 @@ def _verify_forward(params, config, tokens, proposal: Proposal, position, width:
         last.hidden[:, 0])
     out = forward(params, None, last.cache, position, config, layers=range(reuse_layers, config.num_layers),
                   return_layer_hidden=with_layers, hidden=hidden)
-    # Layer k-1's output is `hidden`; the layers before it ran on one token only.
-    out = out._replace(layer_hidden=[None] * (reuse_layers - 1) + [hidden] + out.layer_hidden if with_layers else None)
+    out = out._replace(layer_hidden=[hidden] + out.layer_hidden if with_layers else None)
+  if reuse_layers and with_layers:  # layer k-1's output and later: the layers before it ran on one token only
+    kept = out.layer_hidden[reuse_layers - config.num_layers - 1:]
+    out = out._replace(layer_hidden=[None] * (reuse_layers - 1) + kept)
   pad = proposal.tokens.shape[1] + 1 - width
 
   def padded(x):

@@ -277,13 +277,14 @@ SMOLLM2_DRAFTERS = {
 }
 
 
-@pytest.mark.parametrize("gamma", [1, 3, 5])
+@pytest.mark.parametrize("gamma, adaptive", [(1, False), (3, EAGER), (5, False)])
 @pytest.mark.parametrize("name", sorted(SMOLLM2_DRAFTERS))
-def test_greedy_speculative_equals_autoregressive_on_smollm2(name, gamma, smollm2, smollm2_ar_outputs):
-  """Four Spec-Bench prompts of different lengths in one batch, 32 new tokens, chat template."""
+def test_greedy_speculative_equals_autoregressive_on_smollm2(name, gamma, adaptive, smollm2, smollm2_ar_outputs):
+  """Four Spec-Bench prompts of different lengths in one batch, 32 new tokens, chat template; gamma 3 with
+  (eager) adaptive drafting."""
   prompts, expected = smollm2_ar_outputs
   drafter_name, options = SMOLLM2_DRAFTERS[name]
-  out = specjax.generate(smollm2, prompts, max_new_tokens=32, gamma=gamma,
+  out = specjax.generate(smollm2, prompts, max_new_tokens=32, gamma=gamma, adaptive=adaptive,
                          drafter=specjax.make_drafter(drafter_name, smollm2, **options(smollm2)))
   assert out.tokens == expected.tokens
   if drafter_name == "draft_model":  # the target drafting for itself accepts every draft
