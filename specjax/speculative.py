@@ -1,11 +1,14 @@
 """The speculative decoding loop: one jit-compiled program, a `jax.lax.while_loop` over rounds.
 
 One round, for every row at once:
-  1. the drafter proposes gamma tokens x_1..x_gamma (and their draft distributions q when sampling);
+  1. the drafter proposes up to gamma tokens x_1..x_gamma (and their draft distributions q when sampling);
+     with adaptive drafting (specjax/adaptive.py) the round drafts the length that pays, none at all (a plain
+     target step) where drafting cannot pay, and a row stops early where the draft is unsure;
   2. the target scores [pending, x_1..x_gamma] in ONE forward at the row's own position (a causal mask makes
-     that gamma+1 next-token predictions);
+     that gamma+1 next-token predictions), or only the pending token when no row drafted; a drafter that ran
+     the target's own first k layers hands over their output, and only layers k..L-1 run for all positions;
   3. verification (specjax/verify.py) accepts a prefix of a tokens and yields one more token (the correction
-     at the first rejection, or the bonus token when all gamma were accepted);
+     at the first rejection, or the bonus token when all the row's drafts were accepted);
   4. x_1..x_a and that token are committed; the new pending token is the last of them. The target cache now
      holds valid K/V up to the old pending position + a; slots past it are overwritten in later rounds.
 Rows accept different numbers of tokens; a finished row (stop token, max_new_tokens) stops changing.
@@ -129,6 +132,7 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
     live = ~s.done
     draft_lengths = jnp.where(live, jnp.minimum(proposal.lengths, budget), 0)
     verify_tokens = jnp.concatenate([s.sequence[rows, s.position][:, None], proposal.tokens], axis=1)
+    # Only the pending token when no row drafted (a plain step), else all gamma + 1 positions.
     plain_step, full = (functools.partial(_verify_forward, params, config, verify_tokens, proposal, s.position,
                                           width, drafter.reuse_layers, with_layers) for width in (1, gamma + 1))
     out = full() if plan is None else jax.lax.cond(jnp.any(draft_lengths > 0), full, plain_step)
