@@ -6,10 +6,12 @@ Public API:
   make_drafter(name, model, **options) -> Drafter  ("mtp_parallel", "mtp_sequential", "layer_skip", "draft_model",
                                                     "prompt_lookup")
   make_mesh(data, model) -> jax.sharding.Mesh  (pass as generate(..., mesh=mesh))
-  generate(model, prompts, *, max_new_tokens, temperature, top_k, top_p, seed, drafter, gamma, mesh, max_len,
-           stop_ids) -> Output
+  generate(model, prompts, *, max_new_tokens, temperature, top_k, top_p, seed, drafter, gamma, adaptive, mesh,
+           max_len, stop_ids) -> Output
+  AdaptiveDrafting(min_confidence, draft_cost, verify_cost, prior_alpha, memory)  (generate(..., adaptive=...))
 """
 
+from specjax.adaptive import AdaptiveDrafting
 from specjax.config import ModelConfig
 from specjax.drafters import Drafter, make_drafter
 from specjax.generate import Output, generate, logits
@@ -17,5 +19,5 @@ from specjax.loading import CheckpointError, Model, load
 from specjax.sampling import SamplingParams
 from specjax.sharding import make_mesh
 
-__all__ = ["CheckpointError", "Drafter", "Model", "ModelConfig", "Output", "SamplingParams", "generate", "load",
-           "logits", "make_drafter", "make_mesh"]
+__all__ = ["AdaptiveDrafting", "CheckpointError", "Drafter", "Model", "ModelConfig", "Output", "SamplingParams",
+           "generate", "load", "logits", "make_drafter", "make_mesh"]

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax import compilation, distributed, sharding, speculative
+from specjax.adaptive import AdaptiveDrafting
 from specjax.decoding import (Output, check_ids, decode_outputs, describe_shapes, is_stop, place_on_mesh, prefill,
                               prepare_batch)
 from specjax.loading import Model
@@ -77,8 +78,8 @@ _autoregressive_program = compilation.Program(_generate_autoregressive, "autoreg
 
 def generate(model: Model, prompts: Sequence[str | Sequence[int]], *, max_new_tokens: int,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-             drafter=None, gamma: int = 4, mesh=None, max_len: int | None = None,
-             stop_ids: Sequence[int] | None = None) -> Output:
+             drafter=None, gamma: int = 4, adaptive: bool | AdaptiveDrafting = True, mesh=None,
+             max_len: int | None = None, stop_ids: Sequence[int] | None = None) -> Output:
   """Generates up to `max_new_tokens` per prompt; rows stop at a stop token (EOS, end of turn).
 
   Args:
@@ -87,7 +88,11 @@ def generate(model: Model, prompts: Sequence[str | Sequence[int]], *, max_new_to
     temperature, top_k, top_p: 0 temperature is greedy.
     seed: PRNG seed for sampling.
     drafter: from `specjax.make_drafter`; None decodes autoregressively.
-    gamma: draft tokens per speculative round.
+    gamma: the most draft tokens a speculative round proposes (every round's, with adaptive=False).
+    adaptive: adaptive drafting (specjax/adaptive.py): True (the defaults), False, or a
+      `specjax.AdaptiveDrafting(min_confidence=, draft_cost=, verify_cost=, prior_alpha=, memory=)`. Each round
+      drafts the length that the running acceptance and the costs make pay (none: a plain target step), and a
+      row stops drafting at a slot where the draft is unsure. Lossless either way.
     mesh: a `jax.sharding.Mesh` from `specjax.sharding.make_mesh` to run sharded (rows over "data", heads /
       MLP / vocab over "model"; the batch must divide the data axis). Parameters are placed on the mesh
       each call unless already there: pass `sharding.shard_model(model, mesh)` to place them once.
@@ -107,7 +112,7 @@ def generate(model: Model, prompts: Sequence[str | Sequence[int]], *, max_new_to
   if drafter is not None:
     return speculative.generate(model, prompts, drafter=drafter, gamma=gamma, sampling=sampling,
                                 max_new_tokens=max_new_tokens, seed=seed, mesh=mesh, max_len=max_len,
-                                stop_ids=stop_ids)
+                                stop_ids=stop_ids, adaptive=adaptive)
   batch = prepare_batch(model, prompts, max_new_tokens, max_len=max_len)
   start = time.perf_counter()
   params, prompt_tokens, lengths, cache_sharding = place_on_mesh(model, batch, mesh)

@@ -236,7 +236,7 @@ def _block_influence(params, tokens, *, config):
 
 def _spec_stats(model, prompts, drafter, gamma, max_new_tokens) -> dict:
   return specjax.generate(model, [list(p) for p in prompts], max_new_tokens=max_new_tokens, drafter=drafter,
-                          gamma=gamma).stats
+                          gamma=gamma, adaptive=False).stats  # the proxy's Leviathan model drafts gamma every round
 
 
 def proxy_objective(model, prompts: Sequence[Sequence[int]], *, gamma: int, max_new_tokens: int,
@@ -271,7 +271,8 @@ def measured_objective(model, prompts: Sequence[Sequence[int]], *, gamma: int, m
   prompts = [list(p) for p in prompts]
 
   def timed(ids, drafter):
-    stats = specjax.generate(model, [ids], max_new_tokens=max_new_tokens, drafter=drafter, gamma=gamma).stats
+    stats = specjax.generate(model, [ids], max_new_tokens=max_new_tokens, drafter=drafter, gamma=gamma,
+                             adaptive=False).stats
     return stats, stats["seconds"]
 
   for ids in prompts:  # compile the autoregressive program(s) once, outside every candidate's timing

@@ -53,13 +53,16 @@ def _weight_bytes(tree) -> int:
   return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
 
 
-def draft_cost(params, config: ModelConfig, layers: Sequence[int]) -> float:
-  """Weights read by one draft step (the layers run + final norm + LM head) over those of a full step.
+def draft_cost(params, config: ModelConfig, layers: Sequence[int], own=None, head_columns: int | None = None) -> float:
+  """Weights read by one draft step (the target layers run + the drafter's `own` arrays + final norm + LM head,
+  of which `head_columns` columns when truncated) over those of a full target step.
 
   A batch-1 decode step is memory-bound, so this is its relative time to first order. With a small model
   the LM head is a large share (SmolLM2: 28 M of 135 M weights), so it exceeds the fraction of layers run.
   """
-  head = params["lm_head"] if "lm_head" in params else params["embed"]
+  head = _weight_bytes(params["lm_head"] if "lm_head" in params else params["embed"])
   layer_bytes = [_weight_bytes(layer) for layer in params["layers"]]
-  fixed = _weight_bytes(head) + _weight_bytes(params["final_norm"])
-  return (fixed + sum(layer_bytes[i] for i in layers)) / (fixed + sum(layer_bytes))
+  norm = _weight_bytes(params["final_norm"])
+  draft_head = head if head_columns is None else head * head_columns / config.vocab_size
+  draft = draft_head + norm + sum(layer_bytes[i] for i in layers) + (_weight_bytes(own) if own is not None else 0)
+  return draft / (head + norm + sum(layer_bytes))

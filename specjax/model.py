@@ -152,18 +152,20 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
   return jnp.take(params["embed"], tokens, axis=0)
 
 
-def forward(params: Params, tokens: jax.Array, cache: KVCache, positions: jax.Array, config: ModelConfig, *,
-            layers: Sequence[int] | None = None, compute_logits: bool = True,
-            return_layer_hidden: bool = False) -> ForwardOutput:
+def forward(params: Params, tokens: jax.Array | None, cache: KVCache, positions: jax.Array, config: ModelConfig, *,
+            layers: Sequence[int] | None = None, compute_logits: bool = True, return_layer_hidden: bool = False,
+            hidden: jax.Array | None = None) -> ForwardOutput:
   """Runs tokens [B, T] written at per-row offsets `positions` [B] through the decoder.
 
   `layers` (static) selects which layers run, in order (default: all); layers not run keep their cache.
-  Layer-skip drafters use it to run the first k layers, or all but a skipped set.
+  Layer-skip drafters use it to run the first k layers, or all but a skipped set. `hidden` [B, T, D] is the
+  residual stream entering the first layer run, in place of the tokens' embeddings (tokens may then be None):
+  layers k..L-1 continue what layers 0..k-1 computed.
   """
-  t = tokens.shape[1]
+  x = embed(params, tokens) if hidden is None else hidden
+  t = x.shape[1]
   pos = positions[:, None].astype(jnp.int32) + jnp.arange(t, dtype=jnp.int32)[None, :]
   inv_freq = jnp.asarray(rope_inv_freq(config), jnp.float32)
-  x = embed(params, tokens)
   k_all, v_all = list(cache.k), list(cache.v)
   layer_hidden = []
   for i in (range(config.num_layers) if layers is None else layers):

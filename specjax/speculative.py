@@ -1,11 +1,14 @@
 """The speculative decoding loop: one jit-compiled program, a `jax.lax.while_loop` over rounds.
 
 One round, for every row at once:
-  1. the drafter proposes gamma tokens x_1..x_gamma (and their draft distributions q when sampling);
+  1. the drafter proposes up to gamma tokens x_1..x_gamma (and their draft distributions q when sampling);
+     with adaptive drafting (specjax/adaptive.py) the round drafts the length that pays, none at all (a plain
+     target step) where drafting cannot pay, and a row stops early where the draft is unsure;
   2. the target scores [pending, x_1..x_gamma] in ONE forward at the row's own position (a causal mask makes
-     that gamma+1 next-token predictions);
+     that gamma+1 next-token predictions), or only the pending token when no row drafted; a drafter that ran
+     the target's own first k layers hands over their output, and only layers k..L-1 run for all positions;
   3. verification (specjax/verify.py) accepts a prefix of a tokens and yields one more token (the correction
-     at the first rejection, or the bonus token when all gamma were accepted);
+     at the first rejection, or the bonus token when all the row's drafts were accepted);
   4. x_1..x_a and that token are committed; the new pending token is the last of them. The target cache now
      holds valid K/V up to the old pending position + a; slots past it are overwritten in later rounds.
 Rows accept different numbers of tokens; a finished row (stop token, max_new_tokens) stops changing.
@@ -14,6 +17,7 @@ Stats are carried as arrays and read once at the end.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 
@@ -23,12 +27,44 @@ import numpy as np
 from flax import struct
 
 from specjax import compilation, distributed, sharding
-from specjax.drafters import Drafter, DraftInputs, PromptInfo, RoundResult
+from specjax.adaptive import Acceptance, AdaptiveDrafting, Plan, draft_length, make_plan
+from specjax.drafters import Drafter, DraftInputs, PromptInfo, Proposal, RoundResult
 from specjax.decoding import (Output, decode_outputs, describe_shapes, is_stop, place_on_mesh, prefill,
                               prepare_batch)
 from specjax.model import KVCache, forward, init_cache
 from specjax.sampling import SamplingParams, probabilities, sample
 from specjax.verify import greedy_verify, speculative_verify
+
+
+@struct.dataclass
+class Counts:
+  """Stats carried through the loop as arrays and read once at the end."""
+  live_rounds: jax.Array  # [B] rounds in which the row was still generating
+  proposed: jax.Array  # [B] draft tokens proposed (drafted slots of live rows)
+  accepted: jax.Array  # [B] accepted draft tokens
+  rejections: jax.Array  # [B] rounds that ended at a rejected draft (not at the end of the row's drafts)
+  proposed_at: jax.Array  # [gamma] live rows that drafted slot i, over rounds
+  accepted_at: jax.Array  # [gamma] live rows whose draft i was accepted, over rounds
+  width_rounds: jax.Array  # [gamma + 1] rounds by the longest draft a row made (0: a 1-token target step)
+  plain_steps: jax.Array  # scalar: rounds that did not draft at all (adaptive drafting's fallback)
+  draft_steps: jax.Array  # scalar: draft steps run
+
+  @classmethod
+  def zero(cls, batch: int, gamma: int):
+    zeros = functools.partial(jnp.zeros, dtype=jnp.int32)
+    return cls(zeros(batch), zeros(batch), zeros(batch), zeros(batch), zeros(gamma), zeros(gamma), zeros(gamma + 1),
+               zeros(()), zeros(()))
+
+  def add(self, live, lengths, accepted, rejected, drafted, draft_steps) -> "Counts":
+    """One round: live [B] rows, lengths [B] drafted, accepted [B], rejected [B] (ended at a rejection)."""
+    slots = jnp.arange(self.accepted_at.shape[0])[None, :]
+    return Counts(
+        live_rounds=self.live_rounds + live, proposed=self.proposed + lengths, accepted=self.accepted + accepted,
+        rejections=self.rejections + rejected,
+        proposed_at=self.proposed_at + jnp.sum(slots < lengths[:, None], axis=0),
+        accepted_at=self.accepted_at + jnp.sum(slots < accepted[:, None], axis=0),
+        width_rounds=self.width_rounds.at[jnp.max(lengths)].add(1), plain_steps=self.plain_steps + ~drafted,
+        draft_steps=self.draft_steps + jnp.where(drafted, draft_steps, 0))
 
 
 @struct.dataclass
@@ -40,10 +76,8 @@ class SpecState:
   draft_state: object
   key: jax.Array
   rounds: jax.Array  # scalar
-  live_rounds: jax.Array  # [B] rounds in which the row was still generating
-  accepted: jax.Array  # [B] accepted draft tokens
-  rejections: jax.Array  # [B] rounds that ended at a rejected draft (not all gamma accepted)
-  accepted_at: jax.Array  # [gamma] rounds (summed over live rows) in which draft i was accepted
+  acceptance: Acceptance  # running acceptance, for the draft length of the next round
+  counts: Counts
 
 
 def _commit(state: SpecState, draft_tokens, accepted_len, next_token, lengths, max_new_tokens, stop_ids):
@@ -67,10 +101,10 @@ def _commit(state: SpecState, draft_tokens, accepted_len, next_token, lengths, m
 
 
 @functools.partial(jax.jit, static_argnames=("config", "drafter", "gamma", "sampling", "max_new_tokens",
-                                             "cache_len", "stop_ids", "cache_sharding"))
+                                             "cache_len", "stop_ids", "plan", "cache_sharding"))
 def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, config, drafter: Drafter,
                           gamma, sampling: SamplingParams, max_new_tokens, cache_len, stop_ids,
-                          cache_sharding=None):
+                          plan: Plan | None = None, cache_sharding=None):
   batch, width = prompt_tokens.shape
   rows = jnp.arange(batch)
   cache = sharding.constrain_cache(init_cache(config, batch, cache_len), cache_sharding)
@@ -86,45 +120,94 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
       sequence=sequence, position=lengths, done=is_stop(first, stop_ids) | (max_new_tokens == 1),
       cache=sharding.constrain_cache(out.cache, cache_sharding),
       draft_state=drafter.init(params, draft_params, drafter.options, prompt), key=key,
-      rounds=jnp.zeros((), jnp.int32), live_rounds=jnp.zeros(batch, jnp.int32),
-      accepted=jnp.zeros(batch, jnp.int32), rejections=jnp.zeros(batch, jnp.int32),
-      accepted_at=jnp.zeros(gamma, jnp.int32))
+      rounds=jnp.zeros((), jnp.int32), acceptance=Acceptance.zero(), counts=Counts.zero(batch, gamma))
 
   def cond(s: SpecState):
     return ~jnp.all(s.done)
 
   def body(s: SpecState):
     key, draft_key, verify_key = jax.random.split(s.key, 3)
-    inputs = DraftInputs(sequence=s.sequence, position=s.position, target_cache=s.cache, key=draft_key)
-    proposal = drafter.propose(params, draft_params, drafter.options, s.draft_state, inputs, gamma, sampling)
-    pending = s.sequence[rows, s.position]
-    verify_tokens = jnp.concatenate([pending[:, None], proposal.tokens], axis=1)
-    out = forward(params, verify_tokens, proposal.target_cache, s.position, config, return_layer_hidden=with_layers)
+    budget = gamma if plan is None else draft_length(plan, s.acceptance)  # 0: a plain target step
+    proposal = _propose(params, draft_params, drafter, s, draft_key, gamma, budget, plan, sampling)
+    live = ~s.done
+    draft_lengths = jnp.where(live, jnp.minimum(proposal.lengths, budget), 0)
+    verify_tokens = jnp.concatenate([s.sequence[rows, s.position][:, None], proposal.tokens], axis=1)
+    # Only the pending token when no row drafted (a plain step), else all gamma + 1 positions.
+    plain_step, full = (functools.partial(_verify_forward, params, config, verify_tokens, proposal, s.position,
+                                          width, drafter.reuse_layers, with_layers) for width in (1, gamma + 1))
+    out = full() if plan is None else jax.lax.cond(jnp.any(draft_lengths > 0), full, plain_step)
     if sampling.greedy:
-      accepted_len, next_token = greedy_verify(proposal.tokens, out.logits)
+      accepted_len, next_token = greedy_verify(proposal.tokens, out.logits, draft_lengths)
     else:
       accepted_len, next_token = speculative_verify(verify_key, proposal.tokens, proposal.probs,
-                                                    probabilities(out.logits, sampling))
-    sequence, position, done = _commit(s, proposal.tokens, accepted_len, next_token, lengths,
-                                          max_new_tokens, stop_ids)
-    live = ~s.done
-    accepted = jnp.where(live, accepted_len, 0)
+                                                    probabilities(out.logits, sampling), draft_lengths)
+    sequence, position, done = _commit(s, proposal.tokens, accepted_len, next_token, lengths, max_new_tokens, stop_ids)
+    accepted, rejected = jnp.where(live, accepted_len, 0), live & (accepted_len < draft_lengths)
     result = RoundResult(sequence=sequence, position=position, accepted=accepted, verify_hidden=out.hidden,
-                         features=_features(out, drafter.feature_layers))
+                         features=_features(out, drafter.feature_layers), verify_position=s.position,
+                         drafted=jnp.asarray(budget > 0))
     return SpecState(
-        sequence=sequence, position=position, done=done,
-        cache=sharding.constrain_cache(out.cache, cache_sharding),
+        sequence=sequence, position=position, done=done, cache=sharding.constrain_cache(out.cache, cache_sharding),
         draft_state=drafter.update(params, draft_params, drafter.options, proposal.state, result), key=key,
-        rounds=s.rounds + 1, live_rounds=s.live_rounds + live, accepted=s.accepted + accepted,
-        rejections=s.rejections + (live & (accepted_len < gamma)),
-        accepted_at=s.accepted_at + jnp.sum(jnp.arange(gamma)[None, :] < accepted[:, None], axis=0))
+        rounds=s.rounds + 1, acceptance=s.acceptance.update(plan, accepted, rejected),
+        counts=s.counts.add(live, draft_lengths, accepted, rejected, result.drafted, proposal.steps))
 
   s = jax.lax.while_loop(cond, body, state)
   num_generated = s.position - lengths + 1
   tokens = jnp.take_along_axis(s.sequence, lengths[:, None] + jnp.arange(max_new_tokens)[None, :], axis=1)
-  stats = {"rounds": s.rounds, "live_rounds": s.live_rounds, "accepted": s.accepted, "rejections": s.rejections,
-           "accepted_at": s.accepted_at}
-  return tokens, num_generated, stats
+  return tokens, num_generated, {"rounds": s.rounds, **dataclasses.asdict(s.counts)}
+
+
+def _propose(params, draft_params, drafter: Drafter, s: SpecState, key, gamma: int, budget, plan, sampling):
+  """The drafter's proposal, with lengths and steps filled in; with a budget of 0 the drafter does not run."""
+  inputs = DraftInputs(sequence=s.sequence, position=s.position, target_cache=s.cache, key=key,
+                       budget=jnp.maximum(budget, 1), min_confidence=plan.min_confidence if plan else 0.0)
+
+  def run():
+    proposal = drafter.propose(params, draft_params, drafter.options, s.draft_state, inputs, gamma, sampling)
+    return proposal._replace(
+        lengths=jnp.full(s.position.shape, gamma, jnp.int32) if proposal.lengths is None else proposal.lengths,
+        steps=jnp.asarray(gamma if proposal.steps is None else proposal.steps, jnp.int32))
+
+  if plan is None:
+    return run()
+  empty = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(run))
+  return jax.lax.cond(budget > 0, run, lambda: empty._replace(state=s.draft_state, target_cache=s.cache))
+
+
+def _verify_forward(params, config, tokens, proposal: Proposal, position, width: int, reuse_layers: int,
+                    with_layers: bool):
+  """The target over tokens [B, gamma+1] = [pending, x_1..x_gamma] written from `position`: all of them, or
+  only the pending one (width 1, a plain step), with outputs padded to gamma + 1 positions.
+
+  A drafter that ran the target's layers 0..k-1 (k = `reuse_layers`) for n steps has written their K/V for
+  [pending, x_1..x_{n-1}] into the cache and hands over their output (`proposal.hidden`), so only x_n runs
+  layers 0..k-1; then all tokens run layers k..L-1 (LayerSkip's self-speculation). No row drafted past x_n,
+  and causal attention keeps the positions after it (whose inputs are left as zeros) out of the logits
+  that verification reads.
+  """
+  tokens, cache = tokens[:, :width], proposal.target_cache
+  if width == 1 or not reuse_layers:
+    out = forward(params, tokens, cache, position, config, return_layer_hidden=with_layers)
+  else:
+    steps, rows = proposal.steps, jnp.arange(tokens.shape[0])
+    last = forward(params, tokens[rows, steps][:, None], cache, position + steps, config, layers=range(reuse_layers),
+                   compute_logits=False)
+    hidden = jnp.pad(proposal.hidden, ((0, 0), (0, 1), (0, 0))).astype(last.hidden.dtype).at[:, steps].set(
+        last.hidden[:, 0])
+    out = forward(params, None, last.cache, position, config, layers=range(reuse_layers, config.num_layers),
+                  return_layer_hidden=with_layers, hidden=hidden)
+    out = out._replace(layer_hidden=[hidden] + out.layer_hidden if with_layers else None)
+  if reuse_layers and with_layers:  # layer k-1's output and later: the layers before it ran on one token only
+    kept = out.layer_hidden[reuse_layers - config.num_layers - 1:]
+    out = out._replace(layer_hidden=[None] * (reuse_layers - 1) + kept)
+  pad = proposal.tokens.shape[1] + 1 - width
+
+  def padded(x):
+    return None if x is None else jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+
+  return out._replace(logits=padded(out.logits), hidden=padded(out.hidden),
+                      layer_hidden=None if out.layer_hidden is None else [padded(x) for x in out.layer_hidden])
 
 
 def _features(out, layers: tuple[int, ...]):
@@ -133,8 +216,12 @@ def _features(out, layers: tuple[int, ...]):
 
 
 def generate(model, prompts, *, drafter: Drafter, gamma: int, sampling: SamplingParams, max_new_tokens: int,
-             seed: int, mesh, max_len, stop_ids) -> Output:
-  """Speculative counterpart of `specjax.generate` (which resolves the sampling and stop arguments and calls this)."""
+             seed: int, mesh, max_len, stop_ids, adaptive: bool | AdaptiveDrafting = True) -> Output:
+  """Speculative counterpart of `specjax.generate` (which resolves the sampling and stop arguments and calls this).
+
+  gamma is the most tokens a round drafts; `adaptive` (True: `AdaptiveDrafting()` defaults; False: every
+  round drafts gamma) chooses fewer per round and stops unsure rows early (specjax/adaptive.py).
+  """
   if not isinstance(drafter, Drafter):
     raise TypeError(f"drafter must come from specjax.make_drafter, got {type(drafter).__name__}")
   if not isinstance(gamma, (int, np.integer)) or gamma < 1:
@@ -142,19 +229,26 @@ def generate(model, prompts, *, drafter: Drafter, gamma: int, sampling: Sampling
   if drafter.max_gamma is not None and gamma > drafter.max_gamma:
     raise ValueError(f"drafter {drafter.name!r} proposes at most {drafter.max_gamma} tokens a round, got "
                      f"gamma={gamma}")
+  if not isinstance(adaptive, (bool, AdaptiveDrafting)):
+    raise TypeError(f"adaptive must be True, False or a specjax.AdaptiveDrafting, got {adaptive!r}")
+  if drafter.reuse_layers and any(i < drafter.reuse_layers - 1 for i in drafter.feature_layers):
+    raise ValueError(f"drafter {drafter.name!r} reuses the target's first {drafter.reuse_layers} layers, so "
+                     f"verification has no features of layers {drafter.feature_layers} over all positions")
+  options = AdaptiveDrafting() if adaptive is True else adaptive or None
+  plan = make_plan(options, drafter, model.params, model.config, int(gamma)) if options else None
   batch = prepare_batch(model, prompts, max_new_tokens, extra_positions=gamma + 1, max_len=max_len)
   start = time.perf_counter()
   params, prompt_tokens, lengths, cache_sharding = place_on_mesh(model, batch, mesh)
   (tokens, num_generated, stats), compile_seconds = _speculative_program(
-      params, _place_draft_params(drafter, mesh), prompt_tokens, lengths,
-      jax.random.PRNGKey(seed), describe=f"{drafter.name}, gamma {gamma}, {describe_shapes(batch)}",
-      config=model.config, drafter=drafter.static(), gamma=int(gamma),
-      sampling=sampling, max_new_tokens=int(max_new_tokens), cache_len=batch.cache_len, stop_ids=stop_ids,
+      params, _place_draft_params(drafter, mesh), prompt_tokens, lengths, jax.random.PRNGKey(seed),
+      describe=f"{drafter.name}, gamma {gamma}{', adaptive' if plan else ''}, {describe_shapes(batch)}",
+      config=model.config, drafter=drafter.static(), gamma=int(gamma), sampling=sampling,
+      max_new_tokens=int(max_new_tokens), cache_len=batch.cache_len, stop_ids=stop_ids, plan=plan,
       cache_sharding=cache_sharding)
   tokens, num_generated, stats = distributed.to_host((tokens, num_generated, stats))  # also multi-process arrays
   seconds = time.perf_counter() - start - compile_seconds
   rows, texts = decode_outputs(model, tokens, num_generated, stop_ids)
-  stats = summarize(stats, num_generated, gamma, seconds, forwards_per_step=drafter.forwards_per_step,
+  stats = summarize(stats, num_generated, seconds, forwards_per_step=drafter.forwards_per_step,
                     compile_seconds=compile_seconds)
   return Output(tokens=rows, texts=texts, stats=stats)
 
@@ -169,31 +263,40 @@ def _place_draft_params(drafter: Drafter, mesh):
   return sharding.shard_tree(drafter.params, drafter.param_specs, mesh)
 
 
-def summarize(stats, num_generated, gamma: int, seconds: float, forwards_per_step: int = 1,
-              compile_seconds: float = 0.0) -> dict:
+def _ratio(numerator, denominator) -> float:
+  return float(numerator / denominator) if denominator else float("nan")
+
+
+def summarize(stats, num_generated, seconds: float, forwards_per_step: int = 1, compile_seconds: float = 0.0) -> dict:
   """Host-side stats from the arrays the compiled loop returns; `seconds` excludes `compile_seconds`."""
   rounds = int(stats["rounds"])
-  live_rounds = stats["live_rounds"].astype(np.int64)
-  accepted = stats["accepted"].astype(np.int64)
+  live_rounds = int(stats["live_rounds"].sum())
+  accepted = int(stats["accepted"].sum())
   # The first token of every row comes from the prefill; each later one from a verification round.
-  from_rounds = num_generated.astype(np.int64) - 1
-  proposed = int(live_rounds.sum()) * gamma
+  from_rounds = int(num_generated.sum()) - len(num_generated)
   # Drafts the verifier actually tested: every accepted one plus the one rejected in each rejecting round.
-  checked = int(accepted.sum() + stats["rejections"].sum())
+  checked = accepted + int(stats["rejections"].sum())
   new_tokens = int(num_generated.sum())
+  proposed_at = stats["proposed_at"].astype(np.int64)
   return {
       "rounds": rounds,
       "target_calls": rounds + 1,
-      "draft_calls": rounds * gamma * forwards_per_step,
+      "draft_calls": int(stats["draft_steps"]) * forwards_per_step,
       "new_tokens": new_tokens,
-      "acceptance_rate": float(accepted.sum() / proposed) if proposed else float("nan"),
+      "acceptance_rate": _ratio(accepted, int(stats["proposed"].sum())),  # accepted / proposed drafts
       # Leviathan et al.'s alpha, the chance a tested draft is accepted: E[tokens/round] = (1-a^(g+1))/(1-a).
-      "alpha": float(accepted.sum() / checked) if checked else float("nan"),
-      "mean_accepted": float(from_rounds.sum() / live_rounds.sum()) if live_rounds.sum() else float("nan"),
-      "acceptance_per_position": (stats["accepted_at"] / max(1, int(live_rounds.sum()))).tolist(),
+      "alpha": _ratio(accepted, checked),
+      "mean_accepted": _ratio(from_rounds, live_rounds),  # tokens per target forward, bonus included
+      # P(draft i accepted | slot i drafted), over the rounds that drafted slot i.
+      "acceptance_per_position": [_ratio(a, n) for a, n in zip(stats["accepted_at"].tolist(), proposed_at.tolist())],
+      "proposed_per_position": proposed_at.tolist(),
+      # Rounds by the gamma actually used: the longest draft a row made (index 0: a 1-token target step).
+      "gamma_histogram": stats["width_rounds"].tolist(),
+      "plain_steps": int(stats["plain_steps"]),  # rounds in which adaptive drafting did not draft at all
       "new_tokens_per_row": num_generated.tolist(),
-      "rounds_per_row": live_rounds.tolist(),
-      "accepted_per_row": accepted.tolist(),
+      "rounds_per_row": stats["live_rounds"].tolist(),
+      "proposed_per_row": stats["proposed"].tolist(),
+      "accepted_per_row": stats["accepted"].tolist(),
       "rejections_per_row": stats["rejections"].tolist(),
       "compile_seconds": compile_seconds,
       "seconds": seconds,

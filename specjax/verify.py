@@ -16,6 +16,10 @@ q(y) min(1, p(y)/q(y)) + (1 - sum_z min(q(z), p(z))) * max(0, p(y) - q(y)) / sum
 Treating q_{gamma+1} as zero makes the bonus draw the same residual formula. p and q are the processed
 distributions (temperature, top-k, top-p applied alike), so the output follows the processed target.
 A residual with no mass (p == q, reachable only through float rounding) falls back to p.
+
+Draft lengths: a row may draft fewer than gamma tokens (`lengths` [B], decided before the tokens it skips
+were drawn: specjax/adaptive.py). Slots past its length are never accepted, and the first of them is drawn
+from p with q treated as zero, exactly as the bonus token is.
 """
 
 from __future__ import annotations
@@ -31,28 +35,38 @@ def accepted_length(accept: jax.Array) -> jax.Array:
   return jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=-1), axis=-1)
 
 
-def greedy_verify(draft_tokens: jax.Array, target_logits: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """draft_tokens [B, gamma], target_logits [B, gamma+1, V] -> (accepted_len [B], next_token [B])."""
+def drafted(draft_tokens: jax.Array, lengths: jax.Array | None) -> jax.Array:
+  """[B, gamma] True at the slots each row drafted (all when `lengths` is None)."""
+  slots = jnp.arange(draft_tokens.shape[1])[None, :]
+  return jnp.ones(draft_tokens.shape, bool) if lengths is None else slots < lengths[:, None]
+
+
+def greedy_verify(draft_tokens: jax.Array, target_logits: jax.Array,
+                  lengths: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """draft_tokens [B, gamma], target_logits [B, gamma+1, V], lengths [B] -> (accepted_len [B], next_token [B])."""
   target_tokens = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)
-  accepted_len = accepted_length(draft_tokens == target_tokens[:, :-1])
+  accepted_len = accepted_length((draft_tokens == target_tokens[:, :-1]) & drafted(draft_tokens, lengths))
   next_token = jnp.take_along_axis(target_tokens, accepted_len[:, None], axis=1)[:, 0]
   return accepted_len, next_token
 
 
-def speculative_verify(key: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Array,
-                       target_probs: jax.Array) -> tuple[jax.Array, jax.Array]:
+def speculative_verify(key: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Array, target_probs: jax.Array,
+                       lengths: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """Speculative sampling.
 
   Args:
-    draft_tokens [B, gamma]; draft_probs q [B, gamma, V]; target_probs p [B, gamma+1, V] (float32).
+    draft_tokens [B, gamma]; draft_probs q [B, gamma, V]; target_probs p [B, gamma+1, V] (float32);
+    lengths [B]: slots drafted per row (None: all gamma).
   Returns:
     (accepted_len [B], next_token [B]): the correction drawn from the residual, or the bonus token.
   """
   accept_key, residual_key = jax.random.split(key)
+  is_drafted = drafted(draft_tokens, lengths)
+  draft_probs = jnp.where(is_drafted[..., None], draft_probs, 0.0)  # an undrafted slot has q = 0
   p_draft = jnp.take_along_axis(target_probs[:, :-1], draft_tokens[..., None], axis=-1)[..., 0]
   q_draft = jnp.take_along_axis(draft_probs, draft_tokens[..., None], axis=-1)[..., 0]
   u = jax.random.uniform(accept_key, p_draft.shape, jnp.float32)
-  accepted_len = accepted_length(u * q_draft < p_draft)  # u < p/q without dividing by q
+  accepted_len = accepted_length((u * q_draft < p_draft) & is_drafted)  # u < p/q without dividing by q
   rows = jnp.arange(draft_tokens.shape[0])
   p = target_probs[rows, accepted_len]
   q = jnp.pad(draft_probs, ((0, 0), (0, 1), (0, 0)))[rows, accepted_len]  # zero q at the bonus slot

@@ -72,14 +72,16 @@ def ragged_prompts(batch, seed=0):
 
 
 def train_on_task(target: Model, fresh, caches: dict, workdir) -> dict:
-  """Decodes task prompts with `fresh`, trains it (200 steps) and decodes again; returns what tests check:
+  """Decodes task prompts with `fresh` (fixed gamma), trains it (200 steps) and decodes again; returns what tests check:
   prompts, expected (autoregressive), before and out (speculative, untrained and trained), result."""
   import specjax
   from specjax.train_drafter import train_drafter
   prompts = [progression(5, 2, 6), progression(11, 1, 9), progression(30, 2, 4)]
   expected = specjax.generate(target, prompts, max_new_tokens=30, stop_ids=[])
-  before = specjax.generate(target, prompts, max_new_tokens=30, drafter=fresh, gamma=3, stop_ids=[])
+  before = specjax.generate(target, prompts, max_new_tokens=30, drafter=fresh, gamma=3, stop_ids=[],
+                            adaptive=False)
   result = train_drafter(target, fresh, caches["train"], caches["held_out"], workdir=str(workdir), steps=200,
                          batch_size=16, learning_rate=1e-2, warmup_steps=10, eval_every=200, progress=False)
-  out = specjax.generate(target, prompts, max_new_tokens=30, drafter=result.drafter, gamma=3, stop_ids=[])
+  out = specjax.generate(target, prompts, max_new_tokens=30, drafter=result.drafter, gamma=3, stop_ids=[],
+                         adaptive=False)
   return {"prompts": prompts, "expected": expected, "before": before, "out": out, "result": result}

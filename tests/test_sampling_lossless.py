@@ -94,11 +94,18 @@ DRAFTERS = {
 }
 
 
-def speculative_samples(target, draft, sampling, seed=0, gamma=3, samples=SAMPLES, drafter="draft_model"):
+# Adaptive drafting as it decides on these drafters: the first round (the one the joint covers) drafts the
+# length the prior and the costs choose (2 of 3 here), and rows stop at unsure slots, so rounds mix rows
+# that drafted 0, 1 or 2 tokens (their undrafted slots drawn from p).
+ADAPTIVE = specjax.AdaptiveDrafting(min_confidence=0.3, draft_cost=0.2, prior_alpha=0.5, verify_cost=1.3)
+
+
+def speculative_samples(target, draft, sampling, seed=0, gamma=3, samples=SAMPLES, drafter="draft_model",
+                        adaptive=ADAPTIVE):
   drafter = DRAFTERS[drafter](target, draft)
   out = specjax.generate(target, [PROMPT] * samples, max_new_tokens=3, drafter=drafter, gamma=gamma, seed=seed,
                          temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, stop_ids=[],
-                         max_len=16)
+                         max_len=16, adaptive=adaptive)
   return np.array(out.tokens), out.stats
 
 
@@ -108,10 +115,25 @@ SETTINGS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top
 @pytest.mark.parametrize("sampling", SETTINGS, ids=["t1", "topk_topp"])
 @pytest.mark.parametrize("drafter", sorted(DRAFTERS))
 def test_speculative_sampling_matches_the_target_distribution(drafter, sampling, target, draft):
+  """With adaptive drafting: a chosen draft length, rows stopping early."""
   samples, s = speculative_samples(target, draft, sampling, drafter=drafter)
   # Both branches of the rule run many times: accepted drafts, and rounds ending at a rejection.
   assert sum(s["accepted_per_row"]) >= 300 and sum(s["rejections_per_row"]) >= 300
   assert chi_square_pvalue(samples, exact_joint(target, sampling)) > 1e-3
+
+
+@pytest.mark.parametrize("drafter", ["draft_model", "layer_skip_adapter_truncated"])
+def test_speculative_sampling_with_fixed_gamma_matches_the_target_distribution(drafter, target, draft):
+  samples, s = speculative_samples(target, draft, SETTINGS[1], drafter=drafter, adaptive=False)
+  assert s["plain_steps"] == 0 and sum(s["proposed_per_row"]) == 3 * sum(s["rounds_per_row"])
+  assert chi_square_pvalue(samples, exact_joint(target, SETTINGS[1])) > 1e-3
+
+
+def test_adaptive_rounds_mix_draft_lengths(target, draft):
+  """What the sampling test covers: rounds draft the chosen length (2 of 3), and rows stop before it."""
+  _, s = speculative_samples(target, draft, SETTINGS[0], samples=2_000)
+  assert s["gamma_histogram"][3] == 0 and s["gamma_histogram"][2] > 0
+  assert {0, 1} <= set(np.unique(s["proposed_per_row"]).tolist())  # rows that stopped at slot 1 or 2
 
 
 def test_autoregressive_sampling_matches_the_target_distribution(target):
@@ -121,19 +143,29 @@ def test_autoregressive_sampling_matches_the_target_distribution(target):
   assert chi_square_pvalue(np.array(out.tokens), exact_joint(target, sampling)) > 1e-3
 
 
-def always_accept(key, draft_tokens, draft_probs, target_probs):
+def always_accept(key, draft_tokens, draft_probs, target_probs, lengths):
   rows = jnp.arange(draft_tokens.shape[0])
-  accepted = jnp.full(draft_tokens.shape[:1], draft_tokens.shape[1], jnp.int32)
-  return accepted, sample_from_probs(key, target_probs[rows, accepted])
+  return lengths, sample_from_probs(key, target_probs[rows, lengths])
 
 
-def correct_from_p(key, draft_tokens, draft_probs, target_probs):
-  accepted, _ = verify.speculative_verify(key, draft_tokens, draft_probs, target_probs)
+def correct_from_p(key, draft_tokens, draft_probs, target_probs, lengths):
+  accepted, _ = verify.speculative_verify(key, draft_tokens, draft_probs, target_probs, lengths)
   rows = jnp.arange(draft_tokens.shape[0])
   return accepted, sample_from_probs(jax.random.fold_in(key, 1), target_probs[rows, accepted])
 
 
-@pytest.mark.parametrize("broken", [always_accept, correct_from_p])
+def residual_where_a_row_stopped(key, draft_tokens, draft_probs, target_probs, lengths):
+  """Where a row stopped drafting (its draft was unsure of slot i), draws from the residual max(0, p - q) of the
+  draft distribution computed there, as if slot i had been drafted and rejected, instead of from p."""
+  accepted, _ = verify.speculative_verify(key, draft_tokens, draft_probs, target_probs, lengths)
+  rows = jnp.arange(draft_tokens.shape[0])
+  p = target_probs[rows, accepted]
+  residual = jnp.maximum(p - jnp.pad(draft_probs, ((0, 0), (0, 1), (0, 0)))[rows, accepted], 0.0)
+  mass = jnp.sum(residual, axis=-1, keepdims=True)
+  return accepted, sample_from_probs(jax.random.fold_in(key, 1), jnp.where(mass > 0, residual / mass, p))
+
+
+@pytest.mark.parametrize("broken", [always_accept, correct_from_p, residual_where_a_row_stopped])
 def test_the_test_detects_a_broken_verifier(broken, target, draft, monkeypatch):
   sampling = SETTINGS[0]
   monkeypatch.setattr(speculative, "speculative_verify", broken)

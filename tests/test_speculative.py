@@ -10,6 +10,7 @@ import pytest
 
 import specjax
 from specjax import speculative
+from specjax.adaptive import make_plan
 from specjax.config import ModelConfig
 from specjax.loading import Model
 from specjax.model import init_params
@@ -51,25 +52,44 @@ def make(name, target, draft):
   return specjax.make_drafter(drafter_name, target, **options(draft))
 
 
+# Adaptive drafting that drafts eagerly on the tiny models (free drafts, a low confidence bar), so rounds of
+# every width, early-stopped rows and plain steps all occur.
+EAGER = specjax.AdaptiveDrafting(draft_cost=0.0, min_confidence=0.15, prior_alpha=0.7)
+
+
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("gamma", [1, 3, 5])
 @pytest.mark.parametrize("name", sorted(DRAFTERS))
 def test_greedy_speculative_equals_autoregressive(name, gamma, batch, target, draft):
+  """With adaptive drafting (eager): rounds of different widths and rows that stop drafting early."""
   prompts = ragged_prompts(batch)
   expected = specjax.generate(target, prompts, max_new_tokens=24, stop_ids=[])
   out = specjax.generate(target, prompts, max_new_tokens=24, drafter=make(name, target, draft), gamma=gamma,
-                         stop_ids=[])
+                         stop_ids=[], adaptive=EAGER)
   assert out.tokens == expected.tokens
   assert all(len(t) == 24 for t in out.tokens)
   assert out.stats["target_calls"] == out.stats["rounds"] + 1
   assert 0.0 <= out.stats["acceptance_rate"] <= 1.0
+  assert sum(out.stats["gamma_histogram"]) == out.stats["rounds"]
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed_gamma", "adaptive"])
+@pytest.mark.parametrize("name", sorted(DRAFTERS))
+def test_greedy_speculative_equals_autoregressive_fixed_gamma_and_default_adaptive(name, adaptive, target, draft):
+  prompts = ragged_prompts(4)
+  expected = specjax.generate(target, prompts, max_new_tokens=24, stop_ids=[])
+  out = specjax.generate(target, prompts, max_new_tokens=24, drafter=make(name, target, draft), gamma=3,
+                         stop_ids=[], adaptive=adaptive)
+  assert out.tokens == expected.tokens
+  if not adaptive:
+    assert out.stats["gamma_histogram"] == [0, 0, 0, out.stats["rounds"]] and out.stats["plain_steps"] == 0
 
 
 def test_target_as_its_own_draft_accepts_every_draft(target):
   gamma, max_new = 3, 25
   drafter = specjax.make_drafter("draft_model", target, draft=target)
   out = specjax.generate(target, ragged_prompts(4), max_new_tokens=max_new, drafter=drafter, gamma=gamma,
-                         stop_ids=[])
+                         stop_ids=[], adaptive=False)
   assert out.stats["acceptance_rate"] == 1.0 and out.stats["alpha"] == 1.0
   assert out.stats["acceptance_per_position"] == [1.0] * gamma
   # 24 tokens after the prefill's first one, gamma + 1 per round: 6 full rounds, no truncated round.
@@ -78,7 +98,7 @@ def test_target_as_its_own_draft_accepts_every_draft(target):
 
 
 def test_stats_count_accepted_tokens_per_row(target, draft):
-  out = specjax.generate(target, ragged_prompts(4), max_new_tokens=20, gamma=3, stop_ids=[],
+  out = specjax.generate(target, ragged_prompts(4), max_new_tokens=20, gamma=3, stop_ids=[], adaptive=False,
                          drafter=specjax.make_drafter("layer_skip", target, exit_layer=2))
   s = out.stats
   produced = np.array(s["new_tokens_per_row"]) - 1
@@ -93,6 +113,51 @@ def test_stats_count_accepted_tokens_per_row(target, draft):
   assert s["alpha"] >= s["acceptance_rate"]
   per_position = s["acceptance_per_position"]
   assert all(a >= b for a, b in zip(per_position, per_position[1:]))  # accepting i+1 implies accepting i
+  assert s["proposed_per_position"] == [int(rounds.sum())] * 3
+
+
+def test_adaptive_stats_count_what_was_drafted(target):
+  out = specjax.generate(target, ragged_prompts(4), max_new_tokens=24, gamma=3, stop_ids=[], adaptive=EAGER,
+                         drafter=specjax.make_drafter("layer_skip", target, exit_layer=2))
+  s = out.stats
+  produced = np.array(s["new_tokens_per_row"]) - 1
+  accepted, rounds = np.array(s["accepted_per_row"]), np.array(s["rounds_per_row"])
+  proposed, rejections = np.array(s["proposed_per_row"]), np.array(s["rejections_per_row"])
+  histogram = s["gamma_histogram"]
+  # Rounds of several widths happened (the test would not test adaptivity otherwise).
+  assert sum(h > 0 for h in histogram) >= 2 and sum(histogram) == s["rounds"]
+  assert np.all(produced <= accepted + rounds) and np.all(accepted <= proposed) and np.all(proposed <= 3 * rounds)
+  # A row drafts at most the widest slot its round verified.
+  assert proposed.sum() <= sum(width * n for width, n in enumerate(histogram)) * len(rounds)
+  assert s["acceptance_rate"] == pytest.approx(accepted.sum() / proposed.sum())
+  assert s["alpha"] == pytest.approx(accepted.sum() / (accepted.sum() + rejections.sum()))
+  per_position = np.array(s["acceptance_per_position"])
+  proposed_at = np.array(s["proposed_per_position"])
+  assert proposed_at.sum() == proposed.sum() and np.all(np.diff(proposed_at) <= 0)
+  assert np.all((per_position >= 0) & (per_position <= 1) | np.isnan(per_position))
+  assert s["plain_steps"] <= histogram[0]
+  assert s["draft_calls"] <= 3 * (s["rounds"] - s["plain_steps"])
+
+
+def test_adaptive_drafting_falls_back_to_plain_steps_when_drafting_cannot_pay(target):
+  """Three of four layers per draft step (c ~ 0.8): no draft length pays at the prior acceptance."""
+  drafter = specjax.make_drafter("layer_skip", target, skip_layers=[1])
+  assert drafter.draft_cost > 0.7
+  out = specjax.generate(target, ragged_prompts(4), max_new_tokens=12, gamma=3, stop_ids=[], drafter=drafter)
+  s = out.stats
+  assert s["plain_steps"] == s["rounds"] == 11 and s["gamma_histogram"] == [11, 0, 0, 0]
+  assert s["draft_calls"] == 0 and s["mean_accepted"] == 1.0
+
+
+def test_a_draft_loop_stops_once_every_row_is_unsure(target):
+  """min_confidence 1: every row stops at its first slot, so each drafting round runs one draft step."""
+  unsure = specjax.AdaptiveDrafting(draft_cost=0.0, min_confidence=1.0)
+  for name, options in [("layer_skip", dict(exit_layer=2)), ("draft_model", dict(draft=tiny_model(1, num_layers=2)))]:
+    out = specjax.generate(target, ragged_prompts(4), max_new_tokens=12, gamma=3, stop_ids=[], adaptive=unsure,
+                           drafter=specjax.make_drafter(name, target, **options))
+    s = out.stats
+    assert s["draft_calls"] == s["rounds"] - s["plain_steps"] > 0
+    assert sum(s["proposed_per_row"]) == 0 and s["gamma_histogram"][0] == s["rounds"]
 
 
 def test_stop_token_inside_an_accepted_block_ends_the_row_there(target):
@@ -100,7 +165,7 @@ def test_stop_token_inside_an_accepted_block_ends_the_row_there(target):
   free = specjax.generate(target, prompts, max_new_tokens=24, stop_ids=[])
   stop = free.tokens[0][5]  # a token the target emits mid-sequence
   expected = specjax.generate(target, prompts, max_new_tokens=24, stop_ids=[stop])
-  out = specjax.generate(target, prompts, max_new_tokens=24, stop_ids=[stop], gamma=4,
+  out = specjax.generate(target, prompts, max_new_tokens=24, stop_ids=[stop], gamma=4, adaptive=False,
                          drafter=specjax.make_drafter("draft_model", target, draft=target))
   assert out.tokens == expected.tokens
   assert out.tokens[0][-1] == stop and len(out.tokens[0]) <= 6
@@ -112,7 +177,7 @@ def test_max_new_tokens_reached_mid_round_truncates(target):
   drafter = specjax.make_drafter("draft_model", target, draft=target)
   for max_new in (1, 2, 7, 9):
     out = specjax.generate(target, ragged_prompts(2), max_new_tokens=max_new, drafter=drafter, gamma=4,
-                           stop_ids=[])
+                           stop_ids=[], adaptive=False)
     assert [len(t) for t in out.tokens] == [max_new, max_new]
 
 
@@ -184,6 +249,13 @@ def test_second_call_does_not_recompile_and_program_has_no_host_callbacks(target
       sampling=specjax.SamplingParams(), max_new_tokens=10, cache_len=128, stop_ids=()).as_text()
   assert "stablehlo.while" in text
   assert "callback" not in text.lower() and "host" not in text.lower()
+  plan = make_plan(specjax.AdaptiveDrafting(), drafter, target.params, target.config, 2)
+  text = speculative._generate_speculative.lower(
+      target.params, drafter.params, np.zeros((4, 16), np.int32), np.full(4, 5, np.int32),
+      jax.random.PRNGKey(0), config=target.config, drafter=drafter.static(), gamma=2,
+      sampling=specjax.SamplingParams(), max_new_tokens=10, cache_len=128, stop_ids=(), plan=plan).as_text()
+  assert "stablehlo.while" in text and "stablehlo.case" in text  # the draft length and width choices
+  assert "callback" not in text.lower() and "host" not in text.lower()
 
 
 # ------------------------------------------------------------------------------------------ SmolLM2
@@ -205,13 +277,14 @@ SMOLLM2_DRAFTERS = {
 }
 
 
-@pytest.mark.parametrize("gamma", [1, 3, 5])
+@pytest.mark.parametrize("gamma, adaptive", [(1, False), (3, EAGER), (5, False)])
 @pytest.mark.parametrize("name", sorted(SMOLLM2_DRAFTERS))
-def test_greedy_speculative_equals_autoregressive_on_smollm2(name, gamma, smollm2, smollm2_ar_outputs):
-  """Four Spec-Bench prompts of different lengths in one batch, 32 new tokens, chat template."""
+def test_greedy_speculative_equals_autoregressive_on_smollm2(name, gamma, adaptive, smollm2, smollm2_ar_outputs):
+  """Four Spec-Bench prompts of different lengths in one batch, 32 new tokens, chat template; gamma 3 with
+  (eager) adaptive drafting."""
   prompts, expected = smollm2_ar_outputs
   drafter_name, options = SMOLLM2_DRAFTERS[name]
-  out = specjax.generate(smollm2, prompts, max_new_tokens=32, gamma=gamma,
+  out = specjax.generate(smollm2, prompts, max_new_tokens=32, gamma=gamma, adaptive=adaptive,
                          drafter=specjax.make_drafter(drafter_name, smollm2, **options(smollm2)))
   assert out.tokens == expected.tokens
   if drafter_name == "draft_model":  # the target drafting for itself accepts every draft
@@ -245,7 +318,7 @@ def test_prompt_padding_never_outgrows_a_cache_that_is_not_a_power_of_two():
 def test_draft_calls_count_model_forwards_only(target):
   lookup = specjax.generate(target, ragged_prompts(1), max_new_tokens=10, gamma=3, stop_ids=[],
                             drafter=specjax.make_drafter("prompt_lookup", target))
-  skip = specjax.generate(target, ragged_prompts(1), max_new_tokens=10, gamma=3, stop_ids=[],
+  skip = specjax.generate(target, ragged_prompts(1), max_new_tokens=10, gamma=3, stop_ids=[], adaptive=False,
                           drafter=specjax.make_drafter("layer_skip", target, exit_layer=2))
   assert lookup.stats["draft_calls"] == 0
   assert skip.stats["draft_calls"] == 3 * skip.stats["rounds"]

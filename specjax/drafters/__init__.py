@@ -9,10 +9,18 @@ skip runs the target's layers and owns nothing; an MTP head owns its head and re
   init(target_params, params, options, prompt: PromptInfo) -> state
       after the target's prefill (e.g. a draft model prefills its own cache).
   propose(target_params, params, options, state, inputs: DraftInputs, gamma, sampling) -> Proposal
-      gamma draft tokens and, when sampling, their processed draft distributions q.
+      up to gamma draft tokens (gamma is static, the buffers' width) and, when sampling, their processed draft
+      distributions q. A drafter may draft fewer: at most `inputs.budget` (the engine's choice this round),
+      and a row may stop early when the draft is unsure (`inputs.min_confidence`); `Proposal.lengths` says
+      how many slots each row drafted, and later slots are never accepted.
   update(target_params, params, options, state, result: RoundResult) -> state
       after verification, given each row's accepted length and the target's hidden states at the verified
-      positions (what MTP heads draft from).
+      positions (what MTP heads draft from). Also after a round in which the drafter did not run
+      (`result.drafted` False: a plain target step), so a drafter that keeps its own cache can follow.
+
+A drafter that runs the target's own first k layers on [pending, x_1, ...] (`reuse_layers = k`, early exit)
+writes the target's K/V for those layers as it drafts and hands over their output (`Proposal.hidden`), so
+verification runs layers 0..k-1 only for the token the draft did not process (LayerSkip's cache reuse).
 
 A trainable drafter also has `loss(target_params, params, options, batch) -> (loss, metrics)` over a batch
 of cached target features (`specjax.features`); `specjax.train` trains `params` with the target frozen.
@@ -55,13 +63,18 @@ class DraftInputs:
   position: jax.Array  # [B] position of the pending token (the last committed one; not in any cache yet)
   target_cache: KVCache  # drafters that share the target's cache (layer skip) read and write it
   key: jax.Array
+  budget: jax.Array | None = None  # scalar in 1..gamma: draft at most this many tokens (None: gamma)
+  min_confidence: jax.Array | float = 0.0  # a row stops drafting at a slot whose top draft probability is below
 
 
 class Proposal(NamedTuple):
-  tokens: jax.Array  # [B, gamma]
+  tokens: jax.Array  # [B, gamma]; slots past a row's length hold anything
   probs: jax.Array | None  # [B, gamma, V] draft distributions q (None when greedy)
   state: Any
   target_cache: KVCache  # returned unchanged unless the drafter writes into it
+  lengths: jax.Array | None = None  # [B] slots drafted per row; later slots are never accepted (None: all gamma)
+  steps: jax.Array | None = None  # scalar: draft steps run (None: gamma), for `draft_calls`
+  hidden: jax.Array | None = None  # [B, gamma, D] output of layers 0..k-1 at [pending, x_1..] (`reuse_layers`)
 
 
 @struct.dataclass
@@ -72,6 +85,8 @@ class RoundResult:
   accepted: jax.Array  # [B] draft tokens accepted this round (0 for finished rows)
   verify_hidden: jax.Array  # [B, gamma+1, D] target hidden states over [pending, x_1..x_gamma]
   features: jax.Array | None  # [B, gamma+1, F, D] after each of `Drafter.feature_layers` (or None)
+  verify_position: jax.Array  # [B] position of the first verified token (the pending one before this round)
+  drafted: jax.Array  # scalar bool: the drafter proposed this round (False: a plain target step, width 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +103,9 @@ class Drafter:
   forwards_per_step: int = 1  # model forwards per draft token (0 for lookup drafters), for `draft_calls`
   feature_layers: tuple[int, ...] = ()  # target layers whose outputs the drafter reads (PromptInfo/RoundResult)
   max_gamma: int | None = None  # most draft tokens one round can propose (None: unbounded)
+  reuse_layers: int = 0  # k > 0: drafts run the target's layers 0..k-1 and hand over their output (see above)
+  draft_cost: float = 0.0  # c: one draft step's cost over one target step (weights read), for adaptive drafting
+  plain_step_cost: float = 0.0  # the drafter's cost in a round without drafting (following a plain target step)
 
   def static(self) -> "Drafter":
     return dataclasses.replace(self, params=None, param_specs=None)
@@ -121,34 +139,73 @@ def choose_tokens(logits: jax.Array, key: jax.Array, sampling: SamplingParams, t
   return sample_from_probs(key, q), q
 
 
-def draft_tokens(step, cache, inputs: DraftInputs, gamma: int, sampling: SamplingParams,
-                 token_map: jax.Array | None = None, vocab_size: int | None = None):
-  """Shared autoregressive drafting loop: `step(cache, tokens [B, T], positions [B]) -> (logits [B, V], cache)`.
+def confidence(logits: jax.Array, q: jax.Array | None) -> jax.Array:
+  """The draft's top probability [...]: max q when sampling, max softmax(logits) when greedy.
 
-  The first step reads tokens at positions pending-1 and pending; later steps read the previous draft.
-  With a truncated draft vocabulary, `step` returns logits [B, V'] over `token_map` (see `choose_tokens`).
-  Returns (tokens [B, gamma], q [B, gamma, V] or None, cache).
+  It depends on the tokens before a slot only, never on the token drawn there, so stopping on it keeps
+  speculative sampling exact (Kangaroo's and EAGLE-2's confidence).
+  """
+  if q is not None:
+    return jnp.max(q, axis=-1)
+  logits = logits.astype(jnp.float32)
+  return 1.0 / jnp.sum(jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)), axis=-1)
+
+
+def draft_lengths(confidences: jax.Array, inputs: DraftInputs, gamma: int) -> jax.Array:
+  """[B] leading slots of confidences [B, gamma] at or above `inputs.min_confidence`, at most the budget."""
+  budget = gamma if inputs.budget is None else inputs.budget
+  confident = (confidences >= inputs.min_confidence) & (jnp.arange(gamma)[None, :] < budget)
+  return jnp.sum(jnp.cumprod(confident.astype(jnp.int32), axis=1), axis=1)
+
+
+def draft_tokens(step, cache, inputs: DraftInputs, gamma: int, sampling: SamplingParams,
+                 token_map: jax.Array | None = None, vocab_size: int | None = None, keep_hidden: bool = False):
+  """Shared autoregressive drafting loop: `step(cache, tokens [B, T], positions [B]) -> (logits [B, V], hidden
+  [B, D], cache)`, hidden being what `keep_hidden` collects into `Proposal.hidden`.
+
+  The first step reads tokens at positions pending-1 and pending; later steps read the previous draft. A
+  `jax.lax.while_loop` drafts until the budget is spent or every row has stopped at an unsure slot, so no
+  step runs once no row can use it. With a truncated draft vocabulary, `step` returns logits [B, V'] over
+  `token_map` (see `choose_tokens`). Returns a Proposal without state.
   """
   rows = jnp.arange(inputs.sequence.shape[0])
   first_tokens = jnp.stack([inputs.sequence[rows, inputs.position - 1], inputs.sequence[rows, inputs.position]], 1)
   keys = jax.random.split(inputs.key, gamma)
+  budget = gamma if inputs.budget is None else inputs.budget
 
   def choose(logits, key):
-    return choose_tokens(logits, key, sampling, token_map, vocab_size)
+    token, q = choose_tokens(logits, key, sampling, token_map, vocab_size)
+    return token, q, confidence(logits, q)
 
-  logits, cache = step(cache, first_tokens, inputs.position - 1)
-  token, q = choose(logits, keys[0])
+  def write(buffers, i, token, q, hidden):
+    tokens, probs, hiddens = buffers
+    return (tokens.at[:, i].set(token), None if q is None else probs.at[:, i].set(q),
+            hiddens.at[:, i].set(hidden) if keep_hidden else None)
 
-  def one(carry, key):
-    cache, token, position = carry
-    logits, cache = step(cache, token[:, None], position)
-    nxt, q = choose(logits, key)
-    return (cache, nxt, position + 1), (nxt, q)
+  logits, hidden, cache = step(cache, first_tokens, inputs.position - 1)
+  token, q, sure = choose(logits, keys[0])
+  batch = rows.size
+  buffers = (jnp.zeros((batch, gamma), jnp.int32),
+             None if q is None else jnp.zeros((batch, gamma) + q.shape[1:], q.dtype),
+             jnp.zeros((batch, gamma) + hidden.shape[1:], hidden.dtype) if keep_hidden else None)
+  active = sure >= inputs.min_confidence
+  lengths = active.astype(jnp.int32)
+  carry = (jnp.ones((), jnp.int32), cache, token, active, lengths, write(buffers, 0, token, q, hidden))
 
-  (cache, _, _), (tokens, qs) = jax.lax.scan(one, (cache, token, inputs.position + 1), keys[1:])
-  tokens = jnp.concatenate([token[:, None], tokens.T], axis=1)
-  probs = None if sampling.greedy else jnp.concatenate([q[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)
-  return tokens, probs, cache
+  def more(carry):
+    i, _, _, active, _, _ = carry
+    return (i < budget) & jnp.any(active)
+
+  def one(carry):
+    i, cache, token, active, lengths, buffers = carry
+    logits, hidden, cache = step(cache, token[:, None], inputs.position + i)
+    nxt, q, sure = choose(logits, keys[i])
+    active = active & (sure >= inputs.min_confidence)
+    return i + 1, cache, nxt, active, lengths + active, write(buffers, i, nxt, q, hidden)
+
+  steps, cache, _, _, lengths, (tokens, probs, hiddens) = jax.lax.while_loop(more, one, carry)
+  return Proposal(tokens=tokens, probs=probs, state=None, target_cache=cache, lengths=lengths, steps=steps,
+                  hidden=hiddens)
 
 
 _FACTORIES = {

@@ -3,6 +3,8 @@
 Each round the draft model first re-reads the token before the pending one, then the pending token (a
 2-token step), and then feeds back its own proposals one at a time. Re-reading the previous token keeps the
 draft cache complete when every draft was accepted in the last round (the last draft was never fed then).
+After a round without drafting (a plain target step), `update` reads that one token, so a plain step costs
+the target step plus one draft step (`plain_step_cost`).
 
 Distilled draft (DistillSpec, Zhou et al. 2024; layer-dropped initialisation as in DistilBERT, Sanh et al. 2019,
 and Sheared/ShortGPT-style pruned students): n decoder layers initialised from target layers (evenly spaced,
@@ -17,11 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import leviathan
 from specjax.config import ModelConfig
-from specjax.drafters import Drafter, DraftInputs, PromptInfo, Proposal, draft_head, draft_tokens, keep_state
+from specjax.drafters import Drafter, DraftInputs, PromptInfo, RoundResult, draft_head, draft_tokens
 from specjax.loading import EMBEDDED_MODELS, CheckpointError, Model, load
 from specjax.model import forward, init_cache, param_shapes
 from specjax.sampling import SamplingParams
@@ -74,11 +78,32 @@ def propose(target_params, params, options: Options, cache, inputs: DraftInputs,
 
   def step(cache, tokens, positions):
     out = forward(full, tokens, cache, positions, options.config, compute_logits=False)
-    return logits(target_params, params, options, out.hidden[:, -1]), out.cache
+    return logits(target_params, params, options, out.hidden[:, -1]), out.hidden[:, -1], out.cache
 
-  tokens, probs, cache = draft_tokens(step, cache, inputs, gamma, sampling, params.get("token_map"),
-                                      options.config.vocab_size)
-  return Proposal(tokens=tokens, probs=probs, state=cache, target_cache=inputs.target_cache)
+  proposal = draft_tokens(step, cache, inputs, gamma, sampling, params.get("token_map"), options.config.vocab_size)
+  return proposal._replace(state=proposal.target_cache, target_cache=inputs.target_cache)
+
+
+def update(target_params, params, options: Options, cache, result: RoundResult):
+  """After a plain target step (no drafting) the draft reads the token before the new pending one, so its cache
+  stays valid below pending - 1, where the next round's 2-token first step starts."""
+  def follow(cache):
+    rows = jnp.arange(result.sequence.shape[0])
+    position = result.verify_position - 1
+    token = result.sequence[rows, position][:, None]
+    return forward(model_params(target_params, params, options), token, cache, position, options.config,
+                   compute_logits=False).cache
+
+  return jax.lax.cond(result.drafted, lambda cache: cache, follow, cache)
+
+
+def cost(target, options: Options, params) -> float:
+  """c: the weights one draft step reads (its layers and output head) over a target step's."""
+  if not options.distilled:
+    own = {"layers": params["layers"], "head": params.get("lm_head", params["embed"])}
+    return leviathan.draft_cost(target.params, target.config, (), own, head_columns=0)
+  own = {k: v for k, v in params.items() if k not in ("token_map", "head")}
+  return leviathan.draft_cost(target.params, target.config, (), own, head_columns=options.draft_vocab)
 
 
 def loss(target_params, params, options: Options, batch):
@@ -179,12 +204,15 @@ def make(model, draft=None, num_layers: int | None = None, init_layers=None, tok
     if not isinstance(draft, Model):
       draft = load(draft, dtype=config.dtype)
     _check_vocabulary(model, draft)
-    return Drafter(name=NAME, init=init, propose=propose, update=keep_state, options=Options(config=draft.config),
-                   params=draft.params, param_specs=param_shapes(draft.config), loss=loss)
+    options = Options(config=draft.config)
+    c = cost(model, options, draft.params)
+    return Drafter(name=NAME, init=init, propose=propose, update=update, options=options, params=draft.params,
+                   param_specs=param_shapes(draft.config), loss=loss, draft_cost=c, plain_step_cost=c)
   if options.draft_vocab is not None:
     params["head"] = draft_head.head_columns(model.params, config, params["token_map"])
-  return Drafter(name=NAME, init=init, propose=propose, update=keep_state, options=options, params=params,
-                 param_specs=param_specs(options), loss=loss)
+  c = cost(model, options, params)
+  return Drafter(name=NAME, init=init, propose=propose, update=update, options=options, params=params,
+                 param_specs=param_specs(options), loss=loss, draft_cost=c, plain_step_cost=c)
 
 
 def _check_vocabulary(model, draft) -> None:

@@ -31,8 +31,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from specjax import leviathan
 from specjax.config import ModelConfig, rope_inv_freq
-from specjax.drafters import Drafter, DraftInputs, PromptInfo, Proposal, RoundResult, draft_head, draft_tokens
+from specjax.drafters import Drafter, DraftInputs, PromptInfo, RoundResult, draft_head, draft_tokens
 from specjax.loading import CheckpointError
 from specjax.model import attention_block, forward, mlp_block, param_shapes
 from specjax.sampling import SamplingParams
@@ -96,7 +97,7 @@ def init(target_params, params, options: Options, prompt: PromptInfo):
   positions = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
   _, k, v = adapter(params, options, prompt.features[:, :, 0].astype(dtype), jnp.zeros(shape, dtype),
                     jnp.zeros(shape, dtype), positions)
-  return {"k": k, "v": v, "position": prompt.lengths}
+  return {"k": k, "v": v}
 
 
 def propose(target_params, params, options: Options, state, inputs: DraftInputs, gamma: int,
@@ -110,21 +111,21 @@ def propose(target_params, params, options: Options, state, inputs: DraftInputs,
     out = forward(target_params, tokens[:, -1:], target_cache, position, config, layers=options.layers,
                   compute_logits=False)
     g, k, v = adapter(params, options, out.hidden, k, v, position[:, None])
-    return draft_head.logits(target_params, params, g[:, -1], config), (out.cache, k, v)
+    return draft_head.logits(target_params, params, g[:, -1], config), out.hidden[:, -1], (out.cache, k, v)
 
-  tokens, probs, (target_cache, k, v) = draft_tokens(step, (inputs.target_cache, state["k"], state["v"]), inputs,
-                                                     gamma, sampling, params.get("token_map"), config.vocab_size)
-  return Proposal(tokens=tokens, probs=probs, state={"k": k, "v": v, "position": inputs.position},
-                  target_cache=target_cache)
+  proposal = draft_tokens(step, (inputs.target_cache, state["k"], state["v"]), inputs, gamma, sampling,
+                          params.get("token_map"), config.vocab_size, keep_hidden=True)
+  target_cache, k, v = proposal.target_cache
+  return proposal._replace(state={"k": k, "v": v}, target_cache=target_cache)
 
 
 def update(target_params, params, options: Options, state, result: RoundResult):
-  # The verification forward gave true layer-k features at positions p..p+gamma: they replace the drafts' K/V.
+  # The verification forward gave true layer-k features at the verified positions: they replace the drafts' K/V.
   width = result.features.shape[1]
-  positions = state["position"][:, None] + jnp.arange(width)[None, :]
+  positions = result.verify_position[:, None] + jnp.arange(width)[None, :]
   _, k, v = adapter(params, options, result.features[:, :, 0].astype(state["k"].dtype), state["k"], state["v"],
                     positions)
-  return {**state, "k": k, "v": v}
+  return {"k": k, "v": v}
 
 
 def loss(target_params, params, options: Options, batch):
@@ -184,4 +185,11 @@ def make(model, adapter: str, exit_layer: int | None = None, mlp: bool | None = 
   if options.draft_vocab is not None:
     params["head"] = draft_head.head_columns(model.params, config, params["token_map"])
   return Drafter(name=NAME, init=init, propose=propose, update=update, options=options, params=params,
-                 param_specs=param_specs(options), loss=loss, feature_layers=(options.exit_layer - 1,))
+                 param_specs=param_specs(options), loss=loss, feature_layers=(options.exit_layer - 1,),
+                 reuse_layers=options.exit_layer, draft_cost=cost(model, options, params))
+
+
+def cost(model, options: Options, params) -> float:
+  """c: one draft step reads layers 0..k-1, the adapter and the (truncated) head."""
+  own = {k: v for k, v in params.items() if k not in ("token_map", "head")}
+  return leviathan.draft_cost(model.params, model.config, options.layers, own, options.draft_vocab)

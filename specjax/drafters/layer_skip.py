@@ -4,7 +4,10 @@
 `skip_layers=[...]` runs all layers but those (Draft & Verify, Zhang et al. 2023). The draft shares the
 target's KV cache: the layers it runs read the target's K/V for committed positions, and the K/V it writes
 for its speculative positions are overwritten by the target's verification forward, which covers every
-position the draft wrote. For an early exit these K/V are exactly the target's (same weights, same inputs).
+position the draft wrote. For an early exit these K/V are exactly the target's (same weights, same inputs),
+and so is the residual stream after layer k: the drafter declares `reuse_layers = k` and hands it over, so
+verification runs layers 0..k-1 only for the last draft token, which the draft never processed (LayerSkip,
+Elhoushi et al. 2024: self-speculation reuses the draft's cache and computation).
 
 `adapter=...` puts a trained adapter between layer k and the head (Kangaroo-style; `exit_adapter`).
 """
@@ -13,8 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from specjax import leviathan
 from specjax.config import ModelConfig
-from specjax.drafters import Drafter, DraftInputs, Proposal, draft_tokens, exit_adapter, keep_state, no_state
+from specjax.drafters import Drafter, DraftInputs, draft_tokens, exit_adapter, keep_state, no_state
 from specjax.model import forward
 from specjax.sampling import SamplingParams
 
@@ -31,10 +35,15 @@ def propose(target_params, params, options: Options, state, inputs: DraftInputs,
     # Only the pending token (the last one) is new to the shared cache; the one before it is committed.
     out = forward(target_params, tokens[:, -1:], cache, positions + tokens.shape[1] - 1, options.config,
                   layers=options.layers)
-    return out.logits[:, -1], out.cache
+    return out.logits[:, -1], out.hidden[:, -1], out.cache
 
-  tokens, probs, cache = draft_tokens(step, inputs.target_cache, inputs, gamma, sampling)
-  return Proposal(tokens=tokens, probs=probs, state=state, target_cache=cache)
+  proposal = draft_tokens(step, inputs.target_cache, inputs, gamma, sampling, keep_hidden=is_prefix(options.layers))
+  return proposal._replace(state=state)
+
+
+def is_prefix(layers: tuple[int, ...]) -> bool:
+  """An early exit (layers 0..k-1): the draft's K/V and hidden states are the target's own there."""
+  return layers == tuple(range(len(layers)))
 
 
 def draft_layers(num_layers: int, exit_layer: int | None = None, skip_layers=None) -> tuple[int, ...]:
@@ -62,4 +71,6 @@ def make(model, exit_layer: int | None = None, skip_layers=None, adapter: str | 
     raise ValueError("mlp and token_map describe an exit adapter: pass adapter='fresh' (or a checkpoint) too")
   layers = draft_layers(model.config.num_layers, exit_layer, skip_layers)
   return Drafter(name="layer_skip", init=no_state, propose=propose, update=keep_state,
-                 options=Options(config=model.config, layers=layers), params={}, param_specs={})
+                 options=Options(config=model.config, layers=layers), params={}, param_specs={},
+                 reuse_layers=len(layers) if is_prefix(layers) else 0,
+                 draft_cost=leviathan.draft_cost(model.params, model.config, layers))

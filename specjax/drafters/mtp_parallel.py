@@ -23,7 +23,9 @@ import jax
 import jax.numpy as jnp
 
 from specjax.config import ModelConfig
-from specjax.drafters import Drafter, DraftInputs, PromptInfo, Proposal, RoundResult, choose_tokens
+from specjax import leviathan
+from specjax.drafters import (Drafter, DraftInputs, PromptInfo, Proposal, RoundResult, choose_tokens, confidence,
+                              draft_lengths)
 from specjax.drafters import draft_head
 from specjax.model import ParamSpec
 from specjax.sampling import SamplingParams
@@ -73,7 +75,9 @@ def propose(target_params, params, options: Options, hidden, inputs: DraftInputs
     raise ValueError(f"{NAME} has {options.num_heads} heads, gamma={gamma}")
   logits = draft_head.logits(target_params, params, heads(params, hidden, gamma), options.config)  # [B, g, V']
   tokens, probs = choose_tokens(logits, inputs.key, sampling, params.get("token_map"), options.config.vocab_size)
-  return Proposal(tokens=tokens, probs=probs, state=hidden, target_cache=inputs.target_cache)
+  # All heads run at once (one small product each), so stopping early trims the verification, not drafting.
+  return Proposal(tokens=tokens, probs=probs, state=hidden, target_cache=inputs.target_cache,
+                  lengths=draft_lengths(confidence(logits, probs), inputs, gamma), steps=jnp.ones((), jnp.int32))
 
 
 def update(target_params, params, options: Options, hidden, result: RoundResult):
@@ -131,5 +135,14 @@ def make(model, path: str | None = "default", num_heads: int = 4, token_map=None
   if options.draft_vocab is not None:
     params["head"] = draft_head.head_columns(model.params, config, params["token_map"])
   return Drafter(name=NAME, init=init, propose=propose, update=update, options=options, params=params,
-                 param_specs=param_specs(options), loss=loss, max_gamma=options.num_heads)
+                 param_specs=param_specs(options), loss=loss, max_gamma=options.num_heads,
+                 draft_cost=cost(model, options, params))
+
+
+def cost(model, options: Options, params) -> float:
+  """c per draft token: one round reads the (truncated) head once for all its heads, so each of num_heads
+  tokens costs a share of it, plus its own head block."""
+  head = leviathan.draft_cost(model.params, model.config, (), head_columns=options.draft_vocab)
+  block = leviathan.draft_cost(model.params, model.config, (), {"w": params["w"][0]}, head_columns=0)
+  return head / options.num_heads + block
 

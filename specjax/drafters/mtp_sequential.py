@@ -30,13 +30,16 @@ its own (distinct modules), and learns the target's distribution at position j+1
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import ModelConfig, rope_inv_freq
-from specjax.drafters import Drafter, DraftInputs, PromptInfo, Proposal, RoundResult, choose_tokens, draft_head
+from specjax import leviathan
+from specjax.drafters import (Drafter, DraftInputs, PromptInfo, Proposal, RoundResult, choose_tokens, confidence,
+                              draft_head)
 from specjax.model import ParamSpec, apply_rope, embed, mlp_block, rms_norm
 from specjax.sampling import SamplingParams
 
@@ -180,7 +183,7 @@ def init(target_params, params, options: Options, prompt: PromptInfo):
   shape = (options.num_modules, b, prompt.cache_len, config.num_kv_heads, config.head_dim)
   dtype = jnp.dtype(config.dtype)
   state = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype),
-           "hidden": jnp.zeros((b, config.hidden_size), dtype), "position": prompt.lengths}
+           "hidden": jnp.zeros((b, config.hidden_size), dtype)}
   next_tokens = draft_head.shifted(prompt.tokens, 1).at[rows, prompt.lengths - 1].set(prompt.first_token)
   positions = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
   state, first = _run_true(target_params, params, options, state, next_tokens, prompt.features, positions)
@@ -195,12 +198,15 @@ def propose(target_params, params, options: Options, state, inputs: DraftInputs,
   keys = jax.random.split(inputs.key, gamma)
   p = inputs.position
   token_map = params.get("token_map")
-  hidden = state["hidden"]
-  token, q = choose_tokens(draft_head.logits(target_params, params, hidden, config), keys[0], sampling, token_map,
-                           config.vocab_size)
-  tokens, probs = [token], [q]
-  k_all, v_all = state["k"], state["v"]
-  for step in range(2, gamma + 1):
+  budget = gamma if inputs.budget is None else inputs.budget
+
+  def choose(hidden, key):
+    logits = draft_head.logits(target_params, params, hidden, config)
+    token, q = choose_tokens(logits, key, sampling, token_map, config.vocab_size)
+    return token, q, confidence(logits, q)
+
+  def advance(step, carry):
+    token, _, _, hidden, k_all, v_all = carry
     m = 0 if options.recurrent else step - 1
     mp = _module(params, m)
     position = (p + step - 2)[:, None]  # [B, 1]
@@ -213,14 +219,23 @@ def propose(target_params, params, options: Options, state, inputs: DraftInputs,
     else:  # committed slots and this module's own position
       visible = (slots <= (p - 1)[:, None, None]) | (slots == position[:, :, None])
     hidden = finish(mp, x, attend(q_, k_cache, v_cache, visible, config), config)[:, 0]
-    k_all, v_all = k_all.at[m].set(k_cache), v_all.at[m].set(v_cache)
-    token, q = choose_tokens(draft_head.logits(target_params, params, hidden, config), keys[step - 1], sampling,
-                             token_map, config.vocab_size)
+    return (*choose(hidden, keys[step - 1]), hidden, k_all.at[m].set(k_cache), v_all.at[m].set(v_cache))
+
+  token, q, sure = choose(state["hidden"], keys[0])
+  tokens, probs, active = [token], [q], sure >= inputs.min_confidence
+  lengths, steps = active.astype(jnp.int32), jnp.ones((), jnp.int32)
+  carry = (token, q, sure, state["hidden"], state["k"], state["v"])
+  for step in range(2, gamma + 1):
+    go = (step <= budget) & jnp.any(active)  # no module runs once every row has stopped
+    carry = jax.lax.cond(go, functools.partial(advance, step), lambda carry: carry, carry)
+    token, q, sure = carry[:3]
+    active = active & go & (sure >= inputs.min_confidence)
+    lengths, steps = lengths + active, steps + go
     tokens.append(token)
     probs.append(q)
-  state = {**state, "k": k_all, "v": v_all, "position": p}
+  state = {**state, "k": carry[4], "v": carry[5]}
   return Proposal(tokens=jnp.stack(tokens, axis=1), probs=None if sampling.greedy else jnp.stack(probs, axis=1),
-                  state=state, target_cache=inputs.target_cache)
+                  state=state, target_cache=inputs.target_cache, lengths=lengths, steps=steps)
 
 
 def update(target_params, params, options: Options, state, result: RoundResult):
@@ -228,7 +243,7 @@ def update(target_params, params, options: Options, state, result: RoundResult):
   # up to p + accepted + 1 (later slots are stale and get overwritten before they are read).
   b, width = result.verify_hidden.shape[:2]
   rows = jnp.arange(b)
-  positions = state["position"][:, None] + jnp.arange(width)[None, :]
+  positions = result.verify_position[:, None] + jnp.arange(width)[None, :]
   next_tokens = result.sequence[rows[:, None], jnp.minimum(positions + 1, result.sequence.shape[1] - 1)]
   state, first = _run_true(target_params, params, options, state, next_tokens, result.features, positions)
   return {**state, "hidden": first[rows, result.accepted]}
@@ -338,4 +353,10 @@ def make(model, path: str | None = "default", depth: int = 4, recurrent: bool = 
     params["head"] = draft_head.head_columns(model.params, config, params["token_map"])
   return Drafter(name=NAME, init=init, propose=propose, update=update, options=options, params=params,
                  param_specs=param_specs(options), loss=loss, feature_layers=options.feature_layers,
-                 max_gamma=None if options.recurrent else options.depth)
+                 max_gamma=None if options.recurrent else options.depth, draft_cost=cost(model, options, params))
+
+
+def cost(model, options: Options, params) -> float:
+  """c: one draft step reads one module and the (truncated) head."""
+  own = {k: v[0] for k, v in params.items() if k in BLOCK + ("fc", "emb_norm", "hidden_norm")}
+  return leviathan.draft_cost(model.params, model.config, (), own, options.draft_vocab)

@@ -2,8 +2,9 @@
 
 For n from the largest size down, find the latest earlier occurrence of the last n tokens in prompt +
 output and propose the gamma tokens that followed it. Known tokens only: a continuation that runs past the
-pending token repeats the pending token. With no match the pending token itself is proposed. Proposals
-are deterministic, so q is one-hot and the sampling test accepts x with probability p(x).
+pending token repeats the pending token. With no match the pending token itself is proposed. With adaptive
+drafting (a positive `min_confidence`) a row proposes only the tokens it copied: none without a match.
+Proposals are deterministic, so q is one-hot and the sampling test accepts x with probability p(x).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specjax.drafters import Drafter, DraftInputs, Proposal, keep_state, no_state
+from specjax.drafters import Drafter, DraftInputs, Proposal, draft_lengths, keep_state, no_state
 from specjax.sampling import SamplingParams
 
 
@@ -45,10 +46,14 @@ def propose(target_params, params, options: Options, state, inputs: DraftInputs,
     s = _latest_match(seq, pos, n)
     take = ~found & (s >= 0)
     start, found = jnp.where(take, s + n, start), found | take
-  index = jnp.minimum(start[:, None] + jnp.arange(gamma)[None, :], pos[:, None])
-  tokens = jnp.where(found[:, None], seq[rows[:, None], index], seq[rows, pos][:, None])
+  index = start[:, None] + jnp.arange(gamma)[None, :]
+  tokens = jnp.where(found[:, None], seq[rows[:, None], jnp.minimum(index, pos[:, None])], seq[rows, pos][:, None])
   probs = None if sampling.greedy else jax.nn.one_hot(tokens, options.vocab_size, dtype=jnp.float32)
-  return Proposal(tokens=tokens, probs=probs, state=state, target_cache=inputs.target_cache)
+  # Confidence 1 for a copied continuation, 0 for a guess (no match, or past the pending token): with adaptive
+  # drafting a row proposes only what it copied.
+  copied = found[:, None] & (index <= pos[:, None])
+  return Proposal(tokens=tokens, probs=probs, state=state, target_cache=inputs.target_cache,
+                  lengths=draft_lengths(copied.astype(jnp.float32), inputs, gamma), steps=jnp.zeros((), jnp.int32))
 
 
 def make(model, ngram_sizes=(3, 2, 1)) -> Drafter:

@@ -1,0 +1,178 @@
+"""Verification that reuses a layer-skip draft's layers, and adaptive drafting: the draft-length rule and
+verification of rows that drafted fewer tokens."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from specjax import speculative, verify
+from specjax.adaptive import Acceptance, AdaptiveDrafting, Plan, draft_length, make_plan
+from specjax.decoding import prefill
+from specjax.drafters import DraftInputs, PromptInfo
+from specjax.model import init_cache
+from specjax.sampling import SamplingParams
+from tests.task_drafters import perturbed
+
+EAGER = AdaptiveDrafting(draft_cost=0.0, min_confidence=0.15, prior_alpha=0.7)
+
+
+def ragged_prompts(vocab, batch=4, seed=0):
+  rng = np.random.RandomState(seed)
+  return [list(rng.randint(0, vocab, size=n)) * 2 for n in [7, 12, 3, 9][:batch]]
+
+
+def early_exits(target):
+  return {"exit": specjax.make_drafter("layer_skip", target, exit_layer=2),
+          "adapter": perturbed(specjax.make_drafter("layer_skip", target, adapter="fresh", exit_layer=2), seed=3,
+                               scale=0.1)}
+
+
+@pytest.mark.parametrize("budget", [3, 2, 1])
+@pytest.mark.parametrize("name", ["exit", "adapter"])
+def test_verify_reusing_the_draft_layers_equals_the_plain_verify(name, budget, random_target):
+  """Ragged rows, the draft run for `budget` of gamma=3 steps: equal logits at every slot verification reads
+  (pending .. x_budget), equal layer-k features, equal K/V in the cache over those positions."""
+  target, gamma = random_target, 3
+  drafter = early_exits(target)[name]
+  assert drafter.reuse_layers == 2
+  prompts = ragged_prompts(target.config.vocab_size)
+  width = max(map(len, prompts))
+  tokens = jnp.asarray([p + [0] * (width - len(p)) for p in prompts], jnp.int32)
+  lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
+  logits, last_hidden, out = prefill(target.params, target.config, tokens, lengths, init_cache(target.config, 4, 64),
+                                     return_layer_hidden=True)
+  rows = jnp.arange(4)
+  sequence = jnp.zeros((4, 64), jnp.int32).at[:, :width].set(tokens).at[rows, lengths].set(jnp.argmax(logits, -1))
+  prompt = PromptInfo(tokens=tokens, lengths=lengths, first_token=sequence[rows, lengths], last_hidden=last_hidden,
+                      features=jnp.stack([out.layer_hidden[i] for i in drafter.feature_layers], axis=2)
+                      if drafter.feature_layers else None, cache_len=64)
+  state = drafter.init(target.params, drafter.params, drafter.options, prompt)
+  inputs = DraftInputs(sequence=sequence, position=lengths, target_cache=out.cache, key=jax.random.PRNGKey(0),
+                       budget=jnp.asarray(budget, jnp.int32))
+  proposal = drafter.propose(target.params, drafter.params, drafter.options, state, inputs, gamma, SamplingParams())
+  assert int(proposal.steps) == budget
+  verify_tokens = jnp.concatenate([sequence[rows, lengths][:, None], proposal.tokens], axis=1)
+
+  def run(reuse_layers):
+    return speculative._verify_forward(target.params, target.config, verify_tokens, proposal, lengths, gamma + 1,
+                                       reuse_layers, with_layers=True)
+
+  reused, plain = run(drafter.reuse_layers), run(0)
+  read = slice(0, budget + 1)  # no row drafted past x_budget
+
+  def assert_close(a, b):  # float32 rounding of differently shaped products, relative to the values' scale
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(b))))
+
+  assert_close(reused.logits[:, read], plain.logits[:, read])
+  assert_close(reused.hidden[:, read], plain.hidden[:, read])
+  assert_close(reused.layer_hidden[1][:, read], plain.layer_hidden[1][:, read])
+  positions = lengths[:, None] + jnp.arange(budget + 1)[None, :]
+  for layer in range(target.config.num_layers):
+    for cached in ("k", "v"):
+      assert_close(getattr(reused.cache, cached)[layer][rows[:, None], positions],
+                   getattr(plain.cache, cached)[layer][rows[:, None], positions])
+
+
+@pytest.mark.parametrize("adaptive", [False, EAGER], ids=["fixed_gamma", "adaptive"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("name", ["exit", "adapter"])
+def test_reusing_the_draft_layers_decodes_the_same_tokens(name, temperature, adaptive, random_target):
+  target = random_target
+  drafter = early_exits(target)[name]
+  prompts = ragged_prompts(target.config.vocab_size)
+  kwargs = dict(max_new_tokens=16, gamma=3, stop_ids=[], temperature=temperature, seed=2, adaptive=adaptive)
+  reused = specjax.generate(target, prompts, drafter=drafter, **kwargs)
+  plain = specjax.generate(target, prompts, drafter=dataclasses.replace(drafter, reuse_layers=0), **kwargs)
+  assert reused.tokens == plain.tokens
+  assert reused.stats["accepted_per_row"] == plain.stats["accepted_per_row"]
+  if temperature == 0.0:
+    assert reused.tokens == specjax.generate(target, prompts, max_new_tokens=16, stop_ids=[]).tokens
+
+
+def test_only_early_exits_reuse_layers(random_target):
+  assert specjax.make_drafter("layer_skip", random_target, skip_layers=[1]).reuse_layers == 0
+  assert specjax.make_drafter("layer_skip", random_target, exit_layer=3).reuse_layers == 3
+
+
+# ------------------------------------------------------------------------------------- the draft-length rule
+
+
+def plan(costs, prior_alpha=0.5, memory=0.9) -> Plan:
+  return Plan(min_confidence=0.5, round_costs=tuple(costs), prior_alpha=prior_alpha, memory=memory)
+
+
+def evidence(accepted, tested):
+  return Acceptance(accepted=jnp.float32(accepted), tested=jnp.float32(tested))
+
+
+def test_draft_length_is_leviathans_optimum_and_falls_back_to_plain_steps():
+  cheap = plan([1.0] + [0.05 * g + 1.2 for g in range(1, 5)])
+  assert int(draft_length(cheap, evidence(90, 100))) == 4  # alpha ~ 0.9, cheap drafts: the longest
+  assert int(draft_length(cheap, evidence(1, 100))) == 0  # nothing gets accepted: plain steps
+  costly = plan([1.0] + [0.8 * g + 1.1 for g in range(1, 5)])
+  assert int(draft_length(costly, evidence(60, 100))) == 0  # a draft step nearly as dear as a target step
+  # In between, the argmax of E(alpha, g) / cost(g), with E = 1 + alpha + ... + alpha^g.
+  middle = plan([1.0] + [0.3 * g + 1.1 for g in range(1, 5)])
+  alpha = (70 + 0.5) / (100 + 1)
+  expected = [sum(alpha ** i for i in range(g + 1)) / c for g, c in enumerate(middle.round_costs)]
+  assert int(draft_length(middle, evidence(70, 100))) == int(np.argmax(expected)) not in (0, 4)
+
+
+def test_acceptance_estimate_decays_back_to_the_prior():
+  p = plan([1.0, 2.0], prior_alpha=0.6, memory=0.5)
+  a = Acceptance.zero().update(p, jnp.array([0, 0]), jnp.array([True, True]))  # two rejections, no acceptance
+  assert float(a.alpha(p)) == pytest.approx(0.6 / 3)
+  for _ in range(30):  # rounds without drafts
+    a = a.update(p, jnp.array([0, 0]), jnp.array([False, False]))
+  assert float(a.alpha(p)) == pytest.approx(0.6, abs=1e-6)
+
+
+def test_round_costs_count_reused_layers_and_plain_steps(random_target):
+  exit_drafter = specjax.make_drafter("layer_skip", random_target, exit_layer=2)
+  no_reuse = dataclasses.replace(exit_drafter, reuse_layers=0)
+  options = AdaptiveDrafting(draft_cost=0.3, verify_cost=1.4)
+  with_reuse, without = (make_plan(options, d, random_target.params, random_target.config, 4)
+                         for d in (exit_drafter, no_reuse))
+  assert without.round_costs == pytest.approx((1.0, 1.7, 2.0, 2.3, 2.6))  # g c + r(4), r(4) = 1.4
+  assert with_reuse.round_costs[0] == 1.0 and all(a < b for a, b in zip(with_reuse.round_costs[1:],
+                                                                       without.round_costs[1:]))
+  draft = specjax.make_drafter("draft_model", random_target, draft=random_target)
+  assert draft.plain_step_cost == draft.draft_cost == pytest.approx(1.0, abs=0.02)  # it follows every token
+
+
+def test_bad_adaptive_options_are_rejected(random_target):
+  with pytest.raises(ValueError, match="min_confidence"):
+    AdaptiveDrafting(min_confidence=1.5)
+  with pytest.raises(ValueError, match="verify_cost"):
+    AdaptiveDrafting(verify_cost=0.5)
+  with pytest.raises(TypeError, match="adaptive must be"):
+    specjax.generate(random_target, [[1, 2, 3]], max_new_tokens=4, adaptive="yes",
+                     drafter=specjax.make_drafter("prompt_lookup", random_target))
+
+
+# ---------------------------------------------------------------------- verification of shorter drafts
+
+
+def test_greedy_verify_never_accepts_an_undrafted_slot():
+  target_logits = jax.nn.one_hot(jnp.array([[1, 2, 3, 4]] * 3), 8)  # argmax 1, 2, 3, 4
+  drafts = jnp.array([[1, 2, 3]] * 3)  # all three would be accepted
+  accepted, next_token = verify.greedy_verify(drafts, target_logits, jnp.array([3, 1, 0]))
+  assert accepted.tolist() == [3, 1, 0] and next_token.tolist() == [4, 2, 1]
+
+
+def test_speculative_verify_draws_an_undrafted_slot_from_p():
+  """A row that drafted 1 of 2 slots, with q == p (every draft accepted): the token after the accepted draft
+  is drawn from p at slot 2, never taken from the undrafted slot."""
+  n, vocab = 50_000, 5
+  p = jnp.broadcast_to(jnp.asarray([0.4, 0.3, 0.2, 0.1, 0.0]), (n, 3, vocab))
+  drafts = jnp.full((n, 2), 4, jnp.int32).at[:, 0].set(0)  # slot 2 holds a token p forbids
+  accepted, next_token = verify.speculative_verify(jax.random.PRNGKey(0), drafts, p[:, :2], p, jnp.ones(n, jnp.int32))
+  assert np.all(np.asarray(accepted) <= 1)
+  observed = np.bincount(np.asarray(next_token)[np.asarray(accepted) == 1], minlength=vocab) / n
+  np.testing.assert_allclose(observed, [0.4, 0.3, 0.2, 0.1, 0.0], atol=0.01)
