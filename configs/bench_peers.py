@@ -80,6 +80,7 @@ def get_config(arg=None):
   config.seed = 0
   config.batch_size = 1  # peers decode one row at a time
   config.gamma = 4
+  config.adaptive = True  # adaptive drafting for specjax drafters (the library default); HF drafts a fixed schedule
   config.mesh_shape = ml_collections.config_dict.placeholder(tuple)
 
   methods = [

@@ -17,7 +17,10 @@ model ("smollm2-135m-draft"); parallel MTP heads and a sequential MTP module (th
 that `needs` a shipped checkpoint not yet in specjax/checkpoints/smollm2-135m/ is left out with a warning in the
 log and listed in results.md. Variants (comma-separated): `small` (one prompt per category, 64 tokens, one
 repeat), `sampling` (temperature 0.7, top-p 0.9: lossless in distribution, so no token check), `both` (greedy,
-then temperature 0.7 on the same prompts: results.md's table is greedy, alpha_by_temperature.png compares them).
+then temperature 0.7 on the same prompts: results.md's table is greedy, alpha_by_temperature.png compares them),
+`adaptive` (adaptive drafting, specjax/adaptive.py: per-row confidence stop and a per-round draft length from the
+running acceptance and the costs, `gamma` the most per round; by default every round drafts `gamma` tokens, so that
+acceptance per position is measured at a fixed chain length).
 """
 
 import os
@@ -27,7 +30,7 @@ import ml_collections
 from specjax import layer_skip_search
 
 SKIP_SET = os.path.join(os.path.dirname(os.path.abspath(__file__)), "layer_skip_sets", "smollm2-135m.json")
-VARIANTS = ("small", "sampling", "both")
+VARIANTS = ("small", "sampling", "both", "adaptive")
 
 
 def best_skip_set(path: str = SKIP_SET) -> dict:
@@ -86,6 +89,7 @@ def get_config(arg=None):
   config.batch_size = 1
   config.gamma = 4
   config.gammas = ()  # a gamma sweep: every drafter at each of these (configs/gamma_sweep.py)
+  config.adaptive = "adaptive" in variants  # a method's own "adaptive" key overrides it
   config.mesh_shape = ml_collections.config_dict.placeholder(tuple)
 
   config.methods = drafter_methods()

@@ -34,6 +34,7 @@ def get_config(arg=None):
   config.seed = 0
   config.batch_size = 1
   config.gamma = 4
+  config.adaptive = True  # adaptive drafting (specjax/adaptive.py), the library default; False: gamma every round
   config.gammas = ()  # a gamma sweep: every drafter at each of these (empty: each method's own gamma)
   config.mesh_shape = ml_collections.config_dict.placeholder(tuple)
 

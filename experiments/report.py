@@ -68,7 +68,10 @@ def _pooled(records: Sequence[dict], gamma: int) -> dict[str, Any]:
   pooled = merge_stats(records, gamma)
   return {"mean_accepted": pooled["mean_accepted"], "acceptance_rate": pooled["acceptance_rate"],
           "alpha": leviathan.alpha_from_stats(pooled, gamma),
-          "acceptance_per_position": pooled["acceptance_per_position"]}
+          "acceptance_per_position": pooled["acceptance_per_position"],
+          # Adaptive drafting: rounds by the draft length used (index 0: a plain target step).
+          "gamma_histogram": [int(sum(c)) for c in zip(*(r["gamma_histogram"] for r in records))]
+          if all(r.get("gamma_histogram") for r in records) else None}
 
 
 def paired_speedups(records: Sequence[dict], method: str, baseline: str) -> list[float]:
@@ -101,7 +104,7 @@ def summarize(records: Sequence[dict], methods: Sequence[str], baseline: str,
     drafted = gamma is not None and all(r.get("rounds_per_row") is not None for r in rs)
     acceptance = _pooled(rs, gamma) if drafted else {
         "mean_accepted": _median(r["mean_accepted"] for r in rs), "acceptance_rate": None, "alpha": None,
-        "acceptance_per_position": None}
+        "acceptance_per_position": None, "gamma_histogram": None}
     summary[method] = {
         "drafter": meta.get("drafter"), "family": meta.get("family", method), "options": meta.get("options", {}),
         "gamma": gamma,

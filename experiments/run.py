@@ -26,6 +26,10 @@ agreement with the baseline is reported instead (`agreement`: tokens until the f
 length, averaged over rows; `equal_rows`: the fraction of rows equal token for token). A peer whose library is
 not installed is left out with a printed reason.
 
+Adaptive drafting (`config.adaptive`, or a method's own `"adaptive"` key; default True as in
+`specjax.generate`): `gamma` is then the most drafts per round, and the summary adds `gamma_histogram` (rounds by
+the draft length used, index 0 a plain target step); with False every round drafts `gamma` tokens.
+
 Costs (`config.costs`, experiments/costs.py): after decoding, every drafter's draft cost c and verification cost
 r are measured in compiled loops, interleaved, on a cache of the prompts' typical size, with the bytes each step
 moves (specjax/roofline.py); the report adds Leviathan's prediction from alpha, c and r, the efficiency (measured
@@ -68,7 +72,7 @@ _CONFIG = cli.define_config_flag("Experiment config: configs/<name>.py[:arg].")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (default: workdirs/<config>-<time>).")
 distributed.define_flags()  # --coordinator_address, --num_processes, --process_id (multi-process runs)
 
-METHOD_KEYS = {"name", "drafter", "peer", "options", "gamma", "needs"}
+METHOD_KEYS = {"name", "drafter", "peer", "options", "gamma", "adaptive", "needs"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +83,7 @@ class Method:
   family: str = ""  # the config's method name (a gamma sweep runs one family at several gammas)
   options: dict = dataclasses.field(default_factory=dict)  # make_drafter options, for the report
   peer: Any = None  # from peers.make: another implementation, which decodes instead of specjax
+  adaptive: bool = False  # adaptive drafting (specjax/adaptive.py); False: every round drafts `gamma` tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,15 +138,17 @@ def make_methods(config: ml_collections.ConfigDict, model: specjax.Model) -> lis
       methods.append(Method(spec["name"], None, gamma, spec["name"], options, peer=peer))
       continue
     drafter = specjax.make_drafter(spec["drafter"], model, **options) if spec.get("drafter") else None
+    adaptive = bool(spec.get("adaptive", config.get("adaptive", True)))  # the library default
     if drafter is None or not gammas:
-      methods.append(Method(spec["name"], drafter, int(spec.get("gamma", config.gamma)), spec["name"], options))
+      methods.append(Method(spec["name"], drafter, int(spec.get("gamma", config.gamma)), spec["name"], options,
+                            adaptive=adaptive))
       continue
     for gamma in gammas:
       if drafter.max_gamma is not None and gamma > drafter.max_gamma:
         logging.warning("%s proposes at most %d tokens a round: no run at gamma %d", spec["name"], drafter.max_gamma,
                         gamma)
         continue
-      methods.append(Method(f"{spec['name']}_g{gamma}", drafter, gamma, spec["name"], options))
+      methods.append(Method(f"{spec['name']}_g{gamma}", drafter, gamma, spec["name"], options, adaptive=adaptive))
   return methods
 
 
@@ -207,7 +214,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model: specjax.Model
       return out, time.perf_counter() - start, 0
     out = specjax.generate(model, list(batch.prompts), max_new_tokens=config.max_new_tokens,
                            temperature=temperature, top_k=config.top_k, top_p=config.top_p,
-                           seed=config.seed, drafter=method.drafter, gamma=method.gamma, mesh=mesh)
+                           seed=config.seed, drafter=method.drafter, gamma=method.gamma, adaptive=method.adaptive,
+                           mesh=mesh)
     return out, time.perf_counter() - start, compilation.count() - compiled_before
 
   records, outputs, summaries = [], [], {}
@@ -299,13 +307,16 @@ def _record(method: Method, batch: PromptBatch, repeat: int, temperature: float,
       "acceptance_per_position": stats.get("acceptance_per_position"),
       "new_tokens_per_row": stats.get("new_tokens_per_row"), "rounds_per_row": stats.get("rounds_per_row"),
       "accepted_per_row": stats.get("accepted_per_row"), "rejections_per_row": stats.get("rejections_per_row"),
+      "proposed_per_row": stats.get("proposed_per_row"), "proposed_per_position": stats.get("proposed_per_position"),
+      "gamma_histogram": stats.get("gamma_histogram"), "plain_steps": stats.get("plain_steps"),
       "compile_call_seconds": compile_call_seconds,
       "matches_baseline": matches, "agreement": agreement}
 
 
 def _method_info(methods: Sequence[Method]) -> dict[str, dict[str, Any]]:
   return {m.name: {"drafter": m.drafter.name if m.drafter is not None else None, "family": m.family or m.name,
-                   "options": m.options, "gamma": m.gamma if m.drafter is not None else None} for m in methods}
+                   "options": m.options, "gamma": m.gamma if m.drafter is not None else None,
+                   "adaptive": m.adaptive if m.drafter is not None else None} for m in methods}
 
 
 def _measure_costs(config: ml_collections.ConfigDict, model: specjax.Model, methods: Sequence[Method],

@@ -56,7 +56,8 @@ def spec_bench_acceptance(model, drafter, config: ml_collections.ConfigDict) -> 
   lossless, produced, rounds, accepted, tested = True, 0, 0, 0, 0
   for q in questions:
     ids = spec_bench.prompt_ids(q, model.tokenizer, chat=True)
-    out = specjax.generate(model, [ids], max_new_tokens=config.max_new_tokens, drafter=drafter, gamma=config.gamma)
+    out = specjax.generate(model, [ids], max_new_tokens=config.max_new_tokens, drafter=drafter, gamma=config.gamma,
+                           adaptive=False)  # a chain of gamma drafts every round: the acceptance of the drafter itself
     lossless &= out.tokens == specjax.generate(model, [ids], max_new_tokens=config.max_new_tokens).tokens
     s = out.stats
     per_category.setdefault(q.category, []).append(s["mean_accepted"])

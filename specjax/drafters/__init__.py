@@ -203,7 +203,10 @@ def draft_tokens(step, cache, inputs: DraftInputs, gamma: int, sampling: Samplin
     active = active & (sure >= inputs.min_confidence)
     return i + 1, cache, nxt, active, lengths + active, write(buffers, i, nxt, q, hidden)
 
-  steps, cache, _, _, lengths, (tokens, probs, hiddens) = jax.lax.while_loop(more, one, carry)
+  if gamma == 1:  # static: no loop at all (what a single step costs, e.g. for specjax.roofline's byte count)
+    steps, cache, _, _, lengths, (tokens, probs, hiddens) = carry
+  else:
+    steps, cache, _, _, lengths, (tokens, probs, hiddens) = jax.lax.while_loop(more, one, carry)
   return Proposal(tokens=tokens, probs=probs, state=None, target_cache=cache, lengths=lengths, steps=steps,
                   hidden=hiddens)
 
