@@ -324,12 +324,15 @@ def test_draft_calls_count_model_forwards_only(target):
   assert skip.stats["draft_calls"] == 3 * skip.stats["rounds"]
 
 
-@pytest.mark.parametrize("name", ["mtp_parallel", "mtp_sequential"])
-def test_shipped_trained_drafters_are_lossless_and_accept_drafts_on_smollm2(name, smollm2, smollm2_ar_outputs):
+@pytest.mark.parametrize("name, options", [("mtp_parallel", {}), ("mtp_sequential", {}),
+                                           ("layer_skip", {"adapter": "default"})],
+                         ids=["mtp_parallel", "mtp_sequential", "exit_adapter"])
+def test_shipped_trained_drafters_are_lossless_and_accept_drafts_on_smollm2(name, options, smollm2,
+                                                                           smollm2_ar_outputs):
   """The checkpoints shipped in specjax/checkpoints load by default, decode exactly what the target decodes, and
-  their drafts are accepted (an untrained head would accept almost none)."""
+  their drafts are accepted (an untrained head or adapter would accept almost none)."""
   prompts, expected = smollm2_ar_outputs
-  drafter = specjax.make_drafter(name, smollm2)
-  out = specjax.generate(smollm2, prompts, max_new_tokens=32, gamma=3, drafter=drafter)
+  drafter = specjax.make_drafter(name, smollm2, **options)
+  out = specjax.generate(smollm2, prompts, max_new_tokens=32, gamma=3, drafter=drafter, adaptive=False)
   assert out.tokens == expected.tokens
   assert out.stats["alpha"] > 0.1, out.stats
