@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import time
+import weakref
 from typing import Any, Callable
 
 import jax
@@ -26,6 +27,7 @@ _EVENTS = (
     "/jax/core/compile/jaxpr_trace_duration",
 )
 _count = [0]
+_programs: "weakref.WeakSet[Program]" = weakref.WeakSet()
 
 
 def _listener(event: str, duration: float, **kwargs) -> None:
@@ -58,6 +60,7 @@ class Program:
   def __init__(self, jitted: Callable, name: str, max_programs: int = 32):
     self.jitted, self.name, self.max_programs = jitted, name, max_programs
     self._compiled: collections.OrderedDict = collections.OrderedDict()
+    _programs.add(self)
 
   def __call__(self, *args, describe: str = "", **static) -> tuple[Any, float]:
     key = (_signature(args), tuple(sorted(static.items())))
@@ -83,3 +86,11 @@ class Program:
     """Forgets every executable (and the jit's traces), so that the next call traces and compiles afresh."""
     self._compiled.clear()
     self.jitted.clear_cache()
+
+
+def clear_all() -> None:
+  """Forgets every compiled executable: each `Program`'s and every jit cache (`jax.clear_caches`), e.g. to give
+  their memory back in a long session or between test modules."""
+  for program in list(_programs):
+    program.clear()
+  jax.clear_caches()

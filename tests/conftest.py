@@ -13,6 +13,7 @@ import jax
 import pytest
 
 import specjax
+from specjax import compilation
 from specjax.config import ModelConfig
 from specjax.loading import Model, resolve_path
 from specjax.model import init_params
@@ -29,6 +30,14 @@ LLAMA3_ROPE_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 
 TINY_CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
                           num_kv_heads=2, head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-5, tie_embeddings=False,
                           max_position_embeddings=256)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_compilation_caches():
+  """Each test module leaves no compiled executables behind: a whole-suite process otherwise accumulates hundreds
+  of programs (several of them SmolLM2-sized)."""
+  yield
+  compilation.clear_all()
 
 
 @pytest.fixture(scope="session")

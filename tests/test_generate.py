@@ -14,6 +14,7 @@ import scipy.stats
 import torch
 
 import specjax
+from specjax import compilation
 from specjax.sampling import SamplingParams, probabilities, sample
 
 # `specjax.generate` is the function (re-exported by the package); the module holds the compiled program.
@@ -175,6 +176,16 @@ def test_second_call_with_the_same_shapes_does_not_recompile(tiny):
   assert program.cache_size() == entries
   assert "/jax/core/compile/backend_compile_duration" not in compiles
   assert out.stats["compile_seconds"] == 0.0
+
+
+def test_clear_all_forgets_every_compiled_program(tiny):
+  prompts = [[1, 2], [3, 4, 5]]
+  first = specjax.generate(tiny, prompts, max_new_tokens=5, stop_ids=())
+  assert generate_module._autoregressive_program.cache_size() > 0
+  compilation.clear_all()
+  assert generate_module._autoregressive_program.cache_size() == 0
+  again = specjax.generate(tiny, prompts, max_new_tokens=5, stop_ids=())  # compiles afresh, same result
+  assert again.tokens == first.tokens and again.stats["compile_seconds"] > 0
 
 
 def test_compilation_is_timed_apart_from_decoding(tiny):
