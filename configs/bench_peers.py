@@ -37,20 +37,13 @@ MODEL = "smollm2-135m"
 TRAINED_HF_DRAFT = "workdirs/train/draft4/smollm2-135m-draft"
 
 
-def _shipped(drafter: str, method: str) -> bool:
-  """Whether specjax ships a trained `drafter` checkpoint for the model; if not, logs that `method` is left out."""
-  try:
-    draft_head.shipped_checkpoint(MODEL, drafter)
-    return True
-  except CheckpointError:
-    logging.warning("bench_peers: leaving out %s: specjax ships no %s checkpoint for %s yet", method, drafter, MODEL)
-    return False
-
-
-def _hf_draft(shipped_draft: bool) -> str | None:
+def _hf_draft() -> str | None:
   """hf_assisted's draft: the shipped distilled draft (exported to HF on the fly) or a trained one's HF export."""
-  if shipped_draft:
+  try:
+    draft_head.shipped_checkpoint(MODEL, "draft_model")
     return f"{MODEL}-draft"
+  except CheckpointError:
+    pass
   if os.path.isfile(os.path.join(TRAINED_HF_DRAFT, "config.json")):
     return TRAINED_HF_DRAFT
   logging.warning("bench_peers: leaving out hf_assisted: no shipped draft model and no HF export at %s (train "
@@ -89,17 +82,15 @@ def get_config(arg=None):
       {"name": "layer_skip_24", "drafter": "layer_skip", "options": {"exit_layer": 24}},
       {"name": "mtp_parallel", "drafter": "mtp_parallel", "options": {"path": "default"}},
       {"name": "mtp_sequential", "drafter": "mtp_sequential", "options": {"path": "default"}},
-  ]
-  shipped_draft = _shipped("draft_model", "draft_model")
-  if shipped_draft:
-    methods.append({"name": "draft_model", "drafter": "draft_model", "options": {"draft": f"{MODEL}-draft"}})
-  if _shipped("layer_skip", "layer_skip_trained"):
-    methods.append({"name": "layer_skip_trained", "drafter": "layer_skip", "options": {"adapter": "default"}})
-  methods += [
+      # Until their checkpoints are shipped, the runner leaves these out with a log line (`needs`).
+      {"name": "draft_model", "drafter": "draft_model", "options": {"draft": f"{MODEL}-draft"},
+       "needs": ("draft_model",)},
+      {"name": "layer_skip_trained", "drafter": "layer_skip", "options": {"adapter": "default"},
+       "needs": ("exit_adapter",)},
       {"name": "hf_autoregressive", "peer": "hf_autoregressive", "options": {}},
       {"name": "hf_prompt_lookup", "peer": "hf_prompt_lookup", "options": {}},
   ]
-  hf_draft = _hf_draft(shipped_draft)
+  hf_draft = _hf_draft()
   if hf_draft:
     methods.append({"name": "hf_assisted", "peer": "hf_assisted", "options": {"draft": hf_draft}})
   methods += [
