@@ -22,6 +22,7 @@ import numpy as np
 from flax import struct
 
 from specjax.config import ModelConfig, rope_inv_freq
+from specjax.cpu_matmul import dense, dense_t
 
 Params = dict[str, Any]
 
@@ -113,6 +114,16 @@ def _write(cache_arr: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Ar
   return cache_arr.at[rows, positions].set(new.astype(cache_arr.dtype), mode="drop")
 
 
+def project_heads(h: jax.Array, w: jax.Array) -> jax.Array:
+  """h [B, T, D] @ w [D, N, hd] -> [B, T, N, hd]."""
+  return dense(h, w.reshape(w.shape[0], -1)).reshape(*h.shape[:-1], *w.shape[1:])
+
+
+def merge_heads(out: jax.Array, w: jax.Array) -> jax.Array:
+  """out [B, T, N, hd] @ w [N, hd, D] -> [B, T, D]."""
+  return dense(out.reshape(*out.shape[:-2], -1), w.reshape(-1, w.shape[-1]))
+
+
 def attention_block(layer: Params, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                     positions: jax.Array, inv_freq: jax.Array, config: ModelConfig):
   """Pre-norm grouped-query self-attention over the cache. Returns (residual update, k_cache, v_cache)."""
@@ -120,9 +131,9 @@ def attention_block(layer: Params, x: jax.Array, k_cache: jax.Array, v_cache: ja
   kv, hd = config.num_kv_heads, config.head_dim
   groups = config.num_heads // kv
   h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
-  q = apply_rope(jnp.einsum("btd,dnh->btnh", h, layer["wq"]), positions, inv_freq)
-  k = apply_rope(jnp.einsum("btd,dnh->btnh", h, layer["wk"]), positions, inv_freq)
-  v = jnp.einsum("btd,dnh->btnh", h, layer["wv"])
+  q = apply_rope(project_heads(h, layer["wq"]), positions, inv_freq)
+  k = apply_rope(project_heads(h, layer["wk"]), positions, inv_freq)
+  v = project_heads(h, layer["wv"])
   k_cache = _write(k_cache, k, positions)
   v_cache = _write(v_cache, v, positions)
   q = q.reshape(b, t, kv, groups, hd)
@@ -131,21 +142,21 @@ def attention_block(layer: Params, x: jax.Array, k_cache: jax.Array, v_cache: ja
   scores = jnp.where(visible[:, None, None], scores, -1e30)
   probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
   out = jnp.einsum("bkgts,bskh->btkgh", probs, v_cache).reshape(b, t, config.num_heads, hd)
-  return jnp.einsum("btnh,nhd->btd", out, layer["wo"]), k_cache, v_cache
+  return merge_heads(out, layer["wo"]), k_cache, v_cache
 
 
 def mlp_block(layer: Params, x: jax.Array, config: ModelConfig) -> jax.Array:
   h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
-  gate = jax.nn.silu(h @ layer["w_gate"])
-  return (gate * (h @ layer["w_up"])) @ layer["w_down"]
+  gate = jax.nn.silu(dense(h, layer["w_gate"]))
+  return dense(gate * dense(h, layer["w_up"]), layer["w_down"])
 
 
 def lm_head(params: Params, hidden: jax.Array, config: ModelConfig) -> jax.Array:
   """Final norm + output projection; float32 logits."""
   h = rms_norm(hidden, params["final_norm"], config.rms_norm_eps)
   if config.tie_embeddings:
-    return jnp.einsum("...d,vd->...v", h, params["embed"], preferred_element_type=jnp.float32)
-  return jnp.einsum("...d,dv->...v", h, params["lm_head"], preferred_element_type=jnp.float32)
+    return dense_t(h, params["embed"], preferred_element_type=jnp.float32)
+  return dense(h, params["lm_head"], preferred_element_type=jnp.float32)
 
 
 def embed(params: Params, tokens: jax.Array) -> jax.Array:
