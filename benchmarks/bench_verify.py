@@ -1,11 +1,12 @@
 r"""What a forward over T tokens and B rows costs against a 1-token, 1-row step, with and without specjax's CPU
-matrix kernel (`specjax.cpu_matmul`), on SmolLM2-135M.
+kernels (`specjax.cpu_kernels`: matrix products over few rows, decode attention), on SmolLM2-135M.
 
   python benchmarks/bench_verify.py [--tokens=1,2,5,8,16,32,64] [--batch_sizes=1,4,8] [--repeats=5]
 
 Verification over gamma + 1 tokens and decoding over B rows both multiply a few rows by every weight; while the
-weights' bytes dominate, each should cost about one step. For each implementation ("xla": XLA's dot; "kernel":
-the CPU kernel for products of up to `cpu_matmul.MAX_ROWS` rows) and each (B, T), the cost of one forward at
+weights' bytes dominate, each should cost about one step. For each implementation ("xla": XLA only; "kernel":
+the CPU kernels, for products of up to `cpu_kernels.MAX_ROWS` rows and attention of up to
+`cpu_kernels.MAX_QUERY_TOKENS` tokens per row) and each (B, T), the cost of one forward at
 position `--position` over a cache of `--cache_len` is timed inside a compiled loop, as
 `experiments.costs` does: (t(long loop) - t(short loop)) / (long - short), so per-call overhead cancels. All
 cases run interleaved, medians over `--repeats` rounds. Reported: ms per forward, r = t(B, T) / t(1, 1) of the
@@ -26,7 +27,7 @@ from absl import app, flags
 
 import specjax
 from experiments.costs import interleaved_seconds
-from specjax import cpu_matmul
+from specjax import cpu_kernels
 from specjax.model import forward, init_cache
 
 _TOKENS = flags.DEFINE_list("tokens", ["1", "2", "5", "8", "16", "32", "64"], "Tokens per row (T).")
@@ -40,7 +41,7 @@ _MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model name or path for sp
 
 @functools.partial(jax.jit, static_argnames=("config", "kernel"), donate_argnums=(1,))
 def _loop(params, cache, tokens, position, calls, *, config, kernel):
-  with cpu_matmul.enabled(kernel):
+  with cpu_kernels.enabled(kernel):
     def body(i, carry):
       tokens, cache = carry
       out = forward(params, tokens, cache, position, config)
@@ -50,7 +51,7 @@ def _loop(params, cache, tokens, position, calls, *, config, kernel):
 
 @functools.partial(jax.jit, static_argnames=("config", "kernel"))
 def _logits(params, cache, tokens, position, *, config, kernel):
-  with cpu_matmul.enabled(kernel):
+  with cpu_kernels.enabled(kernel):
     return forward(params, tokens, cache, position, config).logits
 
 
@@ -58,8 +59,8 @@ def main(argv):
   del argv
   model = specjax.load(_MODEL.value)
   config, params = model.config, model.params
-  if not cpu_matmul.available():
-    raise SystemExit(f"the CPU kernel is not available here: {cpu_matmul.status()}")
+  if not cpu_kernels.available():
+    raise SystemExit(f"the CPU kernel is not available here: {cpu_kernels.status()}")
   rng = np.random.default_rng(0)
   context = rng.integers(3, config.vocab_size, size=_POSITION.value).astype(np.int32)
   shapes = [(1, int(t)) for t in _TOKENS.value]
@@ -100,8 +101,9 @@ def main(argv):
     x, k = seconds[("xla", b, t)], seconds[("kernel", b, t)]
     print(f"{b:>3} {t:>3} {1e3 * x:>8.2f} {1e3 * k:>10.2f} {x / base['xla']:>7.2f} {k / base['kernel']:>9.2f} "
           f"{k / x:>11.2f} {diffs[(b, t)]:>13.1e}")
-  print(f"\nr: the forward's time over the same implementation's 1-row, 1-token forward. The kernel serves products "
-        f"of up to {cpu_matmul.MAX_ROWS} rows (B x T); larger ones use XLA's dot in both columns.")
+  print(f"\nr: the forward's time over the same implementation's 1-row, 1-token forward. The kernels serve products "
+        f"of up to {cpu_kernels.MAX_ROWS} rows (B x T) and attention of up to {cpu_kernels.MAX_QUERY_TOKENS} tokens "
+        f"per row; beyond, XLA's in both columns.")
 
 
 if __name__ == "__main__":

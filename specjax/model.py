@@ -22,7 +22,8 @@ import numpy as np
 from flax import struct
 
 from specjax.config import ModelConfig, rope_inv_freq
-from specjax.cpu_matmul import dense, dense_t
+from specjax import cpu_kernels
+from specjax.cpu_kernels import dense, dense_t
 
 Params = dict[str, Any]
 
@@ -127,22 +128,26 @@ def merge_heads(out: jax.Array, w: jax.Array) -> jax.Array:
 def attention_block(layer: Params, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                     positions: jax.Array, inv_freq: jax.Array, config: ModelConfig):
   """Pre-norm grouped-query self-attention over the cache. Returns (residual update, k_cache, v_cache)."""
-  b, t, _ = x.shape
-  kv, hd = config.num_kv_heads, config.head_dim
-  groups = config.num_heads // kv
   h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
   q = apply_rope(project_heads(h, layer["wq"]), positions, inv_freq)
   k = apply_rope(project_heads(h, layer["wk"]), positions, inv_freq)
   v = project_heads(h, layer["wv"])
   k_cache = _write(k_cache, k, positions)
   v_cache = _write(v_cache, v, positions)
-  q = q.reshape(b, t, kv, groups, hd)
+  out = cpu_kernels.attention(q, k_cache, v_cache, positions, attend)
+  return merge_heads(out, layer["wo"]), k_cache, v_cache
+
+
+def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array) -> jax.Array:
+  """Causal grouped-query attention: q [B, T, H, hd] at `positions` [B, T] over caches [B, S, KV, hd]."""
+  b, t, h, hd = q.shape
+  kv = k_cache.shape[2]
+  q = q.reshape(b, t, kv, h // kv, hd)
   scores = jnp.einsum("btkgh,bskh->bkgts", q, k_cache, preferred_element_type=jnp.float32) / np.sqrt(hd)
   visible = jnp.arange(k_cache.shape[1])[None, None, :] <= positions[:, :, None]  # [B, T, S]
   scores = jnp.where(visible[:, None, None], scores, -1e30)
   probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
-  out = jnp.einsum("bkgts,bskh->btkgh", probs, v_cache).reshape(b, t, config.num_heads, hd)
-  return merge_heads(out, layer["wo"]), k_cache, v_cache
+  return jnp.einsum("bkgts,bskh->btkgh", probs, v_cache).reshape(b, t, h, hd)
 
 
 def mlp_block(layer: Params, x: jax.Array, config: ModelConfig) -> jax.Array:

@@ -1,22 +1,27 @@
-"""Matrix products over a few rows on CPU, through a small C++ kernel (cpu_matmul.cc) that XLA calls.
+"""Decoding kernels for XLA:CPU: a small C++ library (cpu_kernels.cc) that XLA calls through its FFI.
 
 A decode step multiplies batch x tokens rows by every weight matrix; while there are few rows the weights'
-bytes are the cost, so verifying 5 tokens should cost about what decoding 1 does. XLA:CPU's general matrix
-product packs the weight matrix into a scratch layout on every call: on SmolLM2's 30 MLPs, 5 rows took ~1.9x
-one row with XLA's dot and ~1.2x with this kernel (benchmarks/bench_matmul.py measures it).
+bytes are the cost, so verifying 5 tokens should cost about what decoding 1 does. XLA:CPU falls short twice:
+its general matrix product packs the weight matrix into a scratch layout on every call (5 rows cost ~1.9x one
+row over SmolLM2's MLP weights), and it runs decode attention as many tiny batched products whose overhead
+dominates (at batch 8, half of a step). benchmarks/bench_verify.py measures both implementations side by side.
 
-  dense(x, w)    x @ w    for w [K, N]  (every projection of the decoder)
-  dense_t(x, w)  x @ w.T  for w [N, K]  (a tied LM head: the embedding table)
+  dense(x, w)      x @ w    for w [K, N]  (every projection of the decoder)
+  dense_t(x, w)    x @ w.T  for w [N, K]  (a tied LM head: the embedding table)
+  attention(q, k_cache, v_cache, positions, reference)   causal grouped-query attention over the cache
 
-Both compute the plain dot unless all of these hold, in which case they call the kernel:
-  * the default backend is CPU and the process has a single device (a mesh partitions plain dots; XLA would
-    replicate the kernel's operands),
-  * float32 operands, at most MAX_ROWS rows (x's leading dimensions multiplied), shapes the kernel supports,
-  * the kernel is built: on first use, with the C++ compiler ($CXX, else c++), into $SPECJAX_CACHE (default
+Each computes with XLA (the plain dot, or `reference`) unless all of these hold, in which case it calls the
+kernel:
+  * the default backend is CPU and the process has a single device (a mesh partitions XLA's ops; XLA would
+    replicate a kernel's operands),
+  * float32 operands; at most MAX_ROWS rows (x's leading dimensions multiplied) for products, at most
+    MAX_QUERY_TOKENS new tokens per row for attention; shapes the kernels support,
+  * the library is built: on first use, with the C++ compiler ($CXX, else c++), into $SPECJAX_CACHE (default
     ~/.cache/specjax), keyed by the source, jaxlib's version and the CPU; a failed build warns once with the
-    compiler's message and the plain dot is used,
-  * it is not turned off: SPECJAX_CPU_MATMUL=0 in the environment, or `set_enabled(False)` before tracing.
-Results equal the plain dot's to float32 rounding (summation order differs). Gradients go through plain dots.
+    compiler's message and XLA is used,
+  * it is not turned off: SPECJAX_CPU_KERNELS=0 in the environment, or `set_enabled(False)` before tracing.
+Results equal XLA's to float32 rounding (summation order differs); a row's result never depends on the other
+rows or tokens of the call. Gradients are XLA's (custom_jvp), so training is unaffected.
 """
 
 from __future__ import annotations
@@ -36,11 +41,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-MAX_ROWS = 32  # beyond this XLA's dot is as fast (measured on 2 cores); prefill and training use XLA's
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_matmul.cc")
-_TARGETS = {"kn": "specjax_small_matmul_kn", "nk": "specjax_small_matmul_nk"}
+MAX_ROWS = 32  # products: beyond this XLA's dot is as fast (measured on 2 cores); prefill and training use XLA's
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.cc")
+_TARGETS = {"kn": "specjax_small_matmul_kn", "nk": "specjax_small_matmul_nk", "attention": "specjax_decode_attention"}
+MAX_QUERY_TOKENS = 16  # attention: new tokens per row (decode and verification); prefill uses XLA's
 _lock = threading.Lock()
-_state: dict = {"built": None, "error": None, "enabled": os.environ.get("SPECJAX_CPU_MATMUL", "1") != "0"}
+_state: dict = {"built": None, "error": None, "enabled": os.environ.get("SPECJAX_CPU_KERNELS", "1") != "0"}
 
 
 def set_enabled(enabled: bool) -> None:
@@ -76,7 +82,7 @@ def library_path() -> str:
   with open(_SOURCE, "rb") as f:
     digest = hashlib.sha256(f.read() + jaxlib.__version__.encode() + _cpu_key().encode()).hexdigest()[:16]
   cache = os.environ.get("SPECJAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specjax")
-  return os.path.join(cache, f"cpu_matmul-{digest}.so")
+  return os.path.join(cache, f"cpu_kernels-{digest}.so")
 
 
 def _compile(path: str) -> None:
@@ -113,17 +119,18 @@ def build() -> bool:
         lib = ctypes.cdll.LoadLibrary(path)
         jax.ffi.register_ffi_target(_TARGETS["kn"], jax.ffi.pycapsule(lib.SmallMatmulKN), platform="cpu")
         jax.ffi.register_ffi_target(_TARGETS["nk"], jax.ffi.pycapsule(lib.SmallMatmulNK), platform="cpu")
+        jax.ffi.register_ffi_target(_TARGETS["attention"], jax.ffi.pycapsule(lib.DecodeAttention), platform="cpu")
         _state["built"] = True
       except Exception as e:  # any failure means the plain dot, said once
         _state["built"], _state["error"] = False, f"{type(e).__name__}: {e}"
-        warnings.warn(f"specjax.cpu_matmul: kernel unavailable, using XLA's dot ({_state['error']})")
+        warnings.warn(f"specjax.cpu_kernels: kernel unavailable, using XLA's dot ({_state['error']})")
     return _state["built"]
 
 
 def status() -> str:
   """Why the kernel is or is not used in this process, in words."""
   if not _state["enabled"]:
-    return "turned off (SPECJAX_CPU_MATMUL=0 or set_enabled(False))"
+    return "turned off (SPECJAX_CPU_KERNELS=0 or set_enabled(False))"
   if jax.default_backend() != "cpu":
     return f"not used: the default backend is {jax.default_backend()}"
   if jax.device_count() != 1:
@@ -134,7 +141,7 @@ def status() -> str:
 
 
 def available() -> bool:
-  """True when dense/dense_t would use the kernel for a supported shape in this process."""
+  """True when the functions here would use the kernels for supported shapes in this process."""
   if not _state["enabled"] or jax.default_backend() != "cpu" or jax.device_count() != 1:
     return False
   return build()
@@ -190,3 +197,28 @@ def dense_t(x: jax.Array, w: jax.Array, preferred_element_type=None) -> jax.Arra
     return _kernel_nk(x, w)
   return jnp.einsum("...d,vd->...v", x, w, preferred_element_type=preferred_element_type)
 
+
+
+def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array, reference) -> jax.Array:
+  """Causal grouped-query attention of q [B, T, H, D] over caches [B, S, KV, D]: the query at positions[b, t]
+  sees cache slots 0..positions[b, t]. `reference(q, k_cache, v_cache, positions)` computes the same with XLA;
+  it is used where the kernel does not apply (T > MAX_QUERY_TOKENS, not float32, ...) and for gradients."""
+  b, t, h, d = q.shape
+  kv = k_cache.shape[2]
+  usable = (t <= MAX_QUERY_TOKENS and d % 16 == 0 and d <= 256 and h % kv == 0
+            and all(a.dtype == jnp.float32 for a in (q, k_cache, v_cache)) and available())
+  if not usable:
+    return reference(q, k_cache, v_cache, positions)
+
+  @jax.custom_jvp
+  def kernel(q, k_cache, v_cache):
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    return jax.ffi.ffi_call(_TARGETS["attention"], out, vmap_method="sequential")(
+        q, k_cache, v_cache, positions.astype(jnp.int32))
+
+  @kernel.defjvp
+  def kernel_jvp(primals, tangents):
+    _, tangent_out = jax.jvp(lambda *a: reference(*a, positions), primals, tangents)
+    return kernel(*primals), tangent_out
+
+  return kernel(q, k_cache, v_cache)
