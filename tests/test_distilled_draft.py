@@ -46,10 +46,10 @@ def test_fresh_draft_copies_evenly_spaced_target_layers_and_shares_the_embedding
     specjax.make_drafter("draft_model", random_target, draft="fresh", num_layers=4)
 
 
-def test_shipped_draft_name_without_a_checkpoint_says_what_to_do(random_target):
-  with pytest.raises(CheckpointError, match="no shipped draft model 'smollm2-135m-draft'.*configs/train_draft.py"):
+def test_shipped_draft_names_the_model_it_was_made_for(random_target):
+  with pytest.raises(CheckpointError, match="trained for target 'smollm2-135m', not 'tiny-random'.*hidden_size 576 vs 64"):
     specjax.make_drafter("draft_model", random_target, draft="smollm2-135m-draft")
-  with pytest.raises(CheckpointError, match="no shipped draft model 'nosuchmodel-draft'"):
+  with pytest.raises(CheckpointError, match="no shipped draft model 'nosuchmodel-draft'.*configs/train_draft.py"):
     specjax.make_drafter("draft_model", random_target, draft="nosuchmodel-draft")
 
 

@@ -326,8 +326,9 @@ def test_draft_calls_count_model_forwards_only(target):
 
 
 @pytest.mark.parametrize("name, options", [("mtp_parallel", {}), ("mtp_sequential", {}),
-                                           ("layer_skip", {"adapter": "default"})],
-                         ids=["mtp_parallel", "mtp_sequential", "exit_adapter"])
+                                           ("layer_skip", {"adapter": "default"}),
+                                           ("draft_model", {"draft": "smollm2-135m-draft"})],
+                         ids=["mtp_parallel", "mtp_sequential", "exit_adapter", "draft_model"])
 def test_shipped_trained_drafters_are_lossless_and_accept_drafts_on_smollm2(name, options, smollm2,
                                                                            smollm2_ar_outputs):
   """The checkpoints shipped in specjax/checkpoints load by default, decode exactly what the target decodes, and
