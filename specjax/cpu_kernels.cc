@@ -42,6 +42,21 @@ inline v16 Load(const float* p) {
 
 inline void Store(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
 
+// Weights are float32 or bfloat16 (the top 16 bits of a float32: widening is a shift).
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+inline v16 LoadW(const float* p) { return Load(p); }
+
+inline v16 LoadW(const uint16_t* p) {
+  u16x16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const u32x16 wide = __builtin_convertvector(h, u32x16) << 16;
+  v16 v;
+  std::memcpy(&v, &wide, sizeof(v));
+  return v;
+}
+
 #ifndef SPECJAX_PF
 #define SPECJAX_PF 16
 #endif
@@ -51,22 +66,22 @@ inline void Store(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
 constexpr int64_t kPanel = SPECJAX_PANEL;  // output columns per block (kn)
 constexpr int64_t kPrefetch = SPECJAX_PF;  // rows of w ahead (kn) / vectors ahead (nk)
 
-// kn: MR rows x kPanel columns of out, over all K; w points at the panel's first column, row stride ldw.
+// kn: MR rows x kVecs * 16 columns of out, over all K; w points at the panel's first column, row stride ldw.
 // Each row of w contributes a contiguous run of columns; the accumulators live in L1.
-template <int MR, int kVecs>
-void BlockKN(const float* __restrict x, int64_t K, const float* __restrict w, int64_t ldw,
-             float* __restrict out, int64_t ldo) {
+template <typename W, int MR, int kVecs>
+void BlockKN(const float* __restrict x, int64_t K, const W* __restrict w, int64_t ldw, float* __restrict out,
+             int64_t ldo) {
   alignas(64) v16 acc[MR][kVecs];
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < kVecs; ++j) acc[m][j] = v16{};
   for (int64_t k = 0; k < K; ++k) {
-    const float* row = w + k * ldw;
-    const float* ahead = row + kPrefetch * ldw;
+    const W* row = w + k * ldw;
+    const W* ahead = row + kPrefetch * ldw;
     for (int j = 0; j < kVecs; ++j) __builtin_prefetch(ahead + 16 * j);
     float xv[MR];
     for (int m = 0; m < MR; ++m) xv[m] = x[m * K + k];
     for (int j = 0; j < kVecs; ++j) {
-      const v16 wv = Load(row + 16 * j);
+      const v16 wv = LoadW(row + 16 * j);
       for (int m = 0; m < MR; ++m) acc[m][j] += xv[m] * wv;
     }
   }
@@ -75,9 +90,8 @@ void BlockKN(const float* __restrict x, int64_t K, const float* __restrict w, in
 }
 
 // nk: MR rows x 4 columns of out; w points at 4 consecutive rows of the [N, K] matrix.
-template <int MR>
-void BlockNK(const float* __restrict x, int64_t K, const float* __restrict w, float* __restrict out,
-             int64_t ldo) {
+template <typename W, int MR>
+void BlockNK(const float* __restrict x, int64_t K, const W* __restrict w, float* __restrict out, int64_t ldo) {
   v16 acc[4][MR];
   for (int i = 0; i < 4; ++i)
     for (int m = 0; m < MR; ++m) acc[i][m] = v16{};
@@ -85,7 +99,7 @@ void BlockNK(const float* __restrict x, int64_t K, const float* __restrict w, fl
     v16 wv[4];
     for (int i = 0; i < 4; ++i) {
       __builtin_prefetch(w + i * K + k + kPrefetch * 16);
-      wv[i] = Load(w + i * K + k);
+      wv[i] = LoadW(w + i * K + k);
     }
     for (int m = 0; m < MR; ++m) {
       const v16 xv = Load(x + m * K + k);
@@ -100,44 +114,45 @@ void BlockNK(const float* __restrict x, int64_t K, const float* __restrict w, fl
     }
 }
 
-template <template <int> class F, typename... Args>
+template <template <typename, int> class F, typename W, typename... Args>
 void Dispatch(int64_t rows, Args... args) {
   switch (rows) {
-    case 1: F<1>::Run(args...); break;
-    case 2: F<2>::Run(args...); break;
-    case 3: F<3>::Run(args...); break;
-    case 4: F<4>::Run(args...); break;
-    case 5: F<5>::Run(args...); break;
-    case 6: F<6>::Run(args...); break;
-    case 7: F<7>::Run(args...); break;
-    default: F<8>::Run(args...); break;
+    case 1: F<W, 1>::Run(args...); break;
+    case 2: F<W, 2>::Run(args...); break;
+    case 3: F<W, 3>::Run(args...); break;
+    case 4: F<W, 4>::Run(args...); break;
+    case 5: F<W, 5>::Run(args...); break;
+    case 6: F<W, 6>::Run(args...); break;
+    case 7: F<W, 7>::Run(args...); break;
+    default: F<W, 8>::Run(args...); break;
   }
 }
 
-template <int MR>
+template <typename W, int MR>
 struct RunKN {
-  static void Run(const float* x, int64_t K, const float* w, int64_t N, float* out, int64_t width) {
+  static void Run(const float* x, int64_t K, const W* w, int64_t N, float* out, int64_t width) {
     switch (width) {
-      case 256: BlockKN<MR, 16>(x, K, w, N, out, N); break;
-      case 192: BlockKN<MR, 12>(x, K, w, N, out, N); break;
-      case 128: BlockKN<MR, 8>(x, K, w, N, out, N); break;
-      case 64: BlockKN<MR, 4>(x, K, w, N, out, N); break;
-      case 32: BlockKN<MR, 2>(x, K, w, N, out, N); break;
-      default: BlockKN<MR, 1>(x, K, w, N, out, N); break;
+      case 256: BlockKN<W, MR, 16>(x, K, w, N, out, N); break;
+      case 192: BlockKN<W, MR, 12>(x, K, w, N, out, N); break;
+      case 128: BlockKN<W, MR, 8>(x, K, w, N, out, N); break;
+      case 64: BlockKN<W, MR, 4>(x, K, w, N, out, N); break;
+      case 32: BlockKN<W, MR, 2>(x, K, w, N, out, N); break;
+      default: BlockKN<W, MR, 1>(x, K, w, N, out, N); break;
     }
   }
 };
 
-template <int MR>
+template <typename W, int MR>
 struct RunNK {
-  static void Run(const float* x, int64_t K, const float* w, int64_t N, float* out, int64_t) {
-    BlockNK<MR>(x, K, w, out, N);
+  static void Run(const float* x, int64_t K, const W* w, int64_t N, float* out, int64_t) {
+    BlockNK<W, MR>(x, K, w, out, N);
   }
 };
 
+template <typename W>
 struct Problem {
   const float* x;
-  const float* w;
+  const W* w;
   float* out;
   int64_t M, K, N;
   bool nk;
@@ -145,7 +160,8 @@ struct Problem {
 };
 
 // Computes all rows for output column blocks [b0, b1).
-void Columns(const Problem& p, int64_t b0, int64_t b1) {
+template <typename W>
+void Columns(const Problem<W>& p, int64_t b0, int64_t b1) {
   const int64_t rows_per_group = p.nk ? 4 : 8;
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t col = b * p.col_block;
@@ -154,9 +170,9 @@ void Columns(const Problem& p, int64_t b0, int64_t b1) {
       const float* xr = p.x + m0 * p.K;
       float* o = p.out + m0 * p.N + col;
       if (p.nk) {
-        Dispatch<RunNK>(mr, xr, p.K, p.w + col * p.K, p.N, o, p.col_block);
+        Dispatch<RunNK, W>(mr, xr, p.K, p.w + col * p.K, p.N, o, p.col_block);
       } else {
-        Dispatch<RunKN>(mr, xr, p.K, p.w + col, p.N, o, p.col_block);
+        Dispatch<RunKN, W>(mr, xr, p.K, p.w + col, p.N, o, p.col_block);
       }
     }
   }
@@ -164,8 +180,9 @@ void Columns(const Problem& p, int64_t b0, int64_t b1) {
 
 // Work shared between the calling thread and pool tasks: whoever comes first takes the next chunk, so the call
 // never waits on a task that has not started (the pool may be busy or the caller may be one of its threads).
+template <typename W>
 struct Shared {
-  Problem p;
+  Problem<W> p;
   int64_t blocks;
   int chunks;
   std::atomic<int> next{0};
@@ -180,12 +197,14 @@ struct Shared {
   }
 };
 
-ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-               ffi::ResultBuffer<ffi::F32> out, bool nk) {
+template <ffi::DataType WT>
+ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT> w, ffi::ResultBuffer<ffi::F32> out,
+                  bool nk) {
+  using W = ffi::NativeType<WT>;
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   if (wd.size() != 2 || xd.size() < 1) return ffi::Error::InvalidArgument("cpu_kernels: w must be 2-D");
-  Problem p;
+  Problem<W> p;
   p.K = xd.back();
   p.M = p.K ? x.element_count() / p.K : 0;
   p.nk = nk;
@@ -212,7 +231,7 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F
     if (p.M) Columns(p, 0, blocks);
     return ffi::Error::Success();
   }
-  auto shared = std::make_shared<Shared>();
+  auto shared = std::make_shared<Shared<W>>();
   shared->p = p;
   shared->blocks = blocks;
   shared->chunks = static_cast<int>(chunks);
@@ -229,10 +248,11 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F
 
 constexpr int64_t kMaxHeadVecs = 16;  // head_dim <= 256
 
+template <typename W>
 struct Attention {
   const float* q;
-  const float* k;
-  const float* v;
+  const W* k;
+  const W* v;
   const int32_t* pos;
   float* out;
   int64_t B, T, H, KV, S, D;
@@ -240,11 +260,12 @@ struct Attention {
 };
 
 // One (row, KV head): all of its H / KV query heads for all T tokens.
-void AttendTask(const Attention& a, int64_t task, float* scores) {
+template <typename W>
+void AttendTask(const Attention<W>& a, int64_t task, float* scores) {
   const int64_t b = task / a.KV, kh = task % a.KV, groups = a.H / a.KV, vecs = a.D / 16;
   const int64_t kv_stride = a.KV * a.D;  // floats between consecutive positions of one head
-  const float* kbase = a.k + (b * a.S * a.KV + kh) * a.D;
-  const float* vbase = a.v + (b * a.S * a.KV + kh) * a.D;
+  const W* kbase = a.k + (b * a.S * a.KV + kh) * a.D;
+  const W* vbase = a.v + (b * a.S * a.KV + kh) * a.D;
   for (int64_t t = 0; t < a.T; ++t) {
     int64_t visible = static_cast<int64_t>(a.pos[b * a.T + t]) + 1;
     if (visible > a.S) visible = a.S;
@@ -255,9 +276,9 @@ void AttendTask(const Attention& a, int64_t task, float* scores) {
       float* o = a.out + ((b * a.T + t) * a.H + head) * a.D;
       float best = -__builtin_inff();
       for (int64_t s = 0; s < visible; ++s) {
-        const float* kr = kbase + s * kv_stride;
+        const W* kr = kbase + s * kv_stride;
         v16 acc = v16{};
-        for (int64_t j = 0; j < vecs; ++j) acc += Load(qv + 16 * j) * Load(kr + 16 * j);
+        for (int64_t j = 0; j < vecs; ++j) acc += Load(qv + 16 * j) * LoadW(kr + 16 * j);
         float dot = 0.f;
         for (int j = 0; j < 16; ++j) dot += acc[j];
         scores[s] = dot * a.scale;
@@ -272,16 +293,17 @@ void AttendTask(const Attention& a, int64_t task, float* scores) {
       v16 acc[kMaxHeadVecs];
       for (int64_t j = 0; j < vecs; ++j) acc[j] = v16{};
       for (int64_t s = 0; s < visible; ++s) {
-        const float* vr = vbase + s * kv_stride;
-        for (int64_t j = 0; j < vecs; ++j) acc[j] += scores[s] * Load(vr + 16 * j);
+        const W* vr = vbase + s * kv_stride;
+        for (int64_t j = 0; j < vecs; ++j) acc[j] += scores[s] * LoadW(vr + 16 * j);
       }
       for (int64_t j = 0; j < vecs; ++j) Store(o + 16 * j, acc[j] * inv);
     }
   }
 }
 
+template <typename W>
 struct AttentionShared {
-  Attention a;
+  Attention<W> a;
   int64_t tasks;
   int chunks;
   std::atomic<int> next{0};
@@ -298,13 +320,15 @@ struct AttentionShared {
   }
 };
 
-ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                         ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> pos, ffi::ResultBuffer<ffi::F32> out) {
+template <ffi::DataType WT>
+ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<WT> k, ffi::Buffer<WT> v,
+                         ffi::Buffer<ffi::S32> pos, ffi::ResultBuffer<ffi::F32> out) {
+  using W = ffi::NativeType<WT>;
   const auto qd = q.dimensions();
   const auto kd = k.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || pos.dimensions().size() != 2)
     return ffi::Error::InvalidArgument("cpu_kernels: attention takes q [B,T,H,D], caches [B,S,KV,D], positions [B,T]");
-  Attention a;
+  Attention<W> a;
   a.B = qd[0], a.T = qd[1], a.H = qd[2], a.D = qd[3], a.S = kd[1], a.KV = kd[2];
   if (kd[0] != a.B || kd[3] != a.D || a.KV == 0 || a.H % a.KV != 0 || a.D % 16 != 0 || a.D > 16 * kMaxHeadVecs)
     return ffi::Error::InvalidArgument("cpu_kernels: attention shapes do not match");
@@ -315,7 +339,7 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   int64_t threads = pool.num_threads();
   if (threads < 1) threads = 1;
   const int64_t chunks = threads < tasks ? threads : tasks;
-  auto shared = std::make_shared<AttentionShared>();
+  auto shared = std::make_shared<AttentionShared<W>>();
   shared->a = a;
   shared->tasks = tasks;
   shared->chunks = static_cast<int>(chunks);
@@ -327,37 +351,56 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   return ffi::Error::Success();
 }
 
-ffi::Error RunKNImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                     ffi::ResultBuffer<ffi::F32> out) {
-  return Run(pool, x, w, out, false);
-}
-
-ffi::Error RunNKImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                     ffi::ResultBuffer<ffi::F32> out) {
-  return Run(pool, x, w, out, true);
+template <ffi::DataType WT, bool kNK>
+ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT> w,
+                      ffi::ResultBuffer<ffi::F32> out) {
+  return Matmul<WT>(pool, x, w, out, kNK);
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SmallMatmulKN, RunKNImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SmallMatmulKN, (MatmulImpl<ffi::F32, false>),
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SmallMatmulNK, RunNKImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SmallMatmulNK, (MatmulImpl<ffi::F32, true>),
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttention, AttentionImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SmallMatmulKNBF16, (MatmulImpl<ffi::BF16, false>),
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SmallMatmulNKBF16, (MatmulImpl<ffi::BF16, true>),
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttention, AttentionImpl<ffi::F32>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttentionBF16, AttentionImpl<ffi::BF16>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,10 +1,11 @@
 """Decoding kernels for XLA:CPU: a small C++ library (cpu_kernels.cc) that XLA calls through its FFI.
 
 A decode step multiplies batch x tokens rows by every weight matrix; while there are few rows the weights'
-bytes are the cost, so verifying 5 tokens should cost about what decoding 1 does. XLA:CPU falls short twice:
+bytes are the cost, so verifying 5 tokens should cost about what decoding 1 does. XLA:CPU falls short three times:
 its general matrix product packs the weight matrix into a scratch layout on every call (5 rows cost ~1.9x one
 row over SmolLM2's MLP weights), and it runs decode attention as many tiny batched products whose overhead
-dominates (at batch 8, half of a step). benchmarks/bench_verify.py measures both implementations side by side.
+dominates (at batch 8, half of a step), and its bfloat16 matrix-vector products run ~10x slower than float32
+ones, so halving the bytes did not pay. benchmarks/bench_verify.py and bench_autoregressive.py measure them.
 
   dense(x, w)      x @ w    for w [K, N]  (every projection of the decoder)
   dense_t(x, w)    x @ w.T  for w [N, K]  (a tied LM head: the embedding table)
@@ -14,8 +15,9 @@ Each computes with XLA (the plain dot, or `reference`) unless all of these hold,
 kernel:
   * the default backend is CPU and the process has a single device (a mesh partitions XLA's ops; XLA would
     replicate a kernel's operands),
-  * float32 operands; at most MAX_ROWS rows (x's leading dimensions multiplied) for products, at most
-    MAX_QUERY_TOKENS new tokens per row for attention; shapes the kernels support,
+  * float32 or bfloat16 operands (float32 arithmetic either way); at most MAX_ROWS rows (x's leading
+    dimensions multiplied) for products, at most MAX_QUERY_TOKENS new tokens per row for attention; shapes the
+    kernels support,
   * the library is built: on first use, with the C++ compiler ($CXX, else c++), into $SPECJAX_CACHE (default
     ~/.cache/specjax), keyed by the source, jaxlib's version and the CPU; a failed build warns once with the
     compiler's message and XLA is used,
@@ -44,6 +46,7 @@ import numpy as np
 MAX_ROWS = 32  # products: beyond this XLA's dot is as fast (measured on 2 cores); prefill and training use XLA's
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.cc")
 _TARGETS = {"kn": "specjax_small_matmul_kn", "nk": "specjax_small_matmul_nk", "attention": "specjax_decode_attention"}
+_WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16)  # weights and caches either; activations widened to float32
 MAX_QUERY_TOKENS = 16  # attention: new tokens per row (decode and verification); prefill uses XLA's
 _lock = threading.Lock()
 _state: dict = {"built": None, "error": None, "enabled": os.environ.get("SPECJAX_CPU_KERNELS", "1") != "0"}
@@ -119,7 +122,11 @@ def build() -> bool:
         lib = ctypes.cdll.LoadLibrary(path)
         jax.ffi.register_ffi_target(_TARGETS["kn"], jax.ffi.pycapsule(lib.SmallMatmulKN), platform="cpu")
         jax.ffi.register_ffi_target(_TARGETS["nk"], jax.ffi.pycapsule(lib.SmallMatmulNK), platform="cpu")
+        jax.ffi.register_ffi_target(_TARGETS["kn"] + "_bf16", jax.ffi.pycapsule(lib.SmallMatmulKNBF16), platform="cpu")
+        jax.ffi.register_ffi_target(_TARGETS["nk"] + "_bf16", jax.ffi.pycapsule(lib.SmallMatmulNKBF16), platform="cpu")
         jax.ffi.register_ffi_target(_TARGETS["attention"], jax.ffi.pycapsule(lib.DecodeAttention), platform="cpu")
+        jax.ffi.register_ffi_target(_TARGETS["attention"] + "_bf16", jax.ffi.pycapsule(lib.DecodeAttentionBF16),
+                                    platform="cpu")
         _state["built"] = True
       except Exception as e:  # any failure means the plain dot, said once
         _state["built"], _state["error"] = False, f"{type(e).__name__}: {e}"
@@ -149,54 +156,46 @@ def available() -> bool:
 
 def _use_kernel(x: jax.Array, w: jax.Array, n: int, k: int, nk: bool) -> bool:
   rows = int(np.prod(x.shape[:-1], dtype=np.int64))
-  if x.dtype != jnp.float32 or w.dtype != jnp.float32 or w.ndim != 2 or not 0 < rows <= MAX_ROWS:
+  if x.dtype not in _WEIGHT_DTYPES or w.dtype not in _WEIGHT_DTYPES or w.ndim != 2 or not 0 < rows <= MAX_ROWS:
     return False
   if n % 16 or (nk and (k % 16 or n % 4)):
     return False
   return available()
 
 
-def _call(kind: str, x: jax.Array, w: jax.Array) -> jax.Array:
+def _product(kind: str, x: jax.Array, w: jax.Array, out_dtype) -> jax.Array:
+  """The kernel's x @ w ("kn") or x @ w.T ("nk"), float32 accumulation, as out_dtype; XLA's dots for gradients."""
+  target = _TARGETS[kind] + ("_bf16" if w.dtype == jnp.bfloat16 else "")
   n = w.shape[0] if kind == "nk" else w.shape[1]
-  out = jax.ShapeDtypeStruct(x.shape[:-1] + (n,), jnp.float32)
-  return jax.ffi.ffi_call(_TARGETS[kind], out, vmap_method="sequential")(x, w)
+  oriented = (lambda a: a.T) if kind == "nk" else (lambda a: a)
 
+  @jax.custom_jvp
+  def kernel(x, w):
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape[:-1] + (n,), jnp.float32), vmap_method="sequential")
+    return call(x.astype(jnp.float32), w).astype(out_dtype)
 
-@jax.custom_jvp
-def _kernel_kn(x, w):
-  return _call("kn", x, w)
+  @kernel.defjvp
+  def kernel_jvp(primals, tangents):
+    (x, w), (dx, dw) = primals, tangents
+    tangent = (jnp.matmul(dx, oriented(w), preferred_element_type=jnp.float32)
+               + jnp.matmul(x, oriented(dw), preferred_element_type=jnp.float32))
+    return kernel(x, w), tangent.astype(out_dtype)
 
-
-@_kernel_kn.defjvp
-def _kernel_kn_jvp(primals, tangents):
-  (x, w), (dx, dw) = primals, tangents
-  return _kernel_kn(x, w), jnp.matmul(dx, w) + jnp.matmul(x, dw)
-
-
-@jax.custom_jvp
-def _kernel_nk(x, w):
-  return _call("nk", x, w)
-
-
-@_kernel_nk.defjvp
-def _kernel_nk_jvp(primals, tangents):
-  (x, w), (dx, dw) = primals, tangents
-  return _kernel_nk(x, w), jnp.matmul(dx, w.T) + jnp.matmul(x, dw.T)
+  return kernel(x, w)
 
 
 def dense(x: jax.Array, w: jax.Array, preferred_element_type=None) -> jax.Array:
-  """x [..., K] @ w [K, N] -> [..., N] (`preferred_element_type` as in jnp.matmul; the kernel is float32)."""
+  """x [..., K] @ w [K, N] -> [..., N], as jnp.matmul(x, w, preferred_element_type=...)."""
   if _use_kernel(x, w, w.shape[-1], w.shape[0], nk=False):
-    return _kernel_kn(x, w)
+    return _product("kn", x, w, preferred_element_type or jnp.result_type(x.dtype, w.dtype))
   return jnp.matmul(x, w, preferred_element_type=preferred_element_type)
 
 
 def dense_t(x: jax.Array, w: jax.Array, preferred_element_type=None) -> jax.Array:
   """x [..., K] @ w [N, K].T -> [..., N]."""
   if _use_kernel(x, w, w.shape[0], w.shape[1], nk=True):
-    return _kernel_nk(x, w)
+    return _product("nk", x, w, preferred_element_type or jnp.result_type(x.dtype, w.dtype))
   return jnp.einsum("...d,vd->...v", x, w, preferred_element_type=preferred_element_type)
-
 
 
 def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array, reference) -> jax.Array:
@@ -205,16 +204,17 @@ def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: j
   it is used where the kernel does not apply (T > MAX_QUERY_TOKENS, not float32, ...) and for gradients."""
   b, t, h, d = q.shape
   kv = k_cache.shape[2]
-  usable = (t <= MAX_QUERY_TOKENS and d % 16 == 0 and d <= 256 and h % kv == 0
-            and all(a.dtype == jnp.float32 for a in (q, k_cache, v_cache)) and available())
+  usable = (t <= MAX_QUERY_TOKENS and d % 16 == 0 and d <= 256 and h % kv == 0 and q.dtype in _WEIGHT_DTYPES
+            and k_cache.dtype in _WEIGHT_DTYPES and v_cache.dtype == k_cache.dtype and available())
   if not usable:
     return reference(q, k_cache, v_cache, positions)
+  target = _TARGETS["attention"] + ("_bf16" if k_cache.dtype == jnp.bfloat16 else "")
 
   @jax.custom_jvp
   def kernel(q, k_cache, v_cache):
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
-    return jax.ffi.ffi_call(_TARGETS["attention"], out, vmap_method="sequential")(
-        q, k_cache, v_cache, positions.astype(jnp.int32))
+    return jax.ffi.ffi_call(target, out, vmap_method="sequential")(
+        q.astype(jnp.float32), k_cache, v_cache, positions.astype(jnp.int32)).astype(q.dtype)
 
   @kernel.defjvp
   def kernel_jvp(primals, tangents):

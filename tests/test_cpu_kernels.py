@@ -39,6 +39,25 @@ def test_dense_equals_xla(rows, k, n):
     np.testing.assert_allclose(np.asarray(got_t), np.asarray(x @ w), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 8])
+def test_bfloat16_weights_accumulate_in_float32(rows):
+  """bfloat16 weights (and activations) are widened in the kernel; the result is what XLA's bfloat16 product
+  gives, up to its own bfloat16 rounding of the output."""
+  rng = np.random.default_rng(rows)
+  x = jnp.asarray(rng.standard_normal((rows, 576), np.float32)).astype(jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((576, 192), np.float32) / 24).astype(jnp.bfloat16)
+  e = jnp.asarray(rng.standard_normal((256, 576), np.float32) / 24).astype(jnp.bfloat16)
+  assert "specjax_small_matmul_kn_bf16" in jax.jit(lambda x, w: cpu_kernels.dense(x, w)).lower(x, w).as_text()
+  got = jax.jit(lambda x, w: cpu_kernels.dense(x, w))(x, w)
+  assert got.dtype == jnp.bfloat16
+  want = jnp.matmul(x, w, preferred_element_type=jnp.float32)
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=1e-2, atol=1e-2)
+  head = jax.jit(lambda x, e: cpu_kernels.dense_t(x, e, preferred_element_type=jnp.float32))(x, e)
+  assert head.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(head), np.asarray(jnp.einsum("md,vd->mv", x, e,
+                             preferred_element_type=jnp.float32)), rtol=1e-5, atol=1e-5)
+
+
 def test_leading_dimensions_and_rows_are_independent():
   """A row's result is the same bits whichever rows share the call: verifying T tokens multiplies each token
   exactly as decoding it alone does."""
@@ -62,7 +81,7 @@ def test_xla_dot_where_the_kernel_does_not_apply():
   assert not _has_kernel(cpu_kernels.dense, many, w)
   np.testing.assert_allclose(np.asarray(cpu_kernels.dense(many, w)), np.asarray(many @ w), rtol=1e-6)
   few = jnp.asarray(rng.standard_normal((4, 64), np.float32))
-  assert not _has_kernel(cpu_kernels.dense, few.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
+  assert not _has_kernel(cpu_kernels.dense, few.astype(jnp.float16), w.astype(jnp.float16))
   assert not _has_kernel(cpu_kernels.dense, few, w[:, :24])  # N not a multiple of 16
   with cpu_kernels.enabled(False):
     assert not _has_kernel(cpu_kernels.dense, few, w)
@@ -129,6 +148,21 @@ def test_attention_equals_xla(b, t, h, kv, s, d):
   # A query's output does not depend on the other queries of the call.
   alone = np.asarray(jax.jit(fn)(q[:1, :1], k[:1], v[:1], positions[:1, :1]))
   np.testing.assert_array_equal(got[:1, :1], alone)
+
+
+def test_attention_over_a_bfloat16_cache():
+  from specjax.model import attend
+  rng = np.random.default_rng(4)
+  q = jnp.asarray(rng.standard_normal((2, 5, 9, 64), np.float32)).astype(jnp.bfloat16)
+  k = jnp.asarray(rng.standard_normal((2, 48, 3, 64), np.float32)).astype(jnp.bfloat16)
+  v = jnp.asarray(rng.standard_normal((2, 48, 3, 64), np.float32)).astype(jnp.bfloat16)
+  positions = jnp.asarray(rng.integers(0, 48, (2, 5)), jnp.int32)
+  fn = jax.jit(lambda q, k, v, p: cpu_kernels.attention(q, k, v, p, attend))
+  assert "specjax_decode_attention_bf16" in fn.lower(q, k, v, positions).as_text()
+  got = fn(q, k, v, positions)
+  assert got.dtype == jnp.bfloat16
+  want = attend(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), positions)
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=2e-2, atol=2e-2)
 
 
 def test_attention_falls_back_and_differentiates():
