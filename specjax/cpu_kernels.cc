@@ -89,6 +89,31 @@ void BlockKN(const float* __restrict x, int64_t K, const W* __restrict w, int64_
     for (int j = 0; j < kVecs; ++j) Store(out + m * ldo + 16 * j, acc[m][j]);
 }
 
+// kn for more than 8 rows: the same stream over w, every row's accumulators (L1) updated from each loaded vector,
+// so w is read once whatever the number of rows (up to kMaxRows).
+constexpr int64_t kMaxRows = 32;
+
+template <typename W, int kVecs>
+void BlockKNWide(const float* __restrict x, int64_t M, int64_t K, const W* __restrict w, int64_t ldw,
+                 float* __restrict out, int64_t ldo) {
+  alignas(64) v16 acc[kMaxRows][kVecs];
+  for (int64_t m = 0; m < M; ++m)
+    for (int j = 0; j < kVecs; ++j) acc[m][j] = v16{};
+  for (int64_t k = 0; k < K; ++k) {
+    const W* row = w + k * ldw;
+    const W* ahead = row + kPrefetch * ldw;
+    for (int j = 0; j < kVecs; ++j) __builtin_prefetch(ahead + 16 * j);
+    v16 wv[kVecs];
+    for (int j = 0; j < kVecs; ++j) wv[j] = LoadW(row + 16 * j);
+    for (int64_t m = 0; m < M; ++m) {
+      const float xv = x[m * K + k];
+      for (int j = 0; j < kVecs; ++j) acc[m][j] += xv * wv[j];
+    }
+  }
+  for (int64_t m = 0; m < M; ++m)
+    for (int j = 0; j < kVecs; ++j) Store(out + m * ldo + 16 * j, acc[m][j]);
+}
+
 // nk: MR rows x 4 columns of out; w points at 4 consecutive rows of the [N, K] matrix.
 template <typename W, int MR>
 void BlockNK(const float* __restrict x, int64_t K, const W* __restrict w, float* __restrict out, int64_t ldo) {
@@ -165,6 +190,17 @@ void Columns(const Problem<W>& p, int64_t b0, int64_t b1) {
   const int64_t rows_per_group = p.nk ? 4 : 8;
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t col = b * p.col_block;
+    if (!p.nk && p.M > 8 && p.M <= kMaxRows) {
+      switch (p.col_block) {
+        case 256: BlockKNWide<W, 16>(p.x, p.M, p.K, p.w + col, p.N, p.out + col, p.N); break;
+        case 192: BlockKNWide<W, 12>(p.x, p.M, p.K, p.w + col, p.N, p.out + col, p.N); break;
+        case 128: BlockKNWide<W, 8>(p.x, p.M, p.K, p.w + col, p.N, p.out + col, p.N); break;
+        case 64: BlockKNWide<W, 4>(p.x, p.M, p.K, p.w + col, p.N, p.out + col, p.N); break;
+        case 32: BlockKNWide<W, 2>(p.x, p.M, p.K, p.w + col, p.N, p.out + col, p.N); break;
+        default: BlockKNWide<W, 1>(p.x, p.M, p.K, p.w + col, p.N, p.out + col, p.N); break;
+      }
+      continue;
+    }
     for (int64_t m0 = 0; m0 < p.M; m0 += rows_per_group) {
       const int64_t mr = p.M - m0 < rows_per_group ? p.M - m0 : rows_per_group;
       const float* xr = p.x + m0 * p.K;

@@ -58,18 +58,19 @@ def test_bfloat16_weights_accumulate_in_float32(rows):
                              preferred_element_type=jnp.float32)), rtol=1e-5, atol=1e-5)
 
 
-def test_leading_dimensions_and_rows_are_independent():
+@pytest.mark.parametrize("rows_per_call", [3, 12], ids=["few_rows", "wide"])
+def test_leading_dimensions_and_rows_are_independent(rows_per_call):
   """A row's result is the same bits whichever rows share the call: verifying T tokens multiplies each token
-  exactly as decoding it alone does."""
+  exactly as decoding it alone does (more than 8 rows take the kernel's wide path)."""
   rng = np.random.default_rng(0)
-  x = jnp.asarray(rng.standard_normal((2, 3, 576), np.float32))
+  x = jnp.asarray(rng.standard_normal((2, rows_per_call, 576), np.float32))
   w = jnp.asarray(rng.standard_normal((576, 1536), np.float32))
   e = jnp.asarray(rng.standard_normal((4096, 576), np.float32))
   for fn, weight in ((cpu_kernels.dense, w), (cpu_kernels.dense_t, e)):
     full = np.asarray(jax.jit(fn)(x, weight))
-    assert full.shape == (2, 3, weight.shape[1] if fn is cpu_kernels.dense else weight.shape[0])
+    assert full.shape == (2, rows_per_call, weight.shape[1] if fn is cpu_kernels.dense else weight.shape[0])
     for b in range(2):
-      for t in range(3):
+      for t in range(rows_per_call):
         alone = np.asarray(jax.jit(fn)(x[b, t][None], weight))[0]
         np.testing.assert_array_equal(full[b, t], alone)
 
