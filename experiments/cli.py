@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import platform
@@ -53,12 +54,19 @@ def parse_flags(argv: list[str]) -> list[str]:
   return argv
 
 
-def environment() -> dict[str, Any]:
+@functools.cache
+def code_commit() -> str | None:
+  """The checkout's commit (`git describe --always --dirty`), as of the first call: entry points call it when
+  they start, so a long run reports the code it ran even if the checkout moves on meanwhile."""
   try:
-    commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip() or None
+    return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip() or None
   except OSError:
-    commit = None
+    return None
+
+
+def environment() -> dict[str, Any]:
+  commit = code_commit()
   return {"jax": jax.__version__, "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
           "cpu_count": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
           "numpy": np.__version__, "specjax_commit": commit}

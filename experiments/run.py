@@ -66,7 +66,7 @@ from specjax.decoding import prepare_batch
 from specjax.drafters import draft_head
 from specjax.sampling import SamplingParams
 from experiments import cli, costs, peers, report, spec_bench
-from experiments.cli import environment, parse_flags
+from experiments.cli import code_commit, environment, parse_flags
 
 _CONFIG = cli.define_config_flag("Experiment config: configs/<name>.py[:arg].")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (default: workdirs/<config>-<time>).")
@@ -353,6 +353,7 @@ def _measure_costs(config: ml_collections.ConfigDict, model: specjax.Model, meth
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  code_commit()  # the code this run starts with, reported in results.json
   distributed.initialize_from_flags()  # before any JAX computation; a no-op for a single process
   config_file = config_flags.get_config_filename(flags.FLAGS["config"])
   name = os.path.basename(config_file).replace(".py", "").replace(":", "-")

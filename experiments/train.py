@@ -29,7 +29,7 @@ from specjax.drafters import draft_head, draft_model
 from specjax.loading import CheckpointError
 from specjax.train_drafter import train_drafter
 from experiments import cli, spec_bench
-from experiments.cli import environment, parse_flags
+from experiments.cli import code_commit, environment, parse_flags
 
 _CONFIG = cli.define_config_flag("Training config: configs/train_mtp.py:<variant>.")
 # The make_drafter keyword that takes a trained checkpoint, per drafter (how the model card says to load it).
@@ -170,6 +170,7 @@ def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   logging.set_verbosity(logging.INFO)
+  code_commit()  # the code this run starts with, reported in the model card
   run(_CONFIG.value, "python -m experiments.train " + " ".join(sys.argv[1:]))
 
 
