@@ -46,6 +46,10 @@ import numpy as np
 MAX_ROWS = 32  # products: beyond this XLA's dot is as fast (measured on 2 cores); prefill and training use XLA's
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.cc")
 _TARGETS = {"kn": "specjax_small_matmul_kn", "nk": "specjax_small_matmul_nk", "attention": "specjax_decode_attention"}
+# XLA custom-call target -> the handler's symbol in cpu_kernels.cc; "_bf16": bfloat16 weights or caches.
+_SYMBOLS = {"specjax_small_matmul_kn": "SmallMatmulKN", "specjax_small_matmul_nk": "SmallMatmulNK",
+            "specjax_small_matmul_kn_bf16": "SmallMatmulKNBF16", "specjax_small_matmul_nk_bf16": "SmallMatmulNKBF16",
+            "specjax_decode_attention": "DecodeAttention", "specjax_decode_attention_bf16": "DecodeAttentionBF16"}
 _WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16)  # weights and caches either; activations widened to float32
 MAX_QUERY_TOKENS = 16  # attention: new tokens per row (decode and verification); prefill uses XLA's
 _lock = threading.Lock()
@@ -120,13 +124,8 @@ def build() -> bool:
         if not os.path.exists(path):
           _compile(path)
         lib = ctypes.cdll.LoadLibrary(path)
-        jax.ffi.register_ffi_target(_TARGETS["kn"], jax.ffi.pycapsule(lib.SmallMatmulKN), platform="cpu")
-        jax.ffi.register_ffi_target(_TARGETS["nk"], jax.ffi.pycapsule(lib.SmallMatmulNK), platform="cpu")
-        jax.ffi.register_ffi_target(_TARGETS["kn"] + "_bf16", jax.ffi.pycapsule(lib.SmallMatmulKNBF16), platform="cpu")
-        jax.ffi.register_ffi_target(_TARGETS["nk"] + "_bf16", jax.ffi.pycapsule(lib.SmallMatmulNKBF16), platform="cpu")
-        jax.ffi.register_ffi_target(_TARGETS["attention"], jax.ffi.pycapsule(lib.DecodeAttention), platform="cpu")
-        jax.ffi.register_ffi_target(_TARGETS["attention"] + "_bf16", jax.ffi.pycapsule(lib.DecodeAttentionBF16),
-                                    platform="cpu")
+        for target, symbol in _SYMBOLS.items():
+          jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
         _state["built"] = True
       except Exception as e:  # any failure means the plain dot, said once
         _state["built"], _state["error"] = False, f"{type(e).__name__}: {e}"
