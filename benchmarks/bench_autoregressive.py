@@ -151,14 +151,15 @@ def main(argv):
           f"{step_bytes / step / bandwidth:>8.0%}")
   print("\ntokens/s: batch x new tokens / wall time of the whole call (prefill included); decode: per step, "
         "prefill excluded;\ncompile s: first calls minus median calls (both programs); roofline: "
-        "(MB/step / step time) / copy bandwidth.")
+        "(MB/step / step time) / copy bandwidth.\n")
   hf = next((c for c in cases if isinstance(c, HFCase)), None)
-  ours = next((c for c in cases if isinstance(c, SpecjaxCase) and c.model.config.dtype == "float32"
-               and c.batch == 1), None)
-  if hf and ours:
-    agree = next((i for i, (a, b) in enumerate(zip(tokens[ours.name], tokens[hf.name])) if a != b), n)
-    print(f"\nspecjax / HF (fp32, batch 1): {rows[ours.name] / rows[hf.name]:.2f}x tokens/s; "
-          f"greedy tokens agree for the first {agree} of {n}")
+  for dtype in ("float32", "bfloat16"):
+    ours = next((c for c in cases if isinstance(c, SpecjaxCase) and c.model.config.dtype == dtype
+                 and c.batch == 1), None)
+    if hf and ours:
+      agree = next((i for i, (a, b) in enumerate(zip(tokens[ours.name], tokens[hf.name])) if a != b), n)
+      print(f"specjax {dtype} / HF float32 (batch 1): {rows[ours.name] / rows[hf.name]:.2f}x tokens/s; "
+            f"greedy tokens agree for the first {agree} of {n}")
 
 
 if __name__ == "__main__":
