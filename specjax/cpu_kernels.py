@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-MAX_ROWS = 32  # products: beyond this XLA's dot is as fast (measured on 2 cores); prefill and training use XLA's
+MAX_ROWS = 24  # products: faster than XLA at 16 and 20 rows, slower at 32 (2 cores); prefill and training use XLA
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.cc")
 _TARGETS = {"kn": "specjax_small_matmul_kn", "nk": "specjax_small_matmul_nk", "attention": "specjax_decode_attention"}
 # XLA custom-call target -> the handler's symbol in cpu_kernels.cc; "_bf16": bfloat16 weights or caches.

@@ -23,7 +23,7 @@ def test_kernel_builds_on_this_machine():
   assert cpu_kernels.status() == "in use"
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16, 32])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16, cpu_kernels.MAX_ROWS])
 @pytest.mark.parametrize("k,n", [(576, 1536), (1536, 576), (64, 48), (32, 16), (576, 192)])
 def test_dense_equals_xla(rows, k, n):
   rng = np.random.default_rng(rows * 7 + n)
