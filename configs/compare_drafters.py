@@ -5,10 +5,9 @@ r"""Every drafter against autoregressive decoding on all 13 Spec-Bench categorie
   python -m experiments.run --config=configs/compare_drafters.py:small,sampling   # temperature 0.7, top-p 0.9
   python -m experiments.run --config=configs/compare_drafters.py:small,both       # greedy, then 0.7 (alpha plot)
 
-Expected time on 2 CPU cores: `:small --config.max_new_tokens=16` took 19 min on cores shared with other jobs
-(load ~8): 24 programs compiled in 8.5 min (6 methods x 4 prompt-length buckets, 11-28 s each), 13 prompt
-batches, then 3 min of cost loops. `:small` at 64 tokens: add the decoding, roughly 25-30 min; the full config
-is hours (40x `:small`'s decoding: meant for a GPU or TPU). `both` runs everything twice.
+Expected time on 2 CPU cores: `:small` (64 tokens) took 17 min, of which compiling 31 shape buckets (4-10 s
+each) and 2-3 min of cost loops (results/compare_drafters-small/); the full config is hours (40x `:small`'s
+decoding: meant for a GPU or TPU). `both` runs everything twice.
 
 Methods (SmolLM2-135M-Instruct, fp32, batch 1, gamma 4 unless a method sets its own): prompt lookup; untrained
 early exit after layer 24; the best layer-skip set found by the search (configs/layer_skip_sets/smollm2-135m.json,

@@ -6,8 +6,8 @@ Overrides go on the command line, e.g. `--config.max_new_tokens=16 --config.only
 tuples are Python literals: `--config.prompts.categories="('qa','rag')"`.
 SmolLM2-135M-Instruct in float32 (the dtype tested for parity with HF), greedy, batch 1, one prompt from each of
 five categories, chat template on the first turn. Results go to workdirs/quickstart-<time>/ (or --workdir).
-About 5 min on 2 idle CPU cores; 11.5 min measured on 2 cores shared with other jobs (load ~9), of which 10
-programs compiled (14-32 s each) and 1 min of cost loops.
+2 min 48 s measured on 2 CPU cores (10 programs compiled at 3-10 s each, then the cost loops); on cores shared
+with other jobs, several times that.
 """
 
 import ml_collections
