@@ -102,6 +102,22 @@ def test_gradients_go_through_plain_dots():
     np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-5)
 
 
+def test_a_fresh_build_compiles_into_the_cache(tmp_path):
+  """What a new machine does on first use: compile the library into an empty cache and use it."""
+  code = """
+import jax.numpy as jnp, numpy as np
+from specjax import cpu_kernels
+x, w = jnp.ones((2, 64)), jnp.ones((64, 32))
+assert np.allclose(np.asarray(cpu_kernels.dense(x, w)), 64.0)
+print(cpu_kernels.status(), cpu_kernels.library_path())
+"""
+  env = dict(os.environ, SPECJAX_CACHE=str(tmp_path / "cache"))
+  result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr
+  assert result.stdout.startswith("in use " + str(tmp_path / "cache"))
+  assert [p.name for p in (tmp_path / "cache").iterdir()] == [os.path.basename(result.stdout.split()[-1])]
+
+
 def test_a_failed_build_warns_and_falls_back(tmp_path):
   code = """
 import warnings
