@@ -125,17 +125,21 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
   def cond(s: SpecState):
     return ~jnp.all(s.done)
 
-  def body(s: SpecState):
+  def round_(s: SpecState, budget, drafting: bool) -> SpecState:
+    """One round: draft up to `budget` tokens and verify them, or (drafting=False) a plain target step."""
     key, draft_key, verify_key = jax.random.split(s.key, 3)
-    budget = gamma if plan is None else draft_length(plan, s.acceptance)  # 0: a plain target step
-    proposal = _propose(params, draft_params, drafter, s, draft_key, gamma, budget, plan, sampling)
+    proposal = (_propose(params, draft_params, drafter, s, draft_key, gamma, budget, plan, sampling) if drafting
+                else _no_proposal(params, draft_params, drafter, s, draft_key, gamma, sampling))
     live = ~s.done
     draft_lengths = jnp.where(live, jnp.minimum(proposal.lengths, budget), 0)
     verify_tokens = jnp.concatenate([s.sequence[rows, s.position][:, None], proposal.tokens], axis=1)
     # Only the pending token when no row drafted (a plain step), else all gamma + 1 positions.
     plain_step, full = (functools.partial(_verify_forward, params, config, verify_tokens, proposal, s.position,
                                           width, drafter.reuse_layers, with_layers) for width in (1, gamma + 1))
-    out = full() if plan is None else jax.lax.cond(jnp.any(draft_lengths > 0), full, plain_step)
+    if not drafting:
+      out = plain_step()
+    else:
+      out = full() if plan is None else jax.lax.cond(jnp.any(draft_lengths > 0), full, plain_step)
     if sampling.greedy:
       accepted_len, next_token = greedy_verify(proposal.tokens, out.logits, draft_lengths)
     else:
@@ -145,12 +149,20 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
     accepted, rejected = jnp.where(live, accepted_len, 0), live & (accepted_len < draft_lengths)
     result = RoundResult(sequence=sequence, position=position, accepted=accepted, verify_hidden=out.hidden,
                          features=_features(out, drafter.feature_layers), verify_position=s.position,
-                         drafted=jnp.asarray(budget > 0))
+                         drafted=jnp.asarray(drafting))
     return SpecState(
         sequence=sequence, position=position, done=done, cache=sharding.constrain_cache(out.cache, cache_sharding),
         draft_state=drafter.update(params, draft_params, drafter.options, proposal.state, result), key=key,
         rounds=s.rounds + 1, acceptance=s.acceptance.update(plan, accepted, rejected),
         counts=s.counts.add(live, draft_lengths, accepted, rejected, result.drafted, proposal.steps))
+
+  def body(s: SpecState):
+    if plan is None:
+      return round_(s, gamma, drafting=True)
+    budget = draft_length(plan, s.acceptance)  # 0: a plain target step
+    # One branch per kind of round, so a plain step runs neither the drafter nor a choice of verify width.
+    return jax.lax.cond(budget > 0, lambda s: round_(s, budget, drafting=True),
+                        lambda s: round_(s, 0, drafting=False), s)
 
   s = jax.lax.while_loop(cond, body, state)
   num_generated = s.position - lengths + 1
@@ -159,20 +171,24 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
 
 
 def _propose(params, draft_params, drafter: Drafter, s: SpecState, key, gamma: int, budget, plan, sampling):
-  """The drafter's proposal, with lengths and steps filled in; with a budget of 0 the drafter does not run."""
+  """The drafter's proposal of up to `budget` (>= 1) tokens, with lengths and steps filled in."""
   inputs = DraftInputs(sequence=s.sequence, position=s.position, target_cache=s.cache, key=key,
-                       budget=jnp.maximum(budget, 1), min_confidence=plan.min_confidence if plan else 0.0)
+                       budget=jnp.asarray(budget), min_confidence=plan.min_confidence if plan else 0.0)
+  proposal = drafter.propose(params, draft_params, drafter.options, s.draft_state, inputs, gamma, sampling)
+  return proposal._replace(
+      lengths=jnp.full(s.position.shape, gamma, jnp.int32) if proposal.lengths is None else proposal.lengths,
+      steps=jnp.asarray(gamma if proposal.steps is None else proposal.steps, jnp.int32))
 
-  def run():
-    proposal = drafter.propose(params, draft_params, drafter.options, s.draft_state, inputs, gamma, sampling)
-    return proposal._replace(
-        lengths=jnp.full(s.position.shape, gamma, jnp.int32) if proposal.lengths is None else proposal.lengths,
-        steps=jnp.asarray(gamma if proposal.steps is None else proposal.steps, jnp.int32))
 
-  if plan is None:
-    return run()
-  empty = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(run))
-  return jax.lax.cond(budget > 0, run, lambda: empty._replace(state=s.draft_state, target_cache=s.cache))
+def _no_proposal(params, draft_params, drafter: Drafter, s: SpecState, key, gamma: int, sampling) -> Proposal:
+  """What a round that does not draft passes on: zeros shaped like a proposal, the drafter's state unchanged."""
+  inputs = DraftInputs(sequence=s.sequence, position=s.position, target_cache=s.cache, key=key,
+                       budget=jnp.asarray(1), min_confidence=0.0)
+  shapes = jax.eval_shape(lambda: drafter.propose(params, draft_params, drafter.options, s.draft_state, inputs,
+                                                  gamma, sampling))
+  empty = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+  return empty._replace(state=s.draft_state, target_cache=s.cache, lengths=jnp.zeros(s.position.shape, jnp.int32),
+                        steps=jnp.zeros((), jnp.int32))
 
 
 def _verify_forward(params, config, tokens, proposal: Proposal, position, width: int, reuse_layers: int,
