@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax.config import ModelConfig, rope_inv_freq
 from specjax import cpu_kernels
+from specjax.config import ModelConfig, rope_inv_freq
 from specjax.cpu_kernels import dense, dense_t
 
 Params = dict[str, Any]
