@@ -1,14 +1,15 @@
-// Float32 matrix products with few rows, for XLA:CPU through the XLA FFI (see cpu_kernels.py).
+// Decode kernels for XLA:CPU, called through the XLA FFI (see cpu_kernels.py). Float32 arithmetic; weights and
+// caches float32 or bfloat16.
 //
 //   SmallMatmulKN: out[M, N] = x[M, K] @ w[K, N]    (the decoder's projections)
 //   SmallMatmulNK: out[M, N] = x[M, K] @ w[N, K]^T  (a tied LM head: the embedding table, rows = tokens)
 //
-// A decode step or a verification over a few tokens multiplies M = batch x tokens rows (1..32) by every weight
+// A decode step or a verification over a few tokens multiplies M = batch x tokens rows by every weight
 // matrix. The weights are read from memory once per call whatever M is, so the product should cost about what a
 // matrix-vector product costs. XLA:CPU's general matrix product packs the weight matrix into a scratch layout on
 // every call, which reads and writes it again: 5 rows cost ~2-2.6x one row. These kernels keep up to 8 rows'
-// accumulators in registers and stream each weight once, prefetching ahead; the column blocks are split over
-// XLA's intra-op thread pool. Every output element sums over k in the same order whatever M is, so a row's result
+// accumulators in registers or L1 (more rows, up to kMaxRows: one pass over the weight updating them all) and
+// stream each weight once, prefetching ahead; the column blocks are split over XLA's intra-op thread pool. Every output element sums over k in the same order whatever M is, so a row's result
 // does not depend on which other rows share the call.
 //
 //   DecodeAttention: causal grouped-query attention of a few new tokens per row over the KV cache
@@ -25,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -139,40 +141,32 @@ void BlockNK(const float* __restrict x, int64_t K, const W* __restrict w, float*
     }
 }
 
-template <template <typename, int> class F, typename W, typename... Args>
-void Dispatch(int64_t rows, Args... args) {
-  switch (rows) {
-    case 1: F<W, 1>::Run(args...); break;
-    case 2: F<W, 2>::Run(args...); break;
-    case 3: F<W, 3>::Run(args...); break;
-    case 4: F<W, 4>::Run(args...); break;
-    case 5: F<W, 5>::Run(args...); break;
-    case 6: F<W, 6>::Run(args...); break;
-    case 7: F<W, 7>::Run(args...); break;
-    default: F<W, 8>::Run(args...); break;
+// Calls f(std::integral_constant<int, V>) for the compile-time V that stands for a runtime value.
+template <typename F>
+void WithVecs(int64_t width, F f) {  // 16-float vectors per column block of kn
+  switch (width) {
+    case 256: f(std::integral_constant<int, 16>{}); break;
+    case 192: f(std::integral_constant<int, 12>{}); break;
+    case 128: f(std::integral_constant<int, 8>{}); break;
+    case 64: f(std::integral_constant<int, 4>{}); break;
+    case 32: f(std::integral_constant<int, 2>{}); break;
+    default: f(std::integral_constant<int, 1>{}); break;
   }
 }
 
-template <typename W, int MR>
-struct RunKN {
-  static void Run(const float* x, int64_t K, const W* w, int64_t N, float* out, int64_t width) {
-    switch (width) {
-      case 256: BlockKN<W, MR, 16>(x, K, w, N, out, N); break;
-      case 192: BlockKN<W, MR, 12>(x, K, w, N, out, N); break;
-      case 128: BlockKN<W, MR, 8>(x, K, w, N, out, N); break;
-      case 64: BlockKN<W, MR, 4>(x, K, w, N, out, N); break;
-      case 32: BlockKN<W, MR, 2>(x, K, w, N, out, N); break;
-      default: BlockKN<W, MR, 1>(x, K, w, N, out, N); break;
-    }
+template <typename F>
+void WithRows(int64_t rows, F f) {  // rows held in registers: 1..8
+  switch (rows) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
   }
-};
-
-template <typename W, int MR>
-struct RunNK {
-  static void Run(const float* x, int64_t K, const W* w, int64_t N, float* out, int64_t) {
-    BlockNK<W, MR>(x, K, w, out, N);
-  }
-};
+}
 
 template <typename W>
 struct Problem {
@@ -191,47 +185,58 @@ void Columns(const Problem<W>& p, int64_t b0, int64_t b1) {
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t col = b * p.col_block;
     if (!p.nk && p.M > 8 && p.M <= kMaxRows) {
-      switch (p.col_block) {
-        case 256: BlockKNWide<W, 16>(p.x, p.M, p.K, p.w + col, p.N, p.out + col, p.N); break;
-        case 192: BlockKNWide<W, 12>(p.x, p.M, p.K, p.w + col, p.N, p.out + col, p.N); break;
-        case 128: BlockKNWide<W, 8>(p.x, p.M, p.K, p.w + col, p.N, p.out + col, p.N); break;
-        case 64: BlockKNWide<W, 4>(p.x, p.M, p.K, p.w + col, p.N, p.out + col, p.N); break;
-        case 32: BlockKNWide<W, 2>(p.x, p.M, p.K, p.w + col, p.N, p.out + col, p.N); break;
-        default: BlockKNWide<W, 1>(p.x, p.M, p.K, p.w + col, p.N, p.out + col, p.N); break;
-      }
+      WithVecs(p.col_block, [&](auto vecs) {
+        BlockKNWide<W, decltype(vecs)::value>(p.x, p.M, p.K, p.w + col, p.N, p.out + col, p.N);
+      });
       continue;
     }
     for (int64_t m0 = 0; m0 < p.M; m0 += rows_per_group) {
       const int64_t mr = p.M - m0 < rows_per_group ? p.M - m0 : rows_per_group;
       const float* xr = p.x + m0 * p.K;
       float* o = p.out + m0 * p.N + col;
-      if (p.nk) {
-        Dispatch<RunNK, W>(mr, xr, p.K, p.w + col * p.K, p.N, o, p.col_block);
-      } else {
-        Dispatch<RunKN, W>(mr, xr, p.K, p.w + col, p.N, o, p.col_block);
-      }
+      WithRows(mr, [&](auto rows) {
+        constexpr int MR = decltype(rows)::value;
+        if (p.nk) {
+          BlockNK<W, MR>(xr, p.K, p.w + col * p.K, o, p.N);
+        } else {
+          WithVecs(p.col_block, [&](auto vecs) {
+            BlockKN<W, MR, decltype(vecs)::value>(xr, p.K, p.w + col, p.N, o, p.N);
+          });
+        }
+      });
     }
   }
 }
 
-// Work shared between the calling thread and pool tasks: whoever comes first takes the next chunk, so the call
-// never waits on a task that has not started (the pool may be busy or the caller may be one of its threads).
-template <typename W>
-struct Shared {
-  Problem<W> p;
-  int64_t blocks;
-  int chunks;
-  std::atomic<int> next{0};
-  std::atomic<int> done{0};
-
-  void Work() {
-    int c;
-    while ((c = next.fetch_add(1)) < chunks) {
-      Columns(p, blocks * c / chunks, blocks * (c + 1) / chunks);
-      done.fetch_add(1, std::memory_order_release);
-    }
+// Runs body(begin, end) over [0, n) in up to one chunk per pool thread. The calling thread and the pool tasks share
+// the chunks: whoever comes first takes the next one, so the call never waits on a task that has not started (the
+// pool may be busy, or the caller may be one of its threads). A task that starts after every chunk is taken returns
+// without touching body.
+template <typename F>
+void ParallelFor(ffi::ThreadPool& pool, int64_t n, const F& body) {
+  const int64_t threads = pool.num_threads() > 1 ? pool.num_threads() : 1;
+  const int chunks = static_cast<int>(threads < n ? threads : n);
+  if (chunks <= 1) {
+    if (n > 0) body(0, n);
+    return;
   }
-};
+  struct Counters {
+    std::atomic<int> next{0};
+    std::atomic<int> done{0};
+  };
+  auto counters = std::make_shared<Counters>();
+  auto work = [counters, chunks, n, body]() {
+    int c;
+    while ((c = counters->next.fetch_add(1)) < chunks) {
+      body(n * c / chunks, n * (c + 1) / chunks);
+      counters->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int t = 1; t < chunks; ++t) pool.Schedule([work]() { work(); });
+  work();
+  while (counters->done.load(std::memory_order_acquire) < chunks) {
+  }
+}
 
 template <ffi::DataType WT>
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT> w, ffi::ResultBuffer<ffi::F32> out,
@@ -259,22 +264,7 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT>
   p.x = x.typed_data();
   p.w = w.typed_data();
   p.out = out->typed_data();
-  const int64_t blocks = p.N / p.col_block;
-  int64_t threads = pool.num_threads();
-  if (threads < 1) threads = 1;
-  int64_t chunks = threads < blocks ? threads : blocks;
-  if (chunks <= 1 || p.M == 0) {
-    if (p.M) Columns(p, 0, blocks);
-    return ffi::Error::Success();
-  }
-  auto shared = std::make_shared<Shared<W>>();
-  shared->p = p;
-  shared->blocks = blocks;
-  shared->chunks = static_cast<int>(chunks);
-  for (int64_t t = 1; t < threads && t < chunks; ++t) pool.Schedule([shared]() { shared->Work(); });
-  shared->Work();
-  while (shared->done.load(std::memory_order_acquire) < shared->chunks) {
-  }
+  if (p.M > 0) ParallelFor(pool, p.N / p.col_block, [&p](int64_t b0, int64_t b1) { Columns(p, b0, b1); });
   return ffi::Error::Success();
 }
 
@@ -337,25 +327,6 @@ void AttendTask(const Attention<W>& a, int64_t task, float* scores) {
   }
 }
 
-template <typename W>
-struct AttentionShared {
-  Attention<W> a;
-  int64_t tasks;
-  int chunks;
-  std::atomic<int> next{0};
-  std::atomic<int> done{0};
-
-  void Work() {
-    std::unique_ptr<float[]> scores(new float[a.S]);
-    int c;
-    while ((c = next.fetch_add(1)) < chunks) {
-      for (int64_t task = tasks * c / chunks; task < tasks * (c + 1) / chunks; ++task)
-        AttendTask(a, task, scores.get());
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 template <ffi::DataType WT>
 ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<WT> k, ffi::Buffer<WT> v,
                          ffi::Buffer<ffi::S32> pos, ffi::ResultBuffer<ffi::F32> out) {
@@ -371,19 +342,10 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   a.q = q.typed_data(), a.k = k.typed_data(), a.v = v.typed_data(), a.pos = pos.typed_data();
   a.out = out->typed_data();
   a.scale = 1.f / __builtin_sqrtf(static_cast<float>(a.D));
-  const int64_t tasks = a.B * a.KV;
-  int64_t threads = pool.num_threads();
-  if (threads < 1) threads = 1;
-  const int64_t chunks = threads < tasks ? threads : tasks;
-  auto shared = std::make_shared<AttentionShared<W>>();
-  shared->a = a;
-  shared->tasks = tasks;
-  shared->chunks = static_cast<int>(chunks);
-  if (tasks == 0) return ffi::Error::Success();
-  for (int64_t t = 1; t < chunks; ++t) pool.Schedule([shared]() { shared->Work(); });
-  shared->Work();
-  while (shared->done.load(std::memory_order_acquire) < shared->chunks) {
-  }
+  ParallelFor(pool, a.B * a.KV, [&a](int64_t t0, int64_t t1) {
+    std::unique_ptr<float[]> scores(new float[a.S > 0 ? a.S : 1]);
+    for (int64_t task = t0; task < t1; ++task) AttendTask(a, task, scores.get());
+  });
   return ffi::Error::Success();
 }
 
@@ -393,50 +355,24 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   return Matmul<WT>(pool, x, w, out, kNK);
 }
 
+// The handlers' signatures: the intra-op thread pool, then the operands and the result.
+template <ffi::DataType WT>
+auto MatmulBinding() {
+  return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<WT>>()
+      .template Ret<ffi::Buffer<ffi::F32>>();
+}
+
+template <ffi::DataType WT>
+auto AttentionBinding() {
+  return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<WT>>()
+      .template Arg<ffi::Buffer<WT>>().template Arg<ffi::Buffer<ffi::S32>>().template Ret<ffi::Buffer<ffi::F32>>();
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SmallMatmulKN, (MatmulImpl<ffi::F32, false>),
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SmallMatmulNK, (MatmulImpl<ffi::F32, true>),
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SmallMatmulKNBF16, (MatmulImpl<ffi::BF16, false>),
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SmallMatmulNKBF16, (MatmulImpl<ffi::BF16, true>),
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttention, AttentionImpl<ffi::F32>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttentionBF16, AttentionImpl<ffi::BF16>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SmallMatmulKN, (MatmulImpl<ffi::F32, false>), MatmulBinding<ffi::F32>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SmallMatmulNK, (MatmulImpl<ffi::F32, true>), MatmulBinding<ffi::F32>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SmallMatmulKNBF16, (MatmulImpl<ffi::BF16, false>), MatmulBinding<ffi::BF16>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SmallMatmulNKBF16, (MatmulImpl<ffi::BF16, true>), MatmulBinding<ffi::BF16>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttention, AttentionImpl<ffi::F32>, AttentionBinding<ffi::F32>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttentionBF16, AttentionImpl<ffi::BF16>, AttentionBinding<ffi::BF16>());

@@ -45,11 +45,15 @@ import numpy as np
 
 MAX_ROWS = 24  # products: faster than XLA at 16 and 20 rows, slower at 32 (2 cores); prefill and training use XLA
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.cc")
-_TARGETS = {"kn": "specjax_small_matmul_kn", "nk": "specjax_small_matmul_nk", "attention": "specjax_decode_attention"}
-# XLA custom-call target -> the handler's symbol in cpu_kernels.cc; "_bf16": bfloat16 weights or caches.
-_SYMBOLS = {"specjax_small_matmul_kn": "SmallMatmulKN", "specjax_small_matmul_nk": "SmallMatmulNK",
-            "specjax_small_matmul_kn_bf16": "SmallMatmulKNBF16", "specjax_small_matmul_nk_bf16": "SmallMatmulNKBF16",
-            "specjax_decode_attention": "DecodeAttention", "specjax_decode_attention_bf16": "DecodeAttentionBF16"}
+# (kernel, weight or cache dtype) -> (XLA custom-call target, the handler's symbol in cpu_kernels.cc)
+_KERNELS = {
+    ("kn", "float32"): ("specjax_small_matmul_kn", "SmallMatmulKN"),
+    ("nk", "float32"): ("specjax_small_matmul_nk", "SmallMatmulNK"),
+    ("attention", "float32"): ("specjax_decode_attention", "DecodeAttention"),
+    ("kn", "bfloat16"): ("specjax_small_matmul_kn_bf16", "SmallMatmulKNBF16"),
+    ("nk", "bfloat16"): ("specjax_small_matmul_nk_bf16", "SmallMatmulNKBF16"),
+    ("attention", "bfloat16"): ("specjax_decode_attention_bf16", "DecodeAttentionBF16"),
+}
 _WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16)  # weights and caches either; activations widened to float32
 MAX_QUERY_TOKENS = 16  # attention: new tokens per row (decode and verification); prefill uses XLA's
 _lock = threading.Lock()
@@ -124,7 +128,7 @@ def build() -> bool:
         if not os.path.exists(path):
           _compile(path)
         lib = ctypes.cdll.LoadLibrary(path)
-        for target, symbol in _SYMBOLS.items():
+        for target, symbol in _KERNELS.values():
           jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
         _state["built"] = True
       except Exception as e:  # any failure means the plain dot, said once
@@ -162,9 +166,13 @@ def _use_kernel(x: jax.Array, w: jax.Array, n: int, k: int, nk: bool) -> bool:
   return available()
 
 
+def _target(kind: str, dtype) -> str:
+  return _KERNELS[(kind, jnp.dtype(dtype).name)][0]
+
+
 def _product(kind: str, x: jax.Array, w: jax.Array, out_dtype) -> jax.Array:
   """The kernel's x @ w ("kn") or x @ w.T ("nk"), float32 accumulation, as out_dtype; XLA's dots for gradients."""
-  target = _TARGETS[kind] + ("_bf16" if w.dtype == jnp.bfloat16 else "")
+  target = _target(kind, w.dtype)
   n = w.shape[0] if kind == "nk" else w.shape[1]
   oriented = (lambda a: a.T) if kind == "nk" else (lambda a: a)
 
@@ -207,7 +215,7 @@ def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: j
             and k_cache.dtype in _WEIGHT_DTYPES and v_cache.dtype == k_cache.dtype and available())
   if not usable:
     return reference(q, k_cache, v_cache, positions)
-  target = _TARGETS["attention"] + ("_bf16" if k_cache.dtype == jnp.bfloat16 else "")
+  target = _target("attention", k_cache.dtype)
 
   @jax.custom_jvp
   def kernel(q, k_cache, v_cache):
