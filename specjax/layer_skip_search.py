@@ -75,6 +75,7 @@ from specjax.leviathan import alpha_from_stats, draft_cost, expected_tokens_per_
 from specjax.drafters.layer_skip import draft_layers
 from specjax.drafters.mtp_sequential import attend, qkv
 from specjax.model import embed, forward, init_cache, lm_head, mlp_block
+from specjax.speculative import merge_stats
 
 SkipSet = tuple[int, ...]
 
@@ -301,26 +302,6 @@ def measured_objective(model, prompts: Sequence[Sequence[int]], *, gamma: int, m
         tokens_per_second=statistics.median(spec_rates), baseline_tokens_per_second=statistics.median(ar_rates),
         compile_seconds=compile_seconds)
   return evaluate
-
-
-def merge_stats(stats: list[dict], gamma: int) -> dict:
-  """Pools the stats of several single-prompt speculative runs."""
-  live = sum(sum(s["rounds_per_row"]) for s in stats)
-  accepted = sum(sum(s["accepted_per_row"]) for s in stats)
-  from_rounds = sum(sum(s["new_tokens_per_row"]) - len(s["new_tokens_per_row"]) for s in stats)
-  # Slot i's acceptance is over the rounds that drafted slot i (all live rounds at a fixed gamma).
-  drafted_at = [s.get("proposed_per_position") or [sum(s["rounds_per_row"])] * gamma for s in stats]
-  per_position = []
-  for i in range(gamma):
-    total = sum(d[i] for d in drafted_at)
-    per_position.append(sum(s["acceptance_per_position"][i] * d[i] for s, d in zip(stats, drafted_at) if d[i]) / total
-                        if total else math.nan)
-  rejections = sum(sum(s["rejections_per_row"]) for s in stats)
-  proposed = sum(sum(s.get("proposed_per_row") or [gamma * sum(s["rounds_per_row"])]) for s in stats)
-  return {"rounds_per_row": [live], "accepted_per_row": [accepted], "rejections_per_row": [rejections],
-          "acceptance_per_position": per_position,
-          "acceptance_rate": accepted / proposed if proposed else math.nan,
-          "mean_accepted": from_rounds / live if live else math.nan}
 
 
 def search(model, prompts: Sequence[Sequence[int]], *, gamma: int, max_new_tokens: int, budget: int,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 
 import jax
@@ -318,3 +319,24 @@ def summarize(stats, num_generated, seconds: float, forwards_per_step: int = 1, 
       "seconds": seconds,
       "tokens_per_second": new_tokens / seconds,
   }
+
+
+def merge_stats(stats: list[dict], gamma: int) -> dict:
+  """Pools the stats (`summarize`'s dicts) of several speculative runs, as if one: acceptance per position weighted
+  by the rounds that drafted it, alpha and mean_accepted over all rounds."""
+  live = sum(sum(s["rounds_per_row"]) for s in stats)
+  accepted = sum(sum(s["accepted_per_row"]) for s in stats)
+  from_rounds = sum(sum(s["new_tokens_per_row"]) - len(s["new_tokens_per_row"]) for s in stats)
+  # Slot i's acceptance is over the rounds that drafted slot i (all live rounds at a fixed gamma).
+  drafted_at = [s.get("proposed_per_position") or [sum(s["rounds_per_row"])] * gamma for s in stats]
+  per_position = []
+  for i in range(gamma):
+    total = sum(d[i] for d in drafted_at)
+    per_position.append(sum(s["acceptance_per_position"][i] * d[i] for s, d in zip(stats, drafted_at) if d[i]) / total
+                        if total else math.nan)
+  rejections = sum(sum(s["rejections_per_row"]) for s in stats)
+  proposed = sum(sum(s.get("proposed_per_row") or [gamma * sum(s["rounds_per_row"])]) for s in stats)
+  return {"rounds_per_row": [live], "accepted_per_row": [accepted], "rejections_per_row": [rejections],
+          "acceptance_per_position": per_position,
+          "acceptance_rate": accepted / proposed if proposed else math.nan,
+          "mean_accepted": from_rounds / live if live else math.nan}
