@@ -26,9 +26,9 @@ peers' plain decoding alone against specjax.
 
 import os
 
-import ml_collections
 from absl import logging
 
+from configs import common
 from specjax.drafters import draft_head
 from specjax.loading import CheckpointError
 
@@ -55,26 +55,8 @@ def get_config(arg=None):
   if arg not in (None, "", "small"):
     raise ValueError(f"configs/bench_peers.py takes no argument or 'small', got {arg!r}")
   small = arg == "small"
-  config = ml_collections.ConfigDict()
-  config.model = MODEL
-  config.dtype = "float32"
-
-  config.prompts = ml_collections.ConfigDict()
-  config.prompts.categories = ()  # all 13
-  config.prompts.per_category = 1 if small else 2
-  config.prompts.question_ids = ()
-  config.prompts.max_prompts = 0
-  config.chat = True
-
-  config.max_new_tokens = 64 if small else 128
-  config.temperature = 0.0  # peers decode greedily
-  config.top_k = 0
-  config.top_p = 1.0
-  config.seed = 0
-  config.batch_size = 1  # peers decode one row at a time
-  config.gamma = 4
-  config.adaptive = True  # adaptive drafting for specjax drafters (the library default); HF drafts a fixed schedule
-  config.mesh_shape = ml_collections.config_dict.placeholder(tuple)
+  config = common.spec_bench_run(per_category=1 if small else 2, max_new_tokens=64 if small else 128, model=MODEL)
+  # Peers decode greedily, one row at a time; HF drafts a fixed schedule, specjax's drafters adapt (the default).
 
   methods = [
       {"name": "autoregressive"},
@@ -98,7 +80,4 @@ def get_config(arg=None):
       {"name": "llamacpp_prompt_lookup", "peer": "llamacpp_prompt_lookup", "options": {}},
   ]
   config.methods = tuple(methods)
-  config.only = ""
-  config.repeats = 1
-  config.warmup = True
   return config

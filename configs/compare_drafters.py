@@ -24,8 +24,7 @@ acceptance per position is measured at a fixed chain length).
 
 import os
 
-import ml_collections
-
+from configs import common
 from specjax import layer_skip_search
 
 SKIP_SET = os.path.join(os.path.dirname(os.path.abspath(__file__)), "layer_skip_sets", "smollm2-135m.json")
@@ -67,37 +66,11 @@ def parse_variants(arg, config_name: str, allowed=VARIANTS) -> set:
 def get_config(arg=None):
   variants = parse_variants(arg, "configs/compare_drafters.py")
   small = "small" in variants
-  config = ml_collections.ConfigDict()
-  config.model = "smollm2-135m"
-  config.dtype = "float32"
-
-  config.prompts = ml_collections.ConfigDict()
-  config.prompts.categories = ()  # all 13
-  config.prompts.per_category = 1 if small else 5
-  config.prompts.question_ids = ()
-  config.prompts.max_prompts = 0
-  config.chat = True
-
-  config.max_new_tokens = 64 if small else 128
+  config = common.spec_bench_run(per_category=1 if small else 5, max_new_tokens=64 if small else 128,
+                                 adaptive="adaptive" in variants, repeats=1 if small else 2)
   config.temperature = 0.7 if "sampling" in variants else 0.0
-  # The comparison runs once per temperature, the first giving the main table (empty: just `temperature`).
   config.temperatures = (0.0, 0.7) if "both" in variants else ()
-  config.top_k = 0
   config.top_p = 0.9  # applies when sampling
-  config.seed = 0
-  config.batch_size = 1
-  config.gamma = 4
-  config.gammas = ()  # a gamma sweep: every drafter at each of these (configs/gamma_sweep.py)
-  config.adaptive = "adaptive" in variants  # a method's own "adaptive" key overrides it
-  config.mesh_shape = ml_collections.config_dict.placeholder(tuple)
-
   config.methods = drafter_methods()
-  config.only = ""
-  config.repeats = 1 if small else 2
-  config.warmup = True
-
-  config.costs = ml_collections.ConfigDict()
-  config.costs.enabled = True  # c and r in compiled loops after decoding (experiments/costs.py)
-  config.costs.repeats = 5  # interleaved rounds; the median counts
-  config.costs.count_bytes = True  # bytes per step for the accelerator projection (specjax/roofline.py)
+  config.costs = common.costs(repeats=5)
   return config

@@ -1,0 +1,48 @@
+"""What every Spec-Bench run shares: the model, the prompts and the decoding settings (experiments/run.py).
+
+Each config in this directory starts from `spec_bench_run(...)` and adds its methods and its own fields; any field
+can be overridden on the command line (`--config.max_new_tokens=16`, `--config.prompts.categories="('qa',)"`).
+"""
+
+import ml_collections
+
+
+def spec_bench_run(*, per_category: int, max_new_tokens: int, adaptive: bool = True, repeats: int = 1,
+                   model: str = "smollm2-135m") -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+  config.model = model
+  config.dtype = "float32"  # the dtype tested for parity with HF transformers
+
+  config.prompts = ml_collections.ConfigDict()
+  config.prompts.categories = ()  # Spec-Bench categories (empty: all 13)
+  config.prompts.per_category = per_category  # the first N of each category (0: all)
+  config.prompts.question_ids = ()  # explicit ids instead of categories/per_category
+  config.prompts.max_prompts = 0  # 0: no cap
+  config.chat = True  # apply the model's chat template to the first turn
+
+  config.max_new_tokens = max_new_tokens
+  config.temperature = 0.0  # 0: greedy, and every method is checked token-for-token against autoregressive
+  config.temperatures = ()  # run the comparison at each of these, the first giving the main table (empty: temperature)
+  config.top_k = 0
+  config.top_p = 1.0
+  config.seed = 0
+  config.batch_size = 1  # prompts per generate call (consecutive prompts of one category)
+  config.batch_sizes = ()  # run the comparison at each of these, the first giving the main table (empty: batch_size)
+  config.gamma = 4  # draft tokens per round, unless a method sets its own
+  config.adaptive = adaptive  # adaptive drafting (specjax/adaptive.py); False: gamma every round
+  config.gammas = ()  # a gamma sweep: every drafter at each of these (empty: each method's own gamma)
+  config.mesh_shape = ml_collections.config_dict.placeholder(tuple)  # (data, model); None: one device
+
+  config.only = ""  # comma-separated method names to run (the autoregressive baseline always runs)
+  config.repeats = repeats  # timed runs of every method per prompt batch
+  config.warmup = True  # one untimed (compile + run) call per method on the first batch
+  return config
+
+
+def costs(repeats: int) -> ml_collections.ConfigDict:
+  """Draft cost c and verify cost r measured in compiled loops after decoding (experiments/costs.py)."""
+  return ml_collections.ConfigDict({
+      "enabled": True,
+      "repeats": repeats,  # interleaved rounds; the median counts
+      "count_bytes": True,  # bytes per step for the accelerator projection (specjax/roofline.py)
+  })
