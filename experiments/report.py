@@ -222,6 +222,42 @@ def acceptance_table(summary: dict[str, Any]) -> str:
   return "\n".join(rows)
 
 
+def batch_size_table(summary: dict[str, Any]) -> str:
+  """Per method and batch size (config.batch_sizes): speedup over the baseline at that batch size, and tokens/s."""
+  by_b = summary.get("by_batch_size") or {}
+  if len(by_b) < 2:
+    return ""
+  methods = list(next(iter(by_b.values())))
+  rows = ["| method | " + " | ".join(f"batch {b}: speedup (tokens/s)" for b in by_b) + " |",
+          "|---|" + "---:|" * len(by_b)]
+  for method in methods:
+    cells = []
+    for per_method in by_b.values():
+      s = per_method.get(method)
+      cells.append("–" if s is None else f"{_fmt(s['speedup'], '.2f')}x ({_fmt(s['tokens_per_second'], '.1f')})")
+    rows.append(f"| {method} | " + " | ".join(cells) + " |")
+  return "\n".join(rows)
+
+
+def plot_speedup_vs_batch_size(summary: dict[str, Any], path: str) -> bool:
+  """Speedup over the baseline at the same batch size, one line per method (config.batch_sizes)."""
+  by_b = summary.get("by_batch_size") or {}
+  if len(by_b) < 2:
+    return False
+  sizes = [int(b) for b in by_b]
+  methods = [m for m in next(iter(by_b.values())) if m != summary["baseline"]]
+  fig, ax = plt.subplots(figsize=(5.5, 3.8))
+  for method in methods:
+    values = [by_b[str(b)].get(method, {}).get("speedup", np.nan) for b in sizes]
+    ax.plot(sizes, values, marker="o", label=method)
+  ax.axhline(1.0, color="k", lw=0.8, ls="--")
+  ax.set_xticks(sizes)
+  ax.set(xlabel="batch size (rows per call)", ylabel=f"speedup over {summary['baseline']} at that batch size")
+  ax.legend(fontsize="small")
+  _save(fig, path)
+  return True
+
+
 def plot_speedup(summary: dict[str, Any], path: str) -> None:
   methods = list(summary["methods"])
   speedups = [summary["methods"][m]["speedup"] for m in methods]
@@ -384,13 +420,16 @@ def write(workdir: str, results: dict[str, Any]) -> str:
   plots = {"speedup.png": plot_speedup, "speedup_by_category.png": plot_speedup_by_category,
            "acceptance_per_position.png": plot_acceptance_per_position,
            "mean_accepted_vs_gamma.png": plot_mean_accepted_vs_gamma,
-           "acceptance_vs_depth.png": plot_acceptance_vs_depth, "alpha_by_temperature.png": plot_alpha_by_temperature}
+           "acceptance_vs_depth.png": plot_acceptance_vs_depth, "alpha_by_temperature.png": plot_alpha_by_temperature,
+           "speedup_vs_batch_size.png": plot_speedup_vs_batch_size}
   written = [name for name, plot in plots.items() if plot(summary, os.path.join(workdir, name)) is not False]
   temperatures = list(summary.get("by_temperature") or [config["temperature"]])
+  batch_sizes = list(summary.get("by_batch_size") or [str(config["batch_size"])])
   lines = [f"# {results['name']}\n", table, "",
            f"{config['model']} ({config['dtype']}), prompts: {len(results['prompts'])}, max_new_tokens "
            f"{config['max_new_tokens']}, temperature {', '.join(map(str, temperatures))} (this table: the first; "
-           f"top-p {config['top_p']} when sampling), batch {config['batch_size']}; jax {env['jax']} on "
+           f"top-p {config['top_p']} when sampling), batch {', '.join(batch_sizes)} (this table: the first); "
+           f"jax {env['jax']} on "
            f"{env['devices']}, {env['cpu_count']} CPUs. tokens/s: median over prompt batches; speedup: over "
            f"{summary['baseline']} in the same run; min–max: over (batch, repeat) pairs, each against the baseline's "
            f"interleaved call; mean accepted: tokens per target forward (bonus included); alpha: accepted / tested "
@@ -410,6 +449,11 @@ def write(workdir: str, results: dict[str, Any]) -> str:
   if agreement:
     lines += ["", f"Greedy agreement with {summary['baseline']} (lossless methods agree fully; peers run other "
               "kernels, so near ties can flip a token):", "", agreement]
+  by_batch = batch_size_table(summary)
+  if by_batch:
+    lines += ["", "## Speedup by batch size", "",
+              "Every method against autoregressive decoding at the same batch size (rows with ragged acceptance "
+              "advance together; costs and the table above are at the first batch size):", "", by_batch]
   per_position = acceptance_table(summary)
   if per_position:
     lines += ["", "## Acceptance per draft position", "",

@@ -38,6 +38,11 @@ moves (specjax/roofline.py); the report adds Leviathan's prediction from alpha, 
 Temperatures: `config.temperatures` (a tuple; empty: just `config.temperature`) runs the whole comparison once
 per temperature, the first one being the main summary (`summary.methods`); every temperature's per-method
 summary is in `summary.by_temperature["<t>"]`, and alpha per temperature is plotted (alpha_by_temperature.png).
+Batch sizes: `config.batch_sizes` (a tuple; empty: just `config.batch_size`) runs the whole comparison once per
+batch size, each against autoregressive decoding at that batch size (a batch holds consecutive prompts of one
+category, so a category with fewer prompts than the batch size gives a smaller batch); the first is the main
+summary, every batch size's per-method summary is in `summary.by_batch_size["<b>"]`, and speedup per batch size is
+plotted (speedup_vs_batch_size.png). Costs are measured at the first batch size.
 Gamma sweeps: `config.gammas` (a tuple; empty: each method's own gamma) runs every drafter at each gamma, named
 `<method>_g<gamma>` (`family` and `gamma` in its summary).
 Methods that need a shipped checkpoint name it (`"needs": ("exit_adapter",)`: specjax/checkpoints/<model>/
@@ -196,7 +201,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model: specjax.Model
   if not questions:
     raise ValueError("the prompt selection is empty")
   prompts = [spec_bench.prompt_ids(q, model.tokenizer, config.chat) for q in questions]
-  batches = make_batches(questions, prompts, config.batch_size)
+  batch_sizes = [int(b) for b in config.get("batch_sizes", ())] or [int(config.batch_size)]
   mesh = None
   if config.mesh_shape:
     mesh = sharding.make_mesh(*config.mesh_shape)
@@ -219,19 +224,21 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model: specjax.Model
     return out, time.perf_counter() - start, compilation.count() - compiled_before
 
   records, outputs, summaries = [], [], {}
-  for temperature in temperatures:
+  for batch_size, temperature in [(b, t) for b in batch_sizes for t in temperatures]:
+    batches = make_batches(questions, prompts, batch_size)
     greedy = temperature == 0
     compile_seconds: dict[str, float | None] = {m.name: None for m in methods}
     if config.warmup:
       for method in methods:
         out, seconds, _ = call(method, batches[0], temperature)
         compile_seconds[method.name] = out.stats["compile_seconds"]
-        logging.info("warmup %s (temperature %g): %.1f s, of which compiling %.1f s", method.name, temperature,
-                     seconds, compile_seconds[method.name])
+        logging.info("warmup %s (batch %d, temperature %g): %.1f s, of which compiling %.1f s", method.name,
+                     batch_size, temperature, seconds, compile_seconds[method.name])
 
     run_records = []
     lossless: dict[str, bool | None] = {m.name: (True if greedy and m.peer is None else None) for m in methods}
-    for batch in tqdm(batches, desc=f"prompt batches (temperature {temperature:g})", unit="batch",
+    progress = f"prompt batches (batch size {batch_size}, temperature {temperature:g})"
+    for batch in tqdm(batches, desc=progress, unit="batch",
                       disable=not distributed.is_main_process()):
       reference = None  # the baseline's tokens for this batch
       for repeat in range(config.repeats):
@@ -258,21 +265,27 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model: specjax.Model
           if repeat == 0:
             for row, q in enumerate(batch.questions):
               outputs.append({
-                  "method": method.name, "temperature": temperature, "question_id": q.question_id,
+                  "method": method.name, "temperature": temperature, "batch_size": batch_size,
+                  "question_id": q.question_id,
                   "category": q.category, "prompt_tokens": len(batch.prompts[row]), "new_tokens": len(out.tokens[row]),
                   "matches_baseline": out.tokens[row] == reference[row] if greedy else None,
                   "agreement": agreement[row] if greedy else None, "tokens": out.tokens[row], "text": out.texts[row]})
     records += run_records
-    summaries[temperature] = report.summarize(run_records, [m.name for m in methods], baseline, compile_seconds,
-                                              lossless, methods_info=_method_info(methods))
+    summaries[batch_size, temperature] = report.summarize(run_records, [m.name for m in methods], baseline,
+                                                          compile_seconds, lossless, methods_info=_method_info(methods))
 
-  summary = summaries[temperatures[0]]
-  measured = _measure_costs(config, model, methods, questions, prompts, outputs, temperatures[0])
-  if measured is not None:
+  first_batch, first_temperature = batch_sizes[0], temperatures[0]
+  summary = summaries[first_batch, first_temperature]
+  measured = _measure_costs(config, model, methods, questions, prompts, outputs, first_temperature, first_batch)
+  if measured is not None:  # measured at the first batch size: c and r change with the number of rows
     for t in temperatures:
-      report.add_costs(summaries[t], measured)
-  summary["by_temperature"] = {f"{t:g}": summaries[t]["methods"] for t in temperatures}
-  summary["lossless_failures"] = [failure for t in temperatures for failure in summaries[t]["lossless_failures"]]
+      report.add_costs(summaries[first_batch, t], measured)
+  summary["by_temperature"] = {f"{t:g}": summaries[first_batch, t]["methods"] for t in temperatures}
+  summary["by_batch_size"] = {str(b): summaries[b, first_temperature]["methods"] for b in batch_sizes}
+  summary["lossless_failures"] = [{**failure, "batch_size": b} for (b, _), s in summaries.items()
+                                  for failure in s["lossless_failures"]]
+  if summary["lossless_failures"]:
+    summary["all_lossless"] = False
   summary["skipped_methods"] = unshipped_checkpoints([dict(m) for m in config.methods], model)
   results = {
       "name": name,
@@ -299,7 +312,8 @@ def _record(method: Method, batch: PromptBatch, repeat: int, temperature: float,
   """One timed call: its time, and the engine's per-row counts (so that the report can pool them exactly)."""
   stats = out.stats
   return {
-      "method": method.name, "batch": batch.index, "repeat": repeat, "temperature": temperature,
+      "method": method.name, "batch": batch.index, "rows": len(batch.prompts), "repeat": repeat,
+      "temperature": temperature,
       "category": batch.category, "question_ids": [q.question_id for q in batch.questions], "seconds": seconds,
       "new_tokens": stats["new_tokens"], "tokens_per_second": stats["new_tokens"] / seconds,
       "target_calls": stats["target_calls"], "mean_accepted": stats["mean_accepted"],
@@ -321,9 +335,9 @@ def _method_info(methods: Sequence[Method]) -> dict[str, dict[str, Any]]:
 
 def _measure_costs(config: ml_collections.ConfigDict, model: specjax.Model, methods: Sequence[Method],
                    questions: Sequence[spec_bench.Question], prompts: Sequence[Sequence[int]], outputs: Sequence[dict],
-                   temperature: float) -> dict | None:
+                   temperature: float, rows: int) -> dict | None:
   """experiments/costs.py on the run's typical context: the prompt of median length with the first half of its
-  baseline answer, in a cache of the prompts' median size, `config.batch_size` rows."""
+  baseline answer, in a cache of the prompts' median size, `rows` rows."""
   options = config.get("costs")
   drafted = [(m.name, m.drafter, m.gamma) for m in methods if m.drafter is not None]
   if options is None or not options.enabled or not drafted:
@@ -334,7 +348,7 @@ def _measure_costs(config: ml_collections.ConfigDict, model: specjax.Model, meth
   lengths = [len(p) for p in prompts]
   median = int(np.argsort(lengths)[len(lengths) // 2])
   answer = next(o["tokens"] for o in outputs if o["method"] == methods[0].name and o["temperature"] == temperature
-                and o["question_id"] == questions[median].question_id)
+                and o["batch_size"] == rows and o["question_id"] == questions[median].question_id)
   context = list(prompts[median]) + list(answer[:config.max_new_tokens // 2])
   max_gamma = max(g for _, _, g in drafted)
   cache_len = int(np.median([prepare_batch(model, [p], config.max_new_tokens, extra_positions=max_gamma + 1).cache_len
@@ -342,7 +356,7 @@ def _measure_costs(config: ml_collections.ConfigDict, model: specjax.Model, meth
   sampling = SamplingParams(temperature=temperature, top_k=config.top_k, top_p=config.top_p)
   start = time.perf_counter()
   measured = costs.measure(model, drafted, context, max(cache_len, len(context) + max_gamma + 2),
-                           rows=config.batch_size, repeats=options.repeats, sampling=sampling,
+                           rows=rows, repeats=options.repeats, sampling=sampling,
                            count_bytes=options.count_bytes)
   measured["seconds"] = time.perf_counter() - start
   logging.info("costs measured in %.1f s (context %d tokens, cache %d)", measured["seconds"], len(context),

@@ -1,0 +1,29 @@
+r"""Speculative speedup against batch size: every drafter at batch 1, 4 and 8, each against autoregressive decoding
+at the same batch size, in one run.
+
+  python -m experiments.run --config=configs/batch_sweep.py           # 8 prompts x 3 categories, 64 tokens
+  python -m experiments.run --config=configs/batch_sweep.py:small     # 4 prompts x 2 categories, batch 1 and 4
+
+Rows of a batch accept different numbers of drafts each round (ragged acceptance) and advance together in one
+compiled loop; a verification then multiplies batch x (gamma + 1) rows by every weight, so the cost r of a round
+grows with the batch while the bytes read stay those of one step. Writes speedup_vs_batch_size.png and a
+"Speedup by batch size" table beside the usual report (whose main table, costs included, is batch 1's).
+Adaptive drafting is on (the library default): a round drafts only when the running acceptance says it pays.
+Expected time on 2 CPU cores: see results/batch_sweep/RUN.md for the measured run.
+"""
+
+from configs import common, compare_drafters
+
+
+def get_config(arg=None):
+  variants = compare_drafters.parse_variants(arg, "configs/batch_sweep.py", allowed=("small",))
+  small = "small" in variants
+  config = common.spec_bench_run(per_category=4 if small else 8, max_new_tokens=64)
+  # Prompts of one category share a batch; these categories have short prompts (few compiled shapes).
+  config.prompts.categories = ("writing", "coding") if small else ("writing", "coding", "humanities")
+  config.batch_sizes = (1, 4) if small else (1, 4, 8)
+  config.methods = tuple(m for m in compare_drafters.drafter_methods()
+                         if m["name"] in ("autoregressive", "prompt_lookup", "layer_skip_best_set", "mtp_parallel",
+                                          "mtp_sequential"))
+  config.costs = common.costs(repeats=3)
+  return config
