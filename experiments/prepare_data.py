@@ -119,6 +119,32 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   return summary
 
 
+def reproduce_command(data_dir: str) -> str:
+  """The prepare_data command that rebuilds the cache in `data_dir`: its summary.json's config, written as the
+  config variant plus the fields that differ from it (the output folder left out)."""
+  from configs import train_data  # the repository's config, not part of the package
+
+  path = os.path.join(data_dir, "summary.json")
+  if not os.path.isfile(path):
+    return ("python -m experiments.prepare_data --config=configs/train_data.py  # the settings of this data are not "
+            f"recorded ({path} is missing)")
+  with open(path) as f:
+    used = json.load(f)["config"]
+  variant = "regenerate" if used.get("regenerate") else ""
+  default = train_data.get_config(variant or None).to_dict()
+  overrides = []
+  for key, value in used.items():
+    if key == "workdir" or key not in default:
+      continue
+    if isinstance(value, list):
+      value = tuple(value)
+    if value != (tuple(default[key]) if isinstance(default[key], list) else default[key]):
+      literal = repr(value) if not isinstance(value, str) else value
+      overrides.append(f"--config.{key}={literal}" if " " not in literal else f"--config.{key}=\"{literal}\"")
+  config_arg = "--config=configs/train_data.py" + (f":{variant}" if variant else "")
+  return " ".join(["python -m experiments.prepare_data", config_arg, *overrides])
+
+
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")

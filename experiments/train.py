@@ -28,7 +28,7 @@ from specjax import export, features, sharding
 from specjax.drafters import draft_head, draft_model
 from specjax.loading import CheckpointError
 from specjax.train_drafter import train_drafter
-from experiments import cli, spec_bench
+from experiments import cli, prepare_data, spec_bench
 from experiments.cli import code_commit, environment, parse_flags
 
 _CONFIG = cli.define_config_flag("Training config: configs/train_mtp.py:<variant>.")
@@ -88,7 +88,7 @@ def model_card(card: dict[str, Any]) -> str:
       "## Reproduce",
       "",
       "```bash",
-      "python -m experiments.prepare_data --config=configs/train_data.py",
+      card.get("data_command") or "python -m experiments.prepare_data --config=configs/train_data.py",
       # Where this machine kept the data is no part of the recipe.
       " ".join(w for w in card["command"].split() if not w.startswith("--config.data_dir")),
       "```",
@@ -146,6 +146,7 @@ def run(config: ml_collections.ConfigDict, command: str) -> dict[str, Any]:
       "drafter": config.drafter, "target": config.model, "options": result.drafter.options.saved(),
       "command": command, "config": config.to_dict(), "steps": result.steps, "train_seconds": result.train_seconds,
       "held_out": result.final_eval, "token_map_coverage": coverage, "environment": environment(), "date": start,
+      "data_command": prepare_data.reproduce_command(config.data_dir),
       "data": {split: {"path": os.path.abspath(c.path), "sequences": len(c), "masked_positions":
                        c.meta.get("masked_positions"), "seq_len": c.meta["seq_len"], "top_k": c.meta["top_k"],
                        "source": c.meta.get("source", {})} for split, c in caches.items()},

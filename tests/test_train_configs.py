@@ -3,7 +3,10 @@ exports a checkpoint (and a draft model an HF directory) that loads back into a 
 
 from __future__ import annotations
 
+import ast
+import json
 import os
+import shlex
 
 import numpy as np
 import pytest
@@ -68,3 +71,16 @@ def test_exit_config_reads_the_cache_that_holds_its_layer():
   with pytest.raises(ValueError, match="takes the exit layer k"):
     train_exit.get_config("attention")
   assert train_draft.get_config("6").options.num_layers == 6
+
+
+def test_model_cards_name_the_data_command_that_rebuilds_their_cache(tmp_path):
+  from configs import train_data
+  from experiments import prepare_data
+  used = train_data.get_config("regenerate").to_dict()
+  used.update(num_train=1200, feature_layers=[2, 3, 5], workdir="/somewhere/else")
+  (tmp_path / "summary.json").write_text(json.dumps({"config": used}))
+  command = prepare_data.reproduce_command(str(tmp_path))
+  assert command.startswith("python -m experiments.prepare_data --config=configs/train_data.py:regenerate ")
+  overrides = dict(arg.removeprefix("--config.").split("=", 1) for arg in shlex.split(command)[4:])
+  assert {k: ast.literal_eval(v) for k, v in overrides.items()} == {"num_train": 1200, "feature_layers": (2, 3, 5)}
+  assert "not recorded" in prepare_data.reproduce_command(str(tmp_path / "absent"))
