@@ -63,10 +63,12 @@ inline v16 LoadW(const uint16_t* p) {
 #define SPECJAX_PF 16
 #endif
 #ifndef SPECJAX_PANEL
-#define SPECJAX_PANEL 128  // multiple of 16, at most 256
+#define SPECJAX_PANEL 128  // 16, 32, 64, 128, 192 or 256
 #endif
 constexpr int64_t kPanel = SPECJAX_PANEL;  // output columns per block (kn)
 constexpr int64_t kPrefetch = SPECJAX_PF;  // rows of w ahead (kn) / vectors ahead (nk)
+static_assert(kPanel == 16 || kPanel == 32 || kPanel == 64 || kPanel == 128 || kPanel == 192 || kPanel == 256,
+              "SPECJAX_PANEL must be one of the widths Columns dispatches on: 16, 32, 64, 128, 192 or 256");
 
 // kn: MR rows x kVecs * 16 columns of out, over all K; w points at the panel's first column, row stride ldw.
 // Each row of w contributes a contiguous run of columns; the accumulators live in L1.
@@ -141,31 +143,11 @@ void BlockNK(const float* __restrict x, int64_t K, const W* __restrict w, float*
     }
 }
 
-// Calls f(std::integral_constant<int, V>) for the compile-time V that stands for a runtime value.
-template <typename F>
-void WithVecs(int64_t width, F f) {  // 16-float vectors per column block of kn
-  switch (width) {
-    case 256: f(std::integral_constant<int, 16>{}); break;
-    case 192: f(std::integral_constant<int, 12>{}); break;
-    case 128: f(std::integral_constant<int, 8>{}); break;
-    case 64: f(std::integral_constant<int, 4>{}); break;
-    case 32: f(std::integral_constant<int, 2>{}); break;
-    default: f(std::integral_constant<int, 1>{}); break;
-  }
-}
-
-template <typename F>
-void WithRows(int64_t rows, F f) {  // rows held in registers: 1..8
-  switch (rows) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 5: f(std::integral_constant<int, 5>{}); break;
-    case 6: f(std::integral_constant<int, 6>{}); break;
-    case 7: f(std::integral_constant<int, 7>{}); break;
-    default: f(std::integral_constant<int, 8>{}); break;
-  }
+// Calls f(std::integral_constant<int, V>) for the V among Vs that equals the runtime `value` (callers pass only
+// values in the list): the kernels' row counts and column widths are compile-time constants.
+template <int... Vs, typename F>
+void WithConstant(int64_t value, F f) {
+  (void)((value == Vs && (f(std::integral_constant<int, Vs>{}), true)) || ...);
 }
 
 template <typename W>
@@ -185,7 +167,7 @@ void Columns(const Problem<W>& p, int64_t b0, int64_t b1) {
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t col = b * p.col_block;
     if (!p.nk && p.M > 8 && p.M <= kMaxRows) {
-      WithVecs(p.col_block, [&](auto vecs) {
+      WithConstant<16, 12, 8, 4, 2, 1>(p.col_block / 16, [&](auto vecs) {
         BlockKNWide<W, decltype(vecs)::value>(p.x, p.M, p.K, p.w + col, p.N, p.out + col, p.N);
       });
       continue;
@@ -194,12 +176,12 @@ void Columns(const Problem<W>& p, int64_t b0, int64_t b1) {
       const int64_t mr = p.M - m0 < rows_per_group ? p.M - m0 : rows_per_group;
       const float* xr = p.x + m0 * p.K;
       float* o = p.out + m0 * p.N + col;
-      WithRows(mr, [&](auto rows) {
+      WithConstant<1, 2, 3, 4, 5, 6, 7, 8>(mr, [&](auto rows) {
         constexpr int MR = decltype(rows)::value;
         if (p.nk) {
           BlockNK<W, MR>(xr, p.K, p.w + col * p.K, o, p.N);
         } else {
-          WithVecs(p.col_block, [&](auto vecs) {
+          WithConstant<16, 12, 8, 4, 2, 1>(p.col_block / 16, [&](auto vecs) {
             BlockKN<W, MR, decltype(vecs)::value>(xr, p.K, p.w + col, p.N, o, p.N);
           });
         }

@@ -171,10 +171,14 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
   return tokens, num_generated, {"rounds": s.rounds, **dataclasses.asdict(s.counts)}
 
 
+def _draft_inputs(s: SpecState, key, budget, min_confidence: float) -> DraftInputs:
+  return DraftInputs(sequence=s.sequence, position=s.position, target_cache=s.cache, key=key,
+                     budget=jnp.asarray(budget), min_confidence=min_confidence)
+
+
 def _propose(params, draft_params, drafter: Drafter, s: SpecState, key, gamma: int, budget, plan, sampling):
   """The drafter's proposal of up to `budget` (>= 1) tokens, with lengths and steps filled in."""
-  inputs = DraftInputs(sequence=s.sequence, position=s.position, target_cache=s.cache, key=key,
-                       budget=jnp.asarray(budget), min_confidence=plan.min_confidence if plan else 0.0)
+  inputs = _draft_inputs(s, key, budget, plan.min_confidence if plan else 0.0)
   proposal = drafter.propose(params, draft_params, drafter.options, s.draft_state, inputs, gamma, sampling)
   return proposal._replace(
       lengths=jnp.full(s.position.shape, gamma, jnp.int32) if proposal.lengths is None else proposal.lengths,
@@ -183,8 +187,7 @@ def _propose(params, draft_params, drafter: Drafter, s: SpecState, key, gamma: i
 
 def _no_proposal(params, draft_params, drafter: Drafter, s: SpecState, key, gamma: int, sampling) -> Proposal:
   """What a round that does not draft passes on: zeros shaped like a proposal, the drafter's state unchanged."""
-  inputs = DraftInputs(sequence=s.sequence, position=s.position, target_cache=s.cache, key=key,
-                       budget=jnp.asarray(1), min_confidence=0.0)
+  inputs = _draft_inputs(s, key, 1, 0.0)
   shapes = jax.eval_shape(lambda: drafter.propose(params, draft_params, drafter.options, s.draft_state, inputs,
                                                   gamma, sampling))
   empty = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
