@@ -4,7 +4,8 @@ r"""Builds drafter training data: train and held-out feature caches of the froze
 
 For each side of the split (train, held_out): read ShareGPT, take the configured number of conversations,
 render them into sequences (`specjax.sequences.make_sequences`; saved to <workdir>/<split>.sequences.npz so a
-rerun does not render or regenerate them again), and run the target over them
+rerun does not render or regenerate them again; a killed regeneration resumes from the answers it saved, at
+most a minute old), and run the target over them
 (`specjax.features.build_feature_cache` into <workdir>/<split>/). Prints the read statistics, the masked
 positions, how much of the target's greedy tokens truncated draft vocabularies cover, and the wall time;
 writes the same to <workdir>/summary.json.
@@ -60,11 +61,14 @@ def split_sequences(config: ml_collections.ConfigDict, model: specjax.Model, con
       return saved
     raise ValueError(f"{path} holds sequences made from another source ({saved_source}); delete it or choose "
                      "another workdir")
+  progress = f"{path}.answers-progress.npz"  # a killed regeneration resumes from it
   made = sequences.make_sequences(
       model, conversations, seq_len=config.seq_len, max_pairs_per_conversation=config.max_pairs_per_conversation,
       regenerate=config.regenerate, max_new_tokens=config.max_new_tokens or None,
-      batch_size=config.regenerate_batch_size)
+      batch_size=config.regenerate_batch_size, progress_path=progress)
   sequences.save_sequences(path, made, source)
+  if os.path.exists(progress):
+    os.remove(progress)
   return made
 
 

@@ -11,8 +11,10 @@ the target's distribution there are what predicts token t+1. The answer is eithe
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
 import os
+import time
 from typing import NamedTuple, Sequence as Seq
 
 import numpy as np
@@ -21,7 +23,7 @@ from tqdm.auto import tqdm
 
 from specjax.generate import generate
 from specjax import sharegpt
-from specjax.loading import Model
+from specjax.loading import CheckpointError, Model
 from specjax.tokenizer import Tokenizer
 
 MIN_ANSWER_TOKENS = 16
@@ -95,7 +97,8 @@ def exchanges(messages: Seq[dict], max_pairs: int) -> list[tuple[str, str]]:
 
 def make_sequences(model: Model, conversations: Seq[dict | Seq[dict]], *, seq_len: int,
                    max_pairs_per_conversation: int = 1, regenerate: bool = False, max_new_tokens: int | None = None,
-                   batch_size: int = 16, min_answer_tokens: int = MIN_ANSWER_TOKENS) -> list[Sequence]:
+                   batch_size: int = 16, min_answer_tokens: int = MIN_ANSWER_TOKENS,
+                   progress_path: str | None = None) -> list[Sequence]:
   """Training sequences from conversations, in conversation order.
 
   Each (user, assistant) exchange (the first `max_pairs_per_conversation` of a conversation, each on its own
@@ -111,6 +114,8 @@ def make_sequences(model: Model, conversations: Seq[dict | Seq[dict]], *, seq_le
     regenerate: replace each answer by the target's greedy answer to the same prompt (`specjax.generate`,
       `batch_size` prompts of similar lengths per call).
     max_new_tokens: the longest regenerated answer (default: what fits in seq_len after the prompt).
+    progress_path: where regeneration saves the answers made so far, so that a killed run resumes (see
+      `_greedy_answers`).
   """
   tokenizer = model.tokenizer
   if tokenizer is None:
@@ -143,7 +148,7 @@ def make_sequences(model: Model, conversations: Seq[dict | Seq[dict]], *, seq_le
       prompts.append(prompt)
       answers.append(answer)
   if regenerate:
-    answers = _greedy_answers(model, prompts, seq_len, max_new_tokens, batch_size)
+    answers = _greedy_answers(model, prompts, seq_len, max_new_tokens, batch_size, progress_path)
   sequences = []
   for prompt, answer in zip(prompts, answers):
     sequence = sequence_from_ids(prompt, answer, seq_len)
@@ -157,19 +162,60 @@ def make_sequences(model: Model, conversations: Seq[dict | Seq[dict]], *, seq_le
 
 
 def _greedy_answers(model: Model, prompts: list[list[int]], seq_len: int, max_new_tokens: int | None,
-                    batch_size: int) -> list[list[int]]:
-  """The target's greedy answer to every prompt, batched by similar prompt length to limit padding."""
+                    batch_size: int, progress_path: str | None = None,
+                    save_every_seconds: float = 60.0) -> list[list[int]]:
+  """The target's greedy answer to every prompt, batched by similar prompt length to limit padding.
+
+  With `progress_path`, the answers made so far are saved there (atomically, at most every
+  `save_every_seconds` and after the last batch), and a rerun over the same prompts and settings starts from
+  them: a killed regeneration loses at most that much work. Saved progress of other prompts is an error.
+  """
   order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-  answers: list[list[int]] = [[] for _ in prompts]
-  for start in tqdm(range(0, len(order), batch_size), desc="greedy answers", unit="batch"):
+  answers: list[list[int] | None] = [None] * len(prompts)
+  settings = [repr(model.config), [list(map(int, p)) for p in prompts], seq_len, max_new_tokens, batch_size]
+  fingerprint = hashlib.sha256(json.dumps(settings).encode()).hexdigest()
+  if progress_path and os.path.exists(progress_path):
+    for i, tokens in _load_progress(progress_path, fingerprint).items():
+      answers[i] = tokens
+    logging.info("resuming greedy answers: %d of %d from %s", sum(a is not None for a in answers), len(prompts),
+                 progress_path)
+  last_save = time.monotonic()
+  batches = range(0, len(order), batch_size)
+  for number, start in enumerate(tqdm(batches, desc="greedy answers", unit="batch")):
     rows = order[start:start + batch_size]
+    if all(answers[i] is not None for i in rows):
+      continue
     room = seq_len - min(len(prompts[i]) for i in rows)
     # Rounded up so that batches share a few compiled shapes; answers are cut to seq_len afterwards.
     new_tokens = max_new_tokens or min(seq_len, -(-room // 32) * 32)
     out = generate(model, [prompts[i] for i in rows], max_new_tokens=new_tokens)
     for i, tokens in zip(rows, out.tokens):
       answers[i] = tokens
+    if progress_path and (number == len(batches) - 1 or time.monotonic() - last_save >= save_every_seconds):
+      _save_progress(progress_path, fingerprint, answers)
+      last_save = time.monotonic()
   return answers
+
+
+def _save_progress(path: str, fingerprint: str, answers: Seq[Seq[int] | None]) -> None:
+  done = [i for i, a in enumerate(answers) if a is not None]
+  tmp = f"{path}.tmp.npz"
+  np.savez(tmp, fingerprint=np.asarray(fingerprint), indices=np.asarray(done, np.int64),
+           lengths=np.asarray([len(answers[i]) for i in done], np.int64),
+           tokens=np.concatenate([np.zeros(0, np.int32)] + [np.asarray(answers[i], np.int32) for i in done]))
+  os.replace(tmp, path)
+
+
+def _load_progress(path: str, fingerprint: str) -> dict[int, list[int]]:
+  try:
+    with np.load(path) as data:
+      saved, indices, lengths, tokens = str(data["fingerprint"]), data["indices"], data["lengths"], data["tokens"]
+  except (OSError, ValueError, KeyError, EOFError) as e:
+    raise CheckpointError(f"{path}: unreadable progress of a regeneration ({e}); delete it to start over") from e
+  if saved != fingerprint:
+    raise CheckpointError(f"{path} holds answers to other prompts or settings; delete it or choose another workdir")
+  starts = np.cumsum(lengths) - lengths
+  return {int(i): tokens[s:s + n].tolist() for i, s, n in zip(indices, starts, lengths)}
 
 
 def save_sequences(path: str, sequences: Seq[Sequence], source: dict) -> None:

@@ -151,6 +151,33 @@ def test_greedy_answers_come_back_in_prompt_order_and_equal_unbatched_generation
     assert answer == specjax.generate(tiny, [prompt], max_new_tokens=6).tokens[0]
 
 
+def test_a_killed_regeneration_resumes_from_its_saved_answers(tiny, tmp_path, monkeypatch):
+  prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8], [3, 1, 4, 1, 5], [2, 7], [5, 5, 5]]
+  kwargs = dict(seq_len=24, max_new_tokens=6, batch_size=2)
+  whole = sequences._greedy_answers(tiny, prompts, **kwargs)
+  real, calls = sequences.generate, []
+
+  def killed_in_the_third_batch(model, rows, **options):
+    calls.append(len(rows))
+    if len(calls) == 3:
+      raise KeyboardInterrupt("killed")
+    return real(model, rows, **options)
+
+  monkeypatch.setattr(sequences, "generate", killed_in_the_third_batch)
+  progress = str(tmp_path / "answers.npz")
+  with pytest.raises(KeyboardInterrupt):
+    sequences._greedy_answers(tiny, prompts, progress_path=progress, save_every_seconds=0.0, **kwargs)
+  calls.clear()
+  assert sequences._greedy_answers(tiny, prompts, progress_path=progress, **kwargs) == whole
+  assert calls == [1]  # only the batch the kill interrupted (the last, of one prompt) ran again
+  with pytest.raises(CheckpointError, match="other prompts or settings"):
+    sequences._greedy_answers(tiny, prompts[:4], progress_path=progress, **kwargs)
+  with open(progress, "wb") as f:
+    f.write(b"truncated")
+  with pytest.raises(CheckpointError, match="unreadable progress"):
+    sequences._greedy_answers(tiny, prompts, progress_path=progress, **kwargs)
+
+
 def test_sequences_round_trip_through_a_file(tmp_path):
   seqs = [sequences.sequence_from_ids([1, 2, 3], [4, 5], 8), sequences.sequence_from_ids([7], [8, 9, 10], 8)]
   path = str(tmp_path / "s.npz")
