@@ -11,7 +11,8 @@ position `--position` over a cache of `--cache_len` is timed inside a compiled l
 `experiments.costs` does: (t(long loop) - t(short loop)) / (long - short), so per-call overhead cancels. All
 cases run interleaved, medians over `--repeats` rounds. Reported: ms per forward, r = t(B, T) / t(1, 1) of the
 same implementation, kernel / xla time, and the largest logit difference between the two implementations.
-Compilation is excluded and reported.
+Compilation is excluded and reported. Last, the kernel column's costs by rows (B x T) as the `forward_costs`
+points adaptive drafting plans with (`specjax.AdaptiveDrafting(forward_costs=...)`).
 """
 
 from __future__ import annotations
@@ -104,6 +105,13 @@ def main(argv):
   print(f"\nr: the forward's time over the same implementation's 1-row, 1-token forward. The kernels serve products "
         f"of up to {cpu_kernels.MAX_ROWS} rows (B x T) and attention of up to {cpu_kernels.MAX_QUERY_TOKENS} tokens "
         f"per row; beyond, XLA's in both columns.")
+  # Adaptive drafting's cost model on this machine: f(n), a forward over n = B x T rows over a 1-row one.
+  by_rows: dict[int, list[float]] = {}
+  for b, t in shapes:
+    by_rows.setdefault(b * t, []).append(seconds[("kernel", b, t)] / base["kernel"])
+  points = tuple((n, round(float(np.median(f)), 2)) for n, f in sorted(by_rows.items()))
+  print(f"\nFor adaptive drafting on this machine (specjax/adaptive.py; rows = B x T, kernel column):\n"
+        f"  specjax.AdaptiveDrafting(forward_costs={points})")
 
 
 if __name__ == "__main__":

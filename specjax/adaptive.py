@@ -9,22 +9,28 @@ Both rules run inside the compiled loop (no host sync):
    follows the target (an undrafted slot is verified with q = 0, i.e. drawn from p, as the bonus token is).
 2. A draft length per round (Leviathan et al. 2023, section 3.4, "optimal gamma"): with alpha the running
    acceptance estimate, a round that drafts gamma tokens commits E(alpha, gamma) = sum_{i=0..gamma} alpha^i
-   tokens on average and costs gamma * c + r(G) target steps (verification always covers the G + 1 positions
-   when any row drafted: each narrower width would be one more compiled target forward, and r varies little
-   with the width), so the round drafts
+   tokens per row on average and costs gamma * c + v(gamma) plain target steps, so the round drafts
 
        gamma* = argmax_{0 <= gamma <= G} E(alpha, gamma) / cost(gamma),
 
    G being the static maximum (`generate`'s `gamma`). gamma = 0 is a plain target step (one token, cost 1
    plus the drafter's `plain_step_cost`): where drafting cannot pay, decoding falls back to autoregressive
-   steps. Costs are in units of a 1-token target forward:
+   steps. Verification runs over the longest draft any row made plus the pending token (one compiled forward
+   per width 1..G+1, chosen by `jax.lax.switch`), so a short draft pays for a narrow forward only. Costs are
+   in units of a plain target step at the same batch size B:
      c         a draft step (`draft_cost`; default: the drafter's estimate from the weights it reads, since a
                batch-1 step is memory-bound);
-     r(G)      a verification forward over G + 1 tokens, modelled as 1 + (r - 1) sqrt(G / 4) from
-               `verify_cost` = r(4), a 5-token forward. On this project's 2-core XLA:CPU r(4) measured 1.24-1.35
-               and a 16-token forward 1.64 (the sqrt fits both); on a GPU/TPU at batch 1, r is about 1. A
-               drafter that reuses the target's first k layers (`Drafter.reuse_layers`) runs them on one
-               token only, so its verification costs f + (1 - f) r(G), f being their share of the weights.
+     v(gamma)  a verification forward over B x (gamma + 1) rows over a plain step's B rows: f(B (gamma + 1)) /
+               f(B), f(n) being a target forward over n rows (batch rows times tokens) in units of a 1-row one,
+               interpolated linearly between the points of `forward_costs`. The default on a CPU backend
+               (`CPU_FORWARD_COSTS`) was measured on this project's 2-core XLA:CPU with SmolLM2-135M: a forward
+               costs about 1 + 0.11 (n - 1) (f(5) = 1.43, f(40) = 4.75: each row's arithmetic adds to the
+               weight stream), so at batch 8 a 5-token verification costs ~2.8 plain steps and drafting pays
+               only at high alpha. On a GPU/TPU backend the default is flat (`ACCELERATOR_FORWARD_COSTS`: a
+               small model's forward stays memory-bound far beyond these row counts); pass measured points
+               for another machine or a large batch. A drafter that reuses the target's first k layers
+               (`Drafter.reuse_layers`) runs them on one token only, so its verification costs
+               s + (1 - s) v(gamma), s being their share of the weights.
    alpha is accepted / tested drafts over past rounds, both counts decayed by `memory` each round and
    started from a prior (`prior_alpha`, worth one tested draft), so it follows the text and, after a run of
    plain steps, drifts back to the prior: a drafter that pays under the prior is tried again.
@@ -33,7 +39,6 @@ Both rules run inside the compiled loop (no host sync):
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -42,12 +47,35 @@ from flax import struct
 from specjax import leviathan
 
 
+# f(n) on 2 cores of XLA:CPU, SmolLM2-135M fp32, context 200 (medians of 5 interleaved rounds; 1 row 20 ms):
+# about 1 + 0.11 (n - 1), the arithmetic of each extra row adding to the weight stream.
+CPU_FORWARD_COSTS = ((1, 1.0), (2, 1.07), (3, 1.28), (4, 1.28), (5, 1.43), (6, 1.45), (8, 1.71), (10, 1.96),
+                     (12, 2.16), (16, 2.67), (20, 3.02), (24, 3.64), (40, 4.75))
+
+# Elsewhere (GPU/TPU): a forward over up to 64 rows costs about one row's (memory-bound); flat past it.
+ACCELERATOR_FORWARD_COSTS = ((1, 1.0), (64, 1.0))
+
+
+def default_forward_costs() -> tuple[tuple[int, float], ...]:
+  return CPU_FORWARD_COSTS if jax.default_backend() == "cpu" else ACCELERATOR_FORWARD_COSTS
+
+
+def forward_cost(points: tuple[tuple[int, float], ...], rows: int) -> float:
+  """f(rows): linear interpolation between the (rows, cost) points, extrapolated from the last two."""
+  for (n0, f0), (n1, f1) in zip(points, points[1:]):
+    if rows <= n1:
+      break
+  return f0 + (f1 - f0) * (rows - n0) / (n1 - n0)
+
+
 @dataclasses.dataclass(frozen=True)
 class AdaptiveDrafting:
   """Options of adaptive drafting (see the module docstring); `specjax.generate(..., adaptive=...)`."""
   min_confidence: float = 0.5  # a row stops drafting below this top draft probability (Kangaroo: 0.6); 0: never
   draft_cost: float | None = None  # c; None: the drafter's own estimate (`Drafter.draft_cost`)
-  verify_cost: float = 1.3  # r(4): a 5-token target forward over a 1-token one (2-core XLA:CPU; ~1 on GPU/TPU)
+  # f(n): a target forward over n rows (batch x tokens) over a 1-row one, as (n, f) points (see the docstring);
+  # None: `default_forward_costs()` for the backend
+  forward_costs: tuple[tuple[int, float], ...] | None = None
   prior_alpha: float = 0.5  # the acceptance assumed before any evidence (and returned to without evidence)
   memory: float = 0.9  # per-round decay of the acceptance counts
 
@@ -56,8 +84,14 @@ class AdaptiveDrafting:
       raise ValueError(f"min_confidence must be in [0, 1], got {self.min_confidence}")
     if self.draft_cost is not None and not self.draft_cost >= 0.0:
       raise ValueError(f"draft_cost must be >= 0 (a draft step's cost over a target step), got {self.draft_cost}")
-    if not self.verify_cost >= 1.0:
-      raise ValueError(f"verify_cost must be >= 1 (a 5-token forward over a 1-token one), got {self.verify_cost}")
+    if self.forward_costs is not None:
+      points = tuple((int(n), float(f)) for n, f in self.forward_costs)
+      object.__setattr__(self, "forward_costs", points)  # hashable, whatever sequence it came as
+      rows = [n for n, _ in points]
+      if (len(points) < 2 or rows[0] != 1 or rows != sorted(set(rows))
+          or any(not f >= 1.0 for _, f in points) or points[0][1] != 1.0):
+        raise ValueError("forward_costs must be (rows, cost) points with increasing rows, starting at (1, 1.0), "
+                         f"every cost >= 1, at least two points; got {self.forward_costs!r}")
     if not 0.0 < self.prior_alpha < 1.0:
       raise ValueError(f"prior_alpha must be in (0, 1), got {self.prior_alpha}")
     if not 0.0 <= self.memory < 1.0:
@@ -73,16 +107,18 @@ class Plan:
   memory: float
 
 
-def make_plan(options: AdaptiveDrafting, drafter, target_params, config, gamma: int) -> Plan:
+def make_plan(options: AdaptiveDrafting, drafter, target_params, config, gamma: int, batch: int = 1) -> Plan:
+  """Round costs by draft length for `batch` rows (per device: the rows one forward processes)."""
   c = drafter.draft_cost if options.draft_cost is None else options.draft_cost
   reused = leviathan.draft_cost(target_params, config, range(drafter.reuse_layers), head_columns=0) \
       if drafter.reuse_layers else 0.0
+  points = options.forward_costs or default_forward_costs()
+  plain = forward_cost(points, batch)
 
   def verify(g):
-    return reused + (1.0 - reused) * (1.0 + (options.verify_cost - 1.0) * math.sqrt(g / 4))
+    return reused + (1.0 - reused) * forward_cost(points, batch * (g + 1)) / plain
 
-  # A round that drafts verifies all gamma + 1 positions: each narrower width would be one more compiled forward.
-  costs = (1.0 + drafter.plain_step_cost,) + tuple(g * c + verify(gamma) for g in range(1, gamma + 1))
+  costs = (1.0 + drafter.plain_step_cost,) + tuple(g * c + verify(g) for g in range(1, gamma + 1))
   return Plan(min_confidence=options.min_confidence, round_costs=costs, prior_alpha=options.prior_alpha,
               memory=options.memory)
 

@@ -7,6 +7,7 @@ One round, for every row at once:
   2. the target scores [pending, x_1..x_gamma] in ONE forward at the row's own position (a causal mask makes
      that gamma+1 next-token predictions), or only the pending token when no row drafted; a drafter that ran
      the target's own first k layers hands over their output, and only layers k..L-1 run for all positions;
+     with adaptive drafting the forward covers only the longest draft any row made;
   3. verification (specjax/verify.py) accepts a prefix of a tokens and yields one more token (the correction
      at the first rejection, or the bonus token when all the row's drafts were accepted);
   4. x_1..x_a and that token are committed; the new pending token is the last of them. The target cache now
@@ -134,13 +135,14 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
     live = ~s.done
     draft_lengths = jnp.where(live, jnp.minimum(proposal.lengths, budget), 0)
     verify_tokens = jnp.concatenate([s.sequence[rows, s.position][:, None], proposal.tokens], axis=1)
-    # Only the pending token when no row drafted (a plain step), else all gamma + 1 positions.
-    plain_step, full = (functools.partial(_verify_forward, params, config, verify_tokens, proposal, s.position,
-                                          width, drafter.reuse_layers, with_layers) for width in (1, gamma + 1))
+    # Verify [pending, x_1..x_n], n the longest draft a row made: with adaptive drafting one compiled forward per
+    # width (1: a plain step when no row drafted), so a short draft costs a narrow forward; else all gamma + 1.
+    forwards = [functools.partial(_verify_forward, params, config, verify_tokens, proposal, s.position, width,
+                                  drafter.reuse_layers, with_layers) for width in range(1, gamma + 2)]
     if not drafting:
-      out = plain_step()
+      out = forwards[0]()
     else:
-      out = full() if plan is None else jax.lax.cond(jnp.any(draft_lengths > 0), full, plain_step)
+      out = forwards[-1]() if plan is None else jax.lax.switch(jnp.max(draft_lengths), forwards)
     if sampling.greedy:
       accepted_len, next_token = greedy_verify(proposal.tokens, out.logits, draft_lengths)
     else:
@@ -197,8 +199,8 @@ def _no_proposal(params, draft_params, drafter: Drafter, s: SpecState, key, gamm
 
 def _verify_forward(params, config, tokens, proposal: Proposal, position, width: int, reuse_layers: int,
                     with_layers: bool):
-  """The target over tokens [B, gamma+1] = [pending, x_1..x_gamma] written from `position`: all of them, or
-  only the pending one (width 1, a plain step), with outputs padded to gamma + 1 positions.
+  """The target over the first `width` of tokens [B, gamma+1] = [pending, x_1..x_gamma] written from `position`
+  (width 1: a plain step), with outputs padded to gamma + 1 positions.
 
   A drafter that ran the target's layers 0..k-1 (k = `reuse_layers`) for n steps has written their K/V for
   [pending, x_1..x_{n-1}] into the cache and hands over their output (`proposal.hidden`), so only x_n runs
@@ -214,7 +216,7 @@ def _verify_forward(params, config, tokens, proposal: Proposal, position, width:
     last = forward(params, tokens[rows, steps][:, None], cache, position + steps, config, layers=range(reuse_layers),
                    compute_logits=False)
     hidden = jnp.pad(proposal.hidden, ((0, 0), (0, 1), (0, 0))).astype(last.hidden.dtype).at[:, steps].set(
-        last.hidden[:, 0])
+        last.hidden[:, 0])[:, :width]
     out = forward(params, None, last.cache, position, config, layers=range(reuse_layers, config.num_layers),
                   return_layer_hidden=with_layers, hidden=hidden)
     out = out._replace(layer_hidden=[hidden] + out.layer_hidden if with_layers else None)
@@ -255,8 +257,11 @@ def generate(model, prompts, *, drafter: Drafter, gamma: int, sampling: Sampling
     raise ValueError(f"drafter {drafter.name!r} reuses the target's first {drafter.reuse_layers} layers, so "
                      f"verification has no features of layers {drafter.feature_layers} over all positions")
   options = AdaptiveDrafting() if adaptive is True else adaptive or None
-  plan = make_plan(options, drafter, model.params, model.config, int(gamma)) if options else None
   batch = prepare_batch(model, prompts, max_new_tokens, extra_positions=gamma + 1, max_len=max_len)
+  # The round costs depend on the rows one forward processes: the batch over the mesh's "data" axis.
+  rows_per_forward = max(1, len(batch.lengths) // (mesh.shape.get("data", 1) if mesh is not None else 1))
+  plan = (make_plan(options, drafter, model.params, model.config, int(gamma), batch=rows_per_forward)
+          if options else None)
   start = time.perf_counter()
   params, prompt_tokens, lengths, cache_sharding = place_on_mesh(model, batch, mesh)
   (tokens, num_generated, stats), compile_seconds = _speculative_program(

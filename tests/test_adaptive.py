@@ -19,7 +19,9 @@ from specjax.model import init_cache
 from specjax.sampling import SamplingParams
 from tests.task_drafters import perturbed
 
-EAGER = AdaptiveDrafting(draft_cost=0.0, min_confidence=0.15, prior_alpha=0.7)
+# Free drafts and free verification widths: every round drafts gamma, and rows stop early where the draft is
+# unsure (so rounds verify fewer than gamma + 1 tokens); drafters that reuse layers plan the same rounds.
+EAGER = AdaptiveDrafting(draft_cost=0.0, min_confidence=0.15, prior_alpha=0.7, forward_costs=((1, 1.0), (64, 1.0)))
 
 
 def ragged_prompts(vocab, batch=4, seed=0):
@@ -70,6 +72,12 @@ def test_verify_reusing_the_draft_layers_equals_the_plain_verify(name, budget, r
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(b))))
 
   assert_close(reused.logits[:, read], plain.logits[:, read])
+  # Adaptive drafting verifies only as wide as the longest draft: any width up to budget + 1 reads the same.
+  for width in range(2, budget + 2):
+    narrow = speculative._verify_forward(target.params, target.config, verify_tokens, proposal, lengths, width,
+                                         drafter.reuse_layers, with_layers=True)
+    assert narrow.logits.shape == plain.logits.shape
+    assert_close(narrow.logits[:, :width], plain.logits[:, :width])
   assert_close(reused.hidden[:, read], plain.hidden[:, read])
   assert_close(reused.layer_hidden[1][:, read], plain.layer_hidden[1][:, read])
   positions = lengths[:, None] + jnp.arange(budget + 1)[None, :]
@@ -133,24 +141,42 @@ def test_acceptance_estimate_decays_back_to_the_prior():
   assert float(a.alpha(p)) == pytest.approx(0.6, abs=1e-6)
 
 
-def test_round_costs_count_reused_layers_and_plain_steps(random_target):
+def test_round_costs_follow_the_forward_costs_of_the_rows_verified(random_target):
   exit_drafter = specjax.make_drafter("layer_skip", random_target, exit_layer=2)
   no_reuse = dataclasses.replace(exit_drafter, reuse_layers=0)
-  options = AdaptiveDrafting(draft_cost=0.3, verify_cost=1.4)
+  options = AdaptiveDrafting(draft_cost=0.3, forward_costs=((1, 1.0), (5, 1.4), (10, 2.4)))
   with_reuse, without = (make_plan(options, d, random_target.params, random_target.config, 4)
                          for d in (exit_drafter, no_reuse))
-  assert without.round_costs == pytest.approx((1.0, 1.7, 2.0, 2.3, 2.6))  # g c + r(4), r(4) = 1.4
+  # g c + f(g + 1): gamma drafted tokens are verified in a (gamma + 1)-token forward.
+  assert without.round_costs == pytest.approx((1.0, 1.4, 1.8, 2.2, 2.6))
   assert with_reuse.round_costs[0] == 1.0 and all(a < b for a, b in zip(with_reuse.round_costs[1:],
                                                                        without.round_costs[1:]))
+  # At batch 2 the forward covers 2 (gamma + 1) rows, over a plain step's f(2) = 1.1; f(20) extrapolates.
+  at_2 = make_plan(options, no_reuse, random_target.params, random_target.config, 4, batch=2)
+  assert at_2.round_costs == pytest.approx((1.0, 0.3 + 1.3 / 1.1, 0.6 + 1.6 / 1.1, 0.9 + 2.0 / 1.1, 1.2 + 2.4 / 1.1))
+  at_4 = make_plan(options, no_reuse, random_target.params, random_target.config, 4, batch=4)
+  assert at_4.round_costs[4] == pytest.approx(1.2 + 4.4 / 1.3)
   draft = specjax.make_drafter("draft_model", random_target, draft=random_target)
   assert draft.plain_step_cost == draft.draft_cost == pytest.approx(1.0, abs=0.02)  # it follows every token
+
+
+def test_the_default_costs_draft_at_batch_1_and_not_at_batch_8(random_target):
+  """On 2-core XLA:CPU a 2-token forward at batch 8 costs ~1.56 plain steps, so alpha 0.5 no longer pays; at
+  batch 1 it costs 1.07."""
+  lookup = specjax.make_drafter("prompt_lookup", random_target)
+  plans = {b: make_plan(AdaptiveDrafting(), lookup, random_target.params, random_target.config, 4, batch=b)
+           for b in (1, 8)}
+  assert int(draft_length(plans[1], evidence(50, 100))) > 0
+  assert int(draft_length(plans[8], evidence(50, 100))) == 0
+  assert int(draft_length(plans[8], evidence(90, 100))) > 0  # high acceptance still pays
 
 
 def test_bad_adaptive_options_are_rejected(random_target):
   with pytest.raises(ValueError, match="min_confidence"):
     AdaptiveDrafting(min_confidence=1.5)
-  with pytest.raises(ValueError, match="verify_cost"):
-    AdaptiveDrafting(verify_cost=0.5)
+  for points in [((1, 1.0),), ((1, 1.0), (4, 0.9)), ((2, 1.0), (4, 2.0)), ((1, 1.0), (4, 2.0), (3, 2.5))]:
+    with pytest.raises(ValueError, match="forward_costs"):
+      AdaptiveDrafting(forward_costs=points)
   with pytest.raises(TypeError, match="adaptive must be"):
     specjax.generate(random_target, [[1, 2, 3]], max_new_tokens=4, adaptive="yes",
                      drafter=specjax.make_drafter("prompt_lookup", random_target))
