@@ -11,7 +11,7 @@ Variants (the argument after the colon):
   deepseek    3 distinct sequential modules on the last hidden state (DeepSeek-V3 MTP), chained in training
   small       appended with a comma (e.g. `parallel,small`): a few steps, for a quick end-to-end check
 
-`parallel` took 53 min and `sequential` 70 min on 2 CPU cores, the two running side by side with other jobs
+`parallel` (600 steps) took 53 min and `sequential` (1500 steps) 77 min on 2 CPU cores, each beside other jobs
 (the Spec-Bench pass adds ~10 min). Runs write metrics.jsonl and orbax
 checkpoints to the workdir (default workdirs/train/<variant>/); a killed run restarted with the same
 command resumes from its last checkpoint. At the end the drafter is exported (safetensors + a model card)
@@ -44,8 +44,8 @@ def get_config(arg=None):
   elif kind == "sequential":
     config.drafter = "mtp_sequential"
     config.options = ml_collections.ConfigDict({"path": None, "depth": 4, "recurrent": True, "eagle3": True})
-    config.learning_rate = 5e-4
-    config.steps = 400
+    config.learning_rate = 1e-3
+    config.steps = 1500
   else:
     config.drafter = "mtp_sequential"
     config.options = ml_collections.ConfigDict({"path": None, "depth": 3, "recurrent": False, "eagle3": False})
