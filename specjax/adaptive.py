@@ -15,13 +15,16 @@ Both rules run inside the compiled loop (no host sync):
 
    G being the static maximum (`generate`'s `gamma`). gamma = 0 is a plain target step (one token, cost 1
    plus the drafter's `plain_step_cost`): where drafting cannot pay, decoding falls back to autoregressive
-   steps. Verification runs over the longest draft any row made plus the pending token (one compiled forward
-   per width 1..G+1, chosen by `jax.lax.switch`), so a short draft pays for a narrow forward only. Costs are
-   in units of a plain target step at the same batch size B:
+   steps. Verification runs over the narrowest compiled width that holds the longest draft any row made plus
+   the pending token (`verify_widths`: 1, 2 and G + 1, chosen by `jax.lax.switch`), so a one-token draft pays
+   for a 2-token forward only. Each width is one more compiled target forward in the program: more compile
+   time, and more executable memory mappings (XLA:CPU maps each kernel apart; Linux allows 65,530 per process
+   by default, which a long experiment run with every width reached). Costs are in units of a plain target
+   step at the same batch size B:
      c         a draft step (`draft_cost`; default: the drafter's estimate from the weights it reads, since a
                batch-1 step is memory-bound);
-     v(gamma)  a verification forward over B x (gamma + 1) rows over a plain step's B rows: f(B (gamma + 1)) /
-               f(B), f(n) being a target forward over n rows (batch rows times tokens) in units of a 1-row one,
+     v(gamma)  a verification forward over B x w rows over a plain step's B rows, w the compiled width that
+               holds gamma + 1 tokens: f(B w) / f(B), f(n) being a target forward over n rows (batch rows times tokens) in units of a 1-row one,
                interpolated linearly between the points of `forward_costs`. The default on a CPU backend
                (`CPU_FORWARD_COSTS`) was measured on this project's 2-core XLA:CPU with SmolLM2-135M: a forward
                costs about 1 + 0.11 (n - 1) (f(5) = 1.43, f(40) = 4.75: each row's arithmetic adds to the
@@ -58,6 +61,16 @@ ACCELERATOR_FORWARD_COSTS = ((1, 1.0), (64, 1.0))
 
 def default_forward_costs() -> tuple[tuple[int, float], ...]:
   return CPU_FORWARD_COSTS if jax.default_backend() == "cpu" else ACCELERATOR_FORWARD_COSTS
+
+
+def verify_widths(gamma: int) -> tuple[int, ...]:
+  """The verification widths a program compiles for drafts of up to `gamma` tokens: 1 (a plain step), 2, gamma + 1."""
+  return tuple(sorted({1, min(2, gamma + 1), gamma + 1}))
+
+
+def width_for(widths: tuple[int, ...], drafted: int) -> int:
+  """The narrowest of `widths` that holds `drafted` draft tokens and the pending token."""
+  return min(w for w in widths if w >= drafted + 1)
 
 
 def forward_cost(points: tuple[tuple[int, float], ...], rows: int) -> float:
@@ -115,8 +128,10 @@ def make_plan(options: AdaptiveDrafting, drafter, target_params, config, gamma: 
   points = options.forward_costs or default_forward_costs()
   plain = forward_cost(points, batch)
 
+  widths = verify_widths(gamma)
+
   def verify(g):
-    return reused + (1.0 - reused) * forward_cost(points, batch * (g + 1)) / plain
+    return reused + (1.0 - reused) * forward_cost(points, batch * width_for(widths, g)) / plain
 
   costs = (1.0 + drafter.plain_step_cost,) + tuple(g * c + verify(g) for g in range(1, gamma + 1))
   return Plan(min_confidence=options.min_confidence, round_costs=costs, prior_alpha=options.prior_alpha,

@@ -9,11 +9,19 @@ shape bucket makes a call pause for as long as compiling takes.
 
 `count()` counts every program XLA builds in this process (ours and any other jit), so that a caller can
 tell whether a timed call had to build one.
+
+Executables hold memory mappings: XLA:CPU maps each kernel of a program apart (a SmolLM2 speculative program
+with adaptive drafting: ~1,400 mappings), and Linux refuses more than `vm.max_map_count` (65,530 by default)
+per process, which makes LLVM fail with "Cannot allocate memory" and the process crash. So before compiling,
+where /proc/self/maps exists, the least recently used executables of every `Program` are dropped while the
+process holds more than `MAP_BUDGET` of that limit; a dropped one is compiled again if it is called again.
 """
 
 from __future__ import annotations
 
 import collections
+import gc
+import itertools
 import time
 import weakref
 from typing import Any, Callable
@@ -28,6 +36,43 @@ _EVENTS = (
 )
 _count = [0]
 _programs: "weakref.WeakSet[Program]" = weakref.WeakSet()
+_clock = itertools.count()  # orders the uses of executables across programs
+MAP_BUDGET = 0.6  # share of vm.max_map_count the executables may bring the process to before the oldest go
+
+
+def _map_count() -> int | None:
+  try:
+    with open("/proc/self/maps", "rb") as f:
+      return sum(1 for _ in f)
+  except OSError:
+    return None
+
+
+def _map_limit() -> int:
+  try:
+    with open("/proc/sys/vm/max_map_count") as f:
+      return int(f.read())
+  except (OSError, ValueError):
+    return 65530
+
+
+def _make_room() -> None:
+  """Drops the least recently used executables (of every Program) while the process holds too many mappings."""
+  count = _map_count()
+  budget = MAP_BUDGET * _map_limit()
+  dropped = 0
+  while count is not None and count > budget:
+    held = [(used, program, key) for program in list(_programs) for key, (_, used) in program._compiled.items()]
+    if not held:
+      break
+    _, program, key = min(held, key=lambda h: h[0])
+    del program._compiled[key]
+    dropped += 1
+    gc.collect()
+    count = _map_count()
+  if dropped:
+    logging.info("dropped %d least recently used executables: the process held too many memory mappings (%s of "
+                 "%d allowed)", dropped, count, _map_limit())
 
 
 def _listener(event: str, duration: float, **kwargs) -> None:
@@ -64,17 +109,20 @@ class Program:
 
   def __call__(self, *args, describe: str = "", **static) -> tuple[Any, float]:
     key = (_signature(args), tuple(sorted(static.items())))
-    compiled = self._compiled.get(key)
+    held = self._compiled.get(key)
     compile_seconds = 0.0
-    if compiled is None:
+    if held is None:
+      _make_room()
       logging.info("compiling %s for a new shape bucket (%s); calls with these shapes reuse it", self.name, describe)
       start = time.perf_counter()
       compiled = self.jitted.lower(*args, **static).compile()
       compile_seconds = time.perf_counter() - start
       logging.info("compiled %s in %.1f s", self.name, compile_seconds)
-      self._compiled[key] = compiled
-      while len(self._compiled) > self.max_programs:
+      while len(self._compiled) >= self.max_programs:
         self._compiled.popitem(last=False)
+    else:
+      compiled = held[0]
+    self._compiled[key] = (compiled, next(_clock))
     self._compiled.move_to_end(key)
     return compiled(*args), compile_seconds
 

@@ -7,7 +7,7 @@ One round, for every row at once:
   2. the target scores [pending, x_1..x_gamma] in ONE forward at the row's own position (a causal mask makes
      that gamma+1 next-token predictions), or only the pending token when no row drafted; a drafter that ran
      the target's own first k layers hands over their output, and only layers k..L-1 run for all positions;
-     with adaptive drafting the forward covers only the longest draft any row made;
+     with adaptive drafting a narrower forward runs when every row drafted at most one token;
   3. verification (specjax/verify.py) accepts a prefix of a tokens and yields one more token (the correction
      at the first rejection, or the bonus token when all the row's drafts were accepted);
   4. x_1..x_a and that token are committed; the new pending token is the last of them. The target cache now
@@ -29,7 +29,7 @@ import numpy as np
 from flax import struct
 
 from specjax import compilation, distributed, sharding
-from specjax.adaptive import Acceptance, AdaptiveDrafting, Plan, draft_length, make_plan
+from specjax.adaptive import Acceptance, AdaptiveDrafting, Plan, draft_length, make_plan, verify_widths
 from specjax.drafters import Drafter, DraftInputs, PromptInfo, Proposal, RoundResult
 from specjax.decoding import (Output, decode_outputs, describe_shapes, is_stop, place_on_mesh, prefill,
                               prepare_batch)
@@ -135,14 +135,18 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
     live = ~s.done
     draft_lengths = jnp.where(live, jnp.minimum(proposal.lengths, budget), 0)
     verify_tokens = jnp.concatenate([s.sequence[rows, s.position][:, None], proposal.tokens], axis=1)
-    # Verify [pending, x_1..x_n], n the longest draft a row made: with adaptive drafting one compiled forward per
-    # width (1: a plain step when no row drafted), so a short draft costs a narrow forward; else all gamma + 1.
+    # Verify [pending, x_1..x_n], n the longest draft a row made: with adaptive drafting in the narrowest compiled
+    # width that holds it (1: a plain step when no row drafted; see adaptive.verify_widths); else all gamma + 1.
+    widths = verify_widths(gamma)
     forwards = [functools.partial(_verify_forward, params, config, verify_tokens, proposal, s.position, width,
-                                  drafter.reuse_layers, with_layers) for width in range(1, gamma + 2)]
+                                  drafter.reuse_layers, with_layers) for width in widths]
     if not drafting:
       out = forwards[0]()
+    elif plan is None:
+      out = forwards[-1]()
     else:
-      out = forwards[-1]() if plan is None else jax.lax.switch(jnp.max(draft_lengths), forwards)
+      branch = jnp.searchsorted(jnp.asarray(widths), jnp.max(draft_lengths) + 1)  # first width >= n + 1
+      out = jax.lax.switch(branch, forwards)
     if sampling.greedy:
       accepted_len, next_token = greedy_verify(proposal.tokens, out.logits, draft_lengths)
     else:

@@ -12,7 +12,7 @@ import pytest
 
 import specjax
 from specjax import speculative, verify
-from specjax.adaptive import Acceptance, AdaptiveDrafting, Plan, draft_length, make_plan
+from specjax.adaptive import Acceptance, AdaptiveDrafting, Plan, draft_length, make_plan, verify_widths
 from specjax.decoding import prefill
 from specjax.drafters import DraftInputs, PromptInfo
 from specjax.model import init_cache
@@ -147,13 +147,14 @@ def test_round_costs_follow_the_forward_costs_of_the_rows_verified(random_target
   options = AdaptiveDrafting(draft_cost=0.3, forward_costs=((1, 1.0), (5, 1.4), (10, 2.4)))
   with_reuse, without = (make_plan(options, d, random_target.params, random_target.config, 4)
                          for d in (exit_drafter, no_reuse))
-  # g c + f(g + 1): gamma drafted tokens are verified in a (gamma + 1)-token forward.
-  assert without.round_costs == pytest.approx((1.0, 1.4, 1.8, 2.2, 2.6))
+  # g c + f(w): gamma drafted tokens are verified in the narrowest compiled width w >= gamma + 1 (2 or 5).
+  assert verify_widths(4) == (1, 2, 5) and verify_widths(1) == (1, 2)
+  assert without.round_costs == pytest.approx((1.0, 0.3 + 1.1, 0.6 + 1.4, 0.9 + 1.4, 1.2 + 1.4))
   assert with_reuse.round_costs[0] == 1.0 and all(a < b for a, b in zip(with_reuse.round_costs[1:],
                                                                        without.round_costs[1:]))
-  # At batch 2 the forward covers 2 (gamma + 1) rows, over a plain step's f(2) = 1.1; f(20) extrapolates.
+  # At batch 2 the forward covers 2 w rows, over a plain step's f(2) = 1.1; f(20) extrapolates.
   at_2 = make_plan(options, no_reuse, random_target.params, random_target.config, 4, batch=2)
-  assert at_2.round_costs == pytest.approx((1.0, 0.3 + 1.3 / 1.1, 0.6 + 1.6 / 1.1, 0.9 + 2.0 / 1.1, 1.2 + 2.4 / 1.1))
+  assert at_2.round_costs == pytest.approx((1.0, 0.3 + 1.3 / 1.1, 0.6 + 2.4 / 1.1, 0.9 + 2.4 / 1.1, 1.2 + 2.4 / 1.1))
   at_4 = make_plan(options, no_reuse, random_target.params, random_target.config, 4, batch=4)
   assert at_4.round_costs[4] == pytest.approx(1.2 + 4.4 / 1.3)
   draft = specjax.make_drafter("draft_model", random_target, draft=random_target)

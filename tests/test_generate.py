@@ -199,6 +199,22 @@ def test_compilation_is_timed_apart_from_decoding(tiny):
   assert first.stats["tokens_per_second"] == first.stats["new_tokens"] / first.stats["seconds"]
 
 
+def test_programs_drop_their_oldest_executables_before_the_memory_map_limit(monkeypatch):
+  """XLA:CPU maps every kernel apart; past vm.max_map_count LLVM fails and the process crashes, so a Program
+  about to compile drops the least recently used executables while the process holds too many mappings."""
+  import weakref
+  monkeypatch.setattr(compilation, "_programs", weakref.WeakSet())
+  program = compilation.Program(jax.jit(lambda x: x * 2), "doubling")
+  # 1000 mappings plus 150 per executable, of 2000 allowed (budget 0.6: 1200): room for 1000 + 150 * 1.
+  monkeypatch.setattr(compilation, "_map_limit", lambda: 2000)
+  monkeypatch.setattr(compilation, "_map_count", lambda: 1000 + 150 * program.cache_size())
+  a, b, c = (jnp.zeros(n) for n in (1, 2, 3))
+  assert program(a)[1] > 0 and program(b)[1] > 0  # a held: 1150, room for b
+  assert program(a)[1] == 0.0  # a is now the most recently used
+  assert program(c)[1] > 0 and program.cache_size() == 2  # 1300 > 1200 before compiling c: b, the oldest, went
+  assert program(a)[1] == 0.0 and program(b)[1] > 0
+
+
 def _first_stop(tokens: list[int], stop: int) -> list[int]:
   return tokens[:tokens.index(stop) + 1] if stop in tokens else tokens
 
