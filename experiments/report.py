@@ -385,12 +385,12 @@ def plot_alpha_by_temperature(summary: dict[str, Any], path: str) -> bool:
   return True
 
 
-def _json_safe(x):
+def json_safe(x):
   """NaN -> None (JSON has no NaN); numpy scalars -> Python."""
   if isinstance(x, dict):
-    return {k: _json_safe(v) for k, v in x.items()}
+    return {k: json_safe(v) for k, v in x.items()}
   if isinstance(x, (list, tuple)):
-    return [_json_safe(v) for v in x]
+    return [json_safe(v) for v in x]
   if isinstance(x, np.generic):
     x = x.item()
   if isinstance(x, float) and math.isnan(x):
@@ -409,7 +409,7 @@ def write(workdir: str, results: dict[str, Any]) -> str:
   """Writes results.json, results.md and the plots; returns the table (headed by any lossless failure)."""
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "results.json"), "w") as f:
-    json.dump(_json_safe(results), f, indent=1)
+    json.dump(json_safe(results), f, indent=1)
   summary = results["summary"]
   table = markdown_table(summary)
   banner = lossless_banner(summary)
