@@ -24,8 +24,9 @@ Both rules run inside the compiled loop (no host sync):
      c         a draft step (`draft_cost`; default: the drafter's estimate from the weights it reads, since a
                batch-1 step is memory-bound);
      v(gamma)  a verification forward over B x w rows over a plain step's B rows, w the compiled width that
-               holds gamma + 1 tokens: f(B w) / f(B), f(n) being a target forward over n rows (batch rows times tokens) in units of a 1-row one,
-               interpolated linearly between the points of `forward_costs`. The default on a CPU backend
+               holds gamma + 1 tokens: f(B w) / f(B), f(n) being a target forward over n rows (batch rows
+               times tokens) in units of a 1-row one, interpolated linearly between the points of
+               `forward_costs`. The default on a CPU backend
                (`CPU_FORWARD_COSTS`) was measured on this project's 2-core XLA:CPU with SmolLM2-135M: a forward
                costs about 1 + 0.11 (n - 1) (f(5) = 1.43, f(40) = 4.75: each row's arithmetic adds to the
                weight stream), so at batch 8 a 5-token verification costs ~2.8 plain steps and drafting pays
@@ -127,7 +128,6 @@ def make_plan(options: AdaptiveDrafting, drafter, target_params, config, gamma: 
       if drafter.reuse_layers else 0.0
   points = options.forward_costs or default_forward_costs()
   plain = forward_cost(points, batch)
-
   widths = verify_widths(gamma)
 
   def verify(g):
