@@ -69,9 +69,10 @@ def verify_widths(gamma: int) -> tuple[int, ...]:
   return tuple(sorted({1, min(2, gamma + 1), gamma + 1}))
 
 
-def width_for(widths: tuple[int, ...], drafted: int) -> int:
-  """The narrowest of `widths` that holds `drafted` draft tokens and the pending token."""
-  return min(w for w in widths if w >= drafted + 1)
+def width_index(widths: tuple[int, ...], drafted):
+  """Index of the narrowest of `widths` that holds `drafted` draft tokens and the pending token; `drafted` may
+  be a Python int (the plan's costs) or a traced array (the compiled loop's `jax.lax.switch`)."""
+  return jnp.searchsorted(jnp.asarray(widths), drafted + 1)
 
 
 def forward_cost(points: tuple[tuple[int, float], ...], rows: int) -> float:
@@ -131,7 +132,7 @@ def make_plan(options: AdaptiveDrafting, drafter, target_params, config, gamma: 
   widths = verify_widths(gamma)
 
   def verify(g):
-    return reused + (1.0 - reused) * forward_cost(points, batch * width_for(widths, g)) / plain
+    return reused + (1.0 - reused) * forward_cost(points, batch * widths[int(width_index(widths, g))]) / plain
 
   costs = (1.0 + drafter.plain_step_cost,) + tuple(g * c + verify(g) for g in range(1, gamma + 1))
   return Plan(min_confidence=options.min_confidence, round_costs=costs, prior_alpha=options.prior_alpha,

@@ -29,7 +29,7 @@ import numpy as np
 from flax import struct
 
 from specjax import compilation, distributed, sharding
-from specjax.adaptive import Acceptance, AdaptiveDrafting, Plan, draft_length, make_plan, verify_widths
+from specjax.adaptive import Acceptance, AdaptiveDrafting, Plan, draft_length, make_plan, verify_widths, width_index
 from specjax.drafters import Drafter, DraftInputs, PromptInfo, Proposal, RoundResult
 from specjax.decoding import (Output, decode_outputs, describe_shapes, is_stop, place_on_mesh, prefill,
                               prepare_batch)
@@ -145,8 +145,7 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
     elif plan is None:
       out = forwards[-1]()
     else:
-      branch = jnp.searchsorted(jnp.asarray(widths), jnp.max(draft_lengths) + 1)  # first width >= n + 1
-      out = jax.lax.switch(branch, forwards)
+      out = jax.lax.switch(width_index(widths, jnp.max(draft_lengths)), forwards)
     if sampling.greedy:
       accepted_len, next_token = greedy_verify(proposal.tokens, out.logits, draft_lengths)
     else:
