@@ -1,11 +1,13 @@
 r"""What a speculative round that does not draft costs against an autoregressive step, per drafter.
 
-  python benchmarks/bench_plain_round.py [--new_tokens=64] [--repeats=5] [--drafters=layer_skip,mtp_parallel,mtp_sequential]
+  python benchmarks/bench_plain_round.py [--new_tokens=64] [--repeats=5] [--batch=1]
+                                        [--drafters=prompt_lookup,layer_skip,mtp_parallel,mtp_sequential]
 
 With adaptive drafting a drafter that cannot pay falls back to plain target steps inside the speculative loop; this
 is the floor of its speed. Each drafter decodes one Spec-Bench prompt (writing, chat template) greedily with
 adaptive drafting told that drafting costs 100 target steps, so no round drafts (checked: every round is a plain
-step); autoregressive `generate` decodes the same prompt. Per method, seconds per decode step =
+step); autoregressive `generate` decodes the same prompt. `--batch=B` decodes the first B writing prompts
+together instead. Per method, seconds per decode step =
 (t(new_tokens) - t(8)) / (new_tokens - 8), so prefill and per-call overhead cancel; the methods run interleaved,
 medians over `--repeats` rounds, after a first call of each length that compiles.
 """
@@ -23,7 +25,9 @@ from specjax.adaptive import AdaptiveDrafting
 
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 64, "Tokens per call (more than 8).")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Interleaved timing rounds.")
-_DRAFTERS = flags.DEFINE_list("drafters", ["layer_skip", "mtp_parallel", "mtp_sequential"], "Drafters to time.")
+_BATCH = flags.DEFINE_integer("batch", 1, "Prompts decoded together (Spec-Bench writing prompts).")
+_DRAFTERS = flags.DEFINE_list("drafters", ["prompt_lookup", "layer_skip", "mtp_parallel", "mtp_sequential"],
+                              "Drafters to time.")
 _OPTIONS = {"layer_skip": {"exit_layer": 24}}
 
 
@@ -33,12 +37,12 @@ def main(argv):
   if n <= 8:
     raise app.UsageError("--new_tokens must be more than 8")
   model = specjax.load("smollm2-135m")
-  question = spec_bench.select(spec_bench.load_questions(), categories=["writing"], per_category=1)[0]
-  prompt = spec_bench.prompt_ids(question, model.tokenizer, chat=True)
+  questions = spec_bench.select(spec_bench.load_questions(), categories=["writing"], per_category=_BATCH.value)
+  prompts = [spec_bench.prompt_ids(question, model.tokenizer, chat=True) for question in questions]
   never = AdaptiveDrafting(draft_cost=100.0)
 
   def decode(drafter):
-    return lambda tokens: specjax.generate(model, [prompt], max_new_tokens=tokens, stop_ids=(), drafter=drafter,
+    return lambda tokens: specjax.generate(model, prompts, max_new_tokens=tokens, stop_ids=(), drafter=drafter,
                                            adaptive=never if drafter else False)
   runs = {"autoregressive": decode(None)}
   runs.update({name: decode(specjax.make_drafter(name, model, **_OPTIONS.get(name, {}))) for name in _DRAFTERS.value})
@@ -55,7 +59,7 @@ def main(argv):
       if name != "autoregressive" and out.stats["plain_steps"] != out.stats["rounds"]:
         raise AssertionError(f"{name} drafted: {out.stats}")
   base = statistics.median(seconds["autoregressive"])
-  print(f"\nSmolLM2-135M, fp32, batch 1, {n} new tokens, median of {_REPEATS.value} interleaved rounds\n")
+  print(f"\nSmolLM2-135M, fp32, batch {len(prompts)}, {n} new tokens, median of {_REPEATS.value} interleaved rounds\n")
   print(f"{'method':<16} {'ms/step':>8} {'speed vs autoregressive':>24}")
   for name, values in seconds.items():
     step = statistics.median(values)

@@ -16,7 +16,7 @@ Both rules run inside the compiled loop (no host sync):
    G being the static maximum (`generate`'s `gamma`). gamma = 0 is a plain target step (one token, cost 1
    plus the drafter's `plain_step_cost`): where drafting cannot pay, decoding falls back to autoregressive
    steps. Verification runs over the narrowest compiled width that holds the longest draft any row made plus
-   the pending token (`verify_widths`: 1, 2 and G + 1, chosen by `jax.lax.switch`), so a one-token draft pays
+   the pending token (`verify_widths`: 1, 2 and G + 1, chosen inside the compiled loop), so a one-token draft pays
    for a 2-token forward only. Each width is one more compiled target forward in the program: more compile
    time, and more executable memory mappings (XLA:CPU maps each kernel apart; Linux allows 65,530 per process
    by default, which a long experiment run with every width reached). Costs are in units of a plain target
@@ -71,7 +71,7 @@ def verify_widths(gamma: int) -> tuple[int, ...]:
 
 def width_index(widths: tuple[int, ...], drafted):
   """Index of the narrowest of `widths` that holds `drafted` draft tokens and the pending token; `drafted` may
-  be a Python int (the plan's costs) or a traced array (the compiled loop's `jax.lax.switch`)."""
+  be a Python int (the plan's costs) or a traced array (the compiled loop's choice)."""
   return jnp.searchsorted(jnp.asarray(widths), drafted + 1)
 
 

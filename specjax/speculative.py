@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax import compilation, distributed, sharding
+from specjax import compilation, control, distributed, sharding
 from specjax.adaptive import Acceptance, AdaptiveDrafting, Plan, draft_length, make_plan, verify_widths, width_index
 from specjax.drafters import Drafter, DraftInputs, PromptInfo, Proposal, RoundResult
 from specjax.decoding import (Output, decode_outputs, describe_shapes, is_stop, place_on_mesh, prefill,
@@ -135,40 +135,52 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
     live = ~s.done
     draft_lengths = jnp.where(live, jnp.minimum(proposal.lengths, budget), 0)
     verify_tokens = jnp.concatenate([s.sequence[rows, s.position][:, None], proposal.tokens], axis=1)
+    # The cache and the drafter's state travel as the state of the verification below; the rest of the
+    # proposal is read only.
+    carried = s.replace(cache=proposal.target_cache, draft_state=proposal.state)
+    proposal = proposal._replace(target_cache=None, state=None)
+
+    def verify(c: SpecState, width: int) -> SpecState:
+      """Verifies [pending, x_1..x_n] with a forward over its first `width` tokens and commits the result."""
+      out = _verify_forward(params, config, verify_tokens, proposal, c.cache, s.position, width,
+                            drafter.reuse_layers, with_layers)
+      if sampling.greedy:
+        accepted_len, next_token = greedy_verify(proposal.tokens, out.logits, draft_lengths)
+      else:
+        accepted_len, next_token = speculative_verify(verify_key, proposal.tokens, proposal.probs,
+                                                      probabilities(out.logits, sampling), draft_lengths)
+      sequence, position, done = _commit(c, proposal.tokens, accepted_len, next_token, lengths, max_new_tokens,
+                                         stop_ids)
+      accepted, rejected = jnp.where(live, accepted_len, 0), live & (accepted_len < draft_lengths)
+      result = RoundResult(sequence=sequence, position=position, accepted=accepted, verify_hidden=out.hidden,
+                           features=_features(out, drafter.feature_layers), verify_position=s.position,
+                           drafted=jnp.asarray(drafting))
+      return SpecState(
+          sequence=sequence, position=position, done=done, cache=sharding.constrain_cache(out.cache, cache_sharding),
+          draft_state=drafter.update(params, draft_params, drafter.options, c.draft_state, result), key=key,
+          rounds=s.rounds + 1, acceptance=s.acceptance.update(plan, accepted, rejected),
+          counts=s.counts.add(live, draft_lengths, accepted, rejected, result.drafted, proposal.steps))
+
     # Verify [pending, x_1..x_n], n the longest draft a row made: with adaptive drafting in the narrowest compiled
     # width that holds it (1: a plain step when no row drafted; see adaptive.verify_widths); else all gamma + 1.
     widths = verify_widths(gamma)
-    forwards = [functools.partial(_verify_forward, params, config, verify_tokens, proposal, s.position, width,
-                                  drafter.reuse_layers, with_layers) for width in widths]
     if not drafting:
-      out = forwards[0]()
-    elif plan is None:
-      out = forwards[-1]()
-    else:
-      out = jax.lax.switch(width_index(widths, jnp.max(draft_lengths)), forwards)
-    if sampling.greedy:
-      accepted_len, next_token = greedy_verify(proposal.tokens, out.logits, draft_lengths)
-    else:
-      accepted_len, next_token = speculative_verify(verify_key, proposal.tokens, proposal.probs,
-                                                    probabilities(out.logits, sampling), draft_lengths)
-    sequence, position, done = _commit(s, proposal.tokens, accepted_len, next_token, lengths, max_new_tokens, stop_ids)
-    accepted, rejected = jnp.where(live, accepted_len, 0), live & (accepted_len < draft_lengths)
-    result = RoundResult(sequence=sequence, position=position, accepted=accepted, verify_hidden=out.hidden,
-                         features=_features(out, drafter.feature_layers), verify_position=s.position,
-                         drafted=jnp.asarray(drafting))
-    return SpecState(
-        sequence=sequence, position=position, done=done, cache=sharding.constrain_cache(out.cache, cache_sharding),
-        draft_state=drafter.update(params, draft_params, drafter.options, proposal.state, result), key=key,
-        rounds=s.rounds + 1, acceptance=s.acceptance.update(plan, accepted, rejected),
-        counts=s.counts.add(live, draft_lengths, accepted, rejected, result.drafted, proposal.steps))
+      return verify(carried, widths[0])
+    if plan is None:
+      return verify(carried, widths[-1])
+    chosen = width_index(widths, jnp.max(draft_lengths))
+    for i, width in enumerate(widths):
+      carried = control.run_if(chosen == i, functools.partial(verify, width=width), carried)
+    return carried
 
   def body(s: SpecState):
     if plan is None:
       return round_(s, gamma, drafting=True)
     budget = draft_length(plan, s.acceptance)  # 0: a plain target step
-    # One branch per kind of round, so a plain step runs neither the drafter nor a choice of verify width.
-    return jax.lax.cond(budget > 0, lambda s: round_(s, budget, drafting=True),
-                        lambda s: round_(s, 0, drafting=False), s)
+    # One branch per kind of round, so a plain step runs neither the drafter nor a choice of verify width
+    # (`control.run_if`, not `jax.lax.cond`: the round's cache is updated in place, not copied).
+    s = control.run_if(budget > 0, lambda s: round_(s, budget, drafting=True), s)
+    return control.run_if(budget == 0, lambda s: round_(s, 0, drafting=False), s)
 
   s = jax.lax.while_loop(cond, body, state)
   num_generated = s.position - lengths + 1
@@ -200,18 +212,18 @@ def _no_proposal(params, draft_params, drafter: Drafter, s: SpecState, key, gamm
                         steps=jnp.zeros((), jnp.int32))
 
 
-def _verify_forward(params, config, tokens, proposal: Proposal, position, width: int, reuse_layers: int,
+def _verify_forward(params, config, tokens, proposal: Proposal, cache, position, width: int, reuse_layers: int,
                     with_layers: bool):
   """The target over the first `width` of tokens [B, gamma+1] = [pending, x_1..x_gamma] written from `position`
   (width 1: a plain step), with outputs padded to gamma + 1 positions.
 
   A drafter that ran the target's layers 0..k-1 (k = `reuse_layers`) for n steps has written their K/V for
-  [pending, x_1..x_{n-1}] into the cache and hands over their output (`proposal.hidden`), so only x_n runs
+  [pending, x_1..x_{n-1}] into `cache` (the proposal's target cache) and hands over their output (`proposal.hidden`), so only x_n runs
   layers 0..k-1; then all tokens run layers k..L-1 (LayerSkip's self-speculation). No row drafted past x_n,
   and causal attention keeps the positions after it (whose inputs are left as zeros) out of the logits
   that verification reads.
   """
-  tokens, cache = tokens[:, :width], proposal.target_cache
+  tokens = tokens[:, :width]
   if width == 1 or not reuse_layers:
     out = forward(params, tokens, cache, position, config, return_layer_hidden=with_layers)
   else:

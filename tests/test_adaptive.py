@@ -62,8 +62,8 @@ def test_verify_reusing_the_draft_layers_equals_the_plain_verify(name, budget, r
   verify_tokens = jnp.concatenate([sequence[rows, lengths][:, None], proposal.tokens], axis=1)
 
   def run(reuse_layers):
-    return speculative._verify_forward(target.params, target.config, verify_tokens, proposal, lengths, gamma + 1,
-                                       reuse_layers, with_layers=True)
+    return speculative._verify_forward(target.params, target.config, verify_tokens, proposal, proposal.target_cache,
+                                       lengths, gamma + 1, reuse_layers, with_layers=True)
 
   reused, plain = run(drafter.reuse_layers), run(0)
   read = slice(0, budget + 1)  # no row drafted past x_budget
@@ -74,8 +74,9 @@ def test_verify_reusing_the_draft_layers_equals_the_plain_verify(name, budget, r
   assert_close(reused.logits[:, read], plain.logits[:, read])
   # Adaptive drafting verifies only as wide as the longest draft: any width up to budget + 1 reads the same.
   for width in range(2, budget + 2):
-    narrow = speculative._verify_forward(target.params, target.config, verify_tokens, proposal, lengths, width,
-                                         drafter.reuse_layers, with_layers=True)
+    narrow = speculative._verify_forward(target.params, target.config, verify_tokens, proposal,
+                                         proposal.target_cache, lengths, width, drafter.reuse_layers,
+                                         with_layers=True)
     assert narrow.logits.shape == plain.logits.shape
     assert_close(narrow.logits[:, :width], plain.logits[:, :width])
   assert_close(reused.hidden[:, read], plain.hidden[:, read])
