@@ -218,8 +218,9 @@ def _verify_forward(params, config, tokens, proposal: Proposal, cache, position,
   (width 1: a plain step), with outputs padded to gamma + 1 positions.
 
   A drafter that ran the target's layers 0..k-1 (k = `reuse_layers`) for n steps has written their K/V for
-  [pending, x_1..x_{n-1}] into `cache` (the proposal's target cache) and hands over their output (`proposal.hidden`), so only x_n runs
-  layers 0..k-1; then all tokens run layers k..L-1 (LayerSkip's self-speculation). No row drafted past x_n,
+  [pending, x_1..x_{n-1}] into `cache` (the proposal's target cache) and hands over their output
+  (`proposal.hidden`), so only x_n runs layers 0..k-1; then all tokens run layers k..L-1 (LayerSkip's
+  self-speculation). No row drafted past x_n,
   and causal attention keeps the positions after it (whose inputs are left as zeros) out of the logits
   that verification reads.
   """
