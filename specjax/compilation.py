@@ -13,8 +13,9 @@ tell whether a timed call had to build one.
 Executables hold memory mappings: XLA:CPU maps each kernel of a program apart (a SmolLM2 speculative program
 with adaptive drafting: ~1,400 mappings), and Linux refuses more than `vm.max_map_count` (65,530 by default)
 per process, which makes LLVM fail with "Cannot allocate memory" and the process crash. So before compiling,
-where /proc/self/maps exists, the least recently used executables of every `Program` are dropped while the
-process holds more than `MAP_BUDGET` of that limit; a dropped one is compiled again if it is called again.
+where /proc/self/maps exists and the process holds more than `MAP_BUDGET` of that limit, JAX's caches are
+cleared (they keep every executable alive, ours included) and then the least recently used executables of every
+`Program` are dropped until it holds less; a dropped one is compiled again if it is called again.
 """
 
 from __future__ import annotations
@@ -57,20 +58,32 @@ def _map_limit() -> int:
 
 
 def _make_room() -> None:
-  """Drops the least recently used executables (of every Program) while the process holds too many mappings."""
-  count = _map_count()
-  budget = MAP_BUDGET * _map_limit()
-  dropped = 0
-  while count is not None and count > budget:
+  """Frees executables while the process holds too many mappings: first those only JAX's own caches hold (other
+  jits, executables the Programs already dropped), then the least recently used of every `Program`."""
+  count, budget = _map_count(), MAP_BUDGET * _map_limit()
+  if count is None or count <= budget:
+    return
+  # An AOT-compiled executable is also kept by JAX's compilation caches, so dropping it from a Program frees
+  # nothing until those are cleared.
+  jax.clear_caches()
+  count, dropped = _map_count(), 0
+  while count > budget:
     held = [(used, program, key) for program in list(_programs) for key, (_, used) in program._compiled.items()]
     if not held:
       break
     _, program, key = min(held, key=lambda h: h[0])
     del program._compiled[key]
     dropped += 1
-    gc.collect()
-    count = _map_count()
-  if dropped:
+    before, count = count, _map_count()
+    if count >= before:  # held by a reference cycle, or not an executable's mappings at all
+      gc.collect()
+      count = _map_count()
+      if count >= before:
+        break
+  if count > budget:
+    logging.warning("the process holds %d memory mappings (%d allowed), and not in executables specjax can drop",
+                    count, _map_limit())
+  elif dropped:
     logging.info("dropped %d least recently used executables: the process held too many memory mappings (%s of "
                  "%d allowed)", dropped, count, _map_limit())
 

@@ -215,6 +215,35 @@ def test_programs_drop_their_oldest_executables_before_the_memory_map_limit(monk
   assert program(a)[1] == 0.0 and program(b)[1] > 0
 
 
+def test_dropping_an_executable_gives_its_memory_mappings_back(monkeypatch):
+  """With the real mapping count: JAX's compilation caches also hold a Program's executables, so a drop that
+  left them there would free nothing and every later compile would drop everything in vain."""
+  if compilation._map_count() is None:
+    pytest.skip("no /proc/self/maps on this platform")
+  import weakref
+  monkeypatch.setattr(compilation, "_programs", weakref.WeakSet())
+
+  def layers(x):
+    for i in range(12):
+      x = jnp.tanh(x @ x.T + i) @ x
+    return x
+
+  program = compilation.Program(jax.jit(layers), "layers")
+  inputs = [np.ones((n, n), np.float32) for n in (3, 4, 5)]
+  jax.clear_caches()
+  before = compilation._map_count()
+  for x in inputs:
+    program(x)
+  held = compilation._map_count()
+  per_executable = (held - before) / 3
+  assert per_executable >= 2
+  # A budget half an executable below what the process holds: dropping the oldest one must get under it.
+  monkeypatch.setattr(compilation, "_map_limit", lambda: int((held - per_executable / 2) / compilation.MAP_BUDGET))
+  compilation._make_room()
+  assert program.cache_size() == 2
+  assert compilation._map_count() < held
+  assert program(inputs[2])[1] == 0.0 and program(inputs[0])[1] > 0
+
 def _first_stop(tokens: list[int], stop: int) -> list[int]:
   return tokens[:tokens.index(stop) + 1] if stop in tokens else tokens
 
