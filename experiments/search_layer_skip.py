@@ -3,7 +3,8 @@ r"""Searches which layers a layer-skip drafter should skip, and saves the record
   python -m experiments.search_layer_skip --model=smollm2-135m --out=configs/layer_skip_sets/smollm2-135m.json \
       --prompts=4 --max_new_tokens=48 --budget=10 [--objective=measured|proxy] [--gamma=2]
   python -m experiments.search_layer_skip --method=teacher_forced --model=smollm2-135m \
-      --out=configs/layer_skip_sets/smollm2-135m-deep.json --sequences=16 --gamma=3 [--verify_cost=1.35]
+      --out=configs/layer_skip_sets/smollm2-135m-deep.json --sequences=16 --gamma=3 [--verify_cost=1.35] \
+      [--candidate_pool=14]
 
 `--method=generate` (the default) decodes calibration prompts with every candidate set; they are Spec-Bench
 questions taken from the END of each category (the experiments use the first ones). `--method=teacher_forced`
@@ -101,7 +102,8 @@ def main_teacher_forced(model, f):
     bar.set_postfix(skipped=len(skip), speedup=f"{evaluation.speedup:.3f}", alpha=f"{evaluation.alpha:.2f}")
 
   record = deep_search(model, tokens, mask, gamma=f.gamma, max_skip_fraction=f.max_skip_fraction,
-                       acceptance=f.acceptance, verify_cost=f.verify_cost, budget=f.budget, calibration=source,
+                       acceptance=f.acceptance, verify_cost=f.verify_cost, budget=f.budget,
+                       candidate_pool=f.candidate_pool, calibration=source,
                        on_evaluation=progress)
   bar.close()
   save_skip_set(f.out, record)
@@ -130,7 +132,7 @@ def _define_flags():
   flags.DEFINE_enum("objective", "measured", ["measured", "proxy"], "Timed speedup or Leviathan-model proxy.")
   flags.DEFINE_integer("repeats", 2, "Interleaved timing rounds per candidate (measured objective).")
   flags.DEFINE_list("exit_layers", ["28"], "Early-exit points swept before the greedy search.")
-  flags.DEFINE_integer("candidate_pool", 0, "Greedy: only the N least-influential layers (0: all).")
+  flags.DEFINE_integer("candidate_pool", 0, "Greedy (both methods): only the N least-influential layers (0: all).")
   flags.DEFINE_float("verify_cost", 1.0, "Proxy: verification cost in AR steps (experiments/costs.py measures it).")
 
 

@@ -541,7 +541,8 @@ def training_sequences(model, num_conversations: int, *, seq_len: int, held_out_
 
 def deep_search(model, tokens: np.ndarray, mask: np.ndarray, *, gamma: int, max_skip_fraction: float = 0.5,
                 keep_layers: Sequence[int] | None = None, acceptance: str = "greedy", verify_cost: float = 1.0,
-                budget: int | None = None, batch_size: int = 8, calibration: dict | None = None,
+                budget: int | None = None, candidate_pool: int = 0, batch_size: int = 8,
+                calibration: dict | None = None,
                 on_evaluation: Callable[[SkipSet, Evaluation], None] | None = None) -> dict:
   """A multi-layer skip set by `greedy_path_search` on the teacher-forced proxy; returns the record to save.
 
@@ -551,10 +552,17 @@ def deep_search(model, tokens: np.ndarray, mask: np.ndarray, *, gamma: int, max_
     keep_layers: never skipped (default: the first and the last).
     acceptance, verify_cost: see `teacher_forced_objective`.
     budget: most evaluations (None: the whole path, about candidates x max_skip - max_skip^2 / 2).
+    candidate_pool: search only this many layers, those of least Block Influence (ShortGPT) on the calibration
+      answers (0: every layer not kept); a path over a pool of n costs about n^2 / 2 evaluations.
   """
   num_layers = model.config.num_layers
   keep = {0, num_layers - 1} if keep_layers is None else {int(l) for l in keep_layers}
   candidates = [l for l in range(num_layers) if l not in keep]
+  influence = None
+  if candidate_pool:
+    influence = block_influence(model, [row[:int(np.max(np.nonzero(m)[0])) + 2] for row, m in zip(tokens, mask)
+                                        if m.any()])
+    candidates = sorted(candidates, key=lambda l: influence[l])[:candidate_pool]
   max_skip = min(len(candidates), max(1, int(max_skip_fraction * num_layers)))
   score = memoize(teacher_forced_objective(model, tokens, mask, gamma=gamma, verify_cost=verify_cost,
                                            acceptance=acceptance, batch_size=batch_size))
@@ -581,7 +589,9 @@ def deep_search(model, tokens: np.ndarray, mask: np.ndarray, *, gamma: int, max_
       "num_layers": num_layers,
       "calibration": {"positions": int(np.sum(mask)), "sequences": len(tokens), **(calibration or {})},
       "search": {
-          "method": "greedy_path", "kept_layers": sorted(keep), "max_skip": max_skip, "budget": budget,
+          "method": "greedy_path", "kept_layers": sorted(keep), "candidates": candidates,
+          "block_influence": None if influence is None else [round(float(x), 5) for x in influence],
+          "max_skip": max_skip, "budget": budget,
           "evaluations": result.evaluations, "stopped": result.stopped,
           "path": [row(skip, e) for skip, e in result.path],
           "history": [row(skip, e) for skip, e in result.history],
