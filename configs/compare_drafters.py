@@ -11,7 +11,7 @@ compiling (results/compare_drafters/). `both` runs everything twice.
 
 Methods (SmolLM2-135M-Instruct, fp32, batch 1, gamma 4 unless a method sets its own): prompt lookup; untrained
 early exit after layer 24; the best layer-skip set found by the search (configs/layer_skip_sets/smollm2-135m.json,
-with the gamma it was searched for); a trained exit adapter (layer_skip adapter="default"); the distilled draft
+with the gamma it was searched for) and the best multi-layer set of the search on ShareGPT text (smollm2-135m-deep.json); a trained exit adapter (layer_skip adapter="default"); the distilled draft
 model ("smollm2-135m-draft"); parallel MTP heads and a sequential MTP module (the shipped checkpoints). A method
 that `needs` a shipped checkpoint not yet in specjax/checkpoints/smollm2-135m/ is left out with a warning in the
 log and listed in results.md. Variants (comma-separated): `small` (one prompt per category, 64 tokens, one
@@ -28,13 +28,15 @@ from configs import common
 from specjax import layer_skip_search
 
 SKIP_SET = os.path.join(os.path.dirname(os.path.abspath(__file__)), "layer_skip_sets", "smollm2-135m.json")
+# The multi-layer search on ShareGPT training text (teacher-forced, `--method=teacher_forced`).
+DEEP_SKIP_SET = os.path.join(os.path.dirname(SKIP_SET), "smollm2-135m-deep.json")
 VARIANTS = ("small", "sampling", "both", "adaptive")
 
 
-def best_skip_set(path: str = SKIP_SET) -> dict:
-  """The searched layer-skip set as a method: its options and the gamma it was searched for."""
+def best_skip_set(path: str = SKIP_SET, name: str = "layer_skip_best_set") -> dict:
+  """A searched layer-skip set as a method: its options and the gamma it was searched for."""
   record = layer_skip_search.read_skip_set(path)
-  return {"name": "layer_skip_best_set", "drafter": "layer_skip", "options": layer_skip_search.load_skip_set(path),
+  return {"name": name, "drafter": "layer_skip", "options": layer_skip_search.load_skip_set(path),
           "gamma": int(record["gamma"])}
 
 
@@ -44,6 +46,7 @@ def drafter_methods() -> tuple:
       {"name": "prompt_lookup", "drafter": "prompt_lookup", "options": {}},
       {"name": "layer_skip_exit24", "drafter": "layer_skip", "options": {"exit_layer": 24}},
       best_skip_set(),
+      best_skip_set(DEEP_SKIP_SET, "layer_skip_deep_set"),
       {"name": "layer_skip_trained_exit", "drafter": "layer_skip", "options": {"adapter": "default"},
        "needs": ("exit_adapter",)},
       {"name": "draft_model", "drafter": "draft_model", "options": {"draft": "smollm2-135m-draft"},

@@ -101,7 +101,7 @@ def test_compare_drafters_variants():
     compare_drafters.get_config("sampling,both")
   names = [m["name"] for m in compare_drafters.get_config("small").methods]
   assert names == ["autoregressive", "prompt_lookup", "layer_skip_exit24", "layer_skip_best_set",
-                   "layer_skip_trained_exit", "draft_model", "mtp_parallel", "mtp_sequential"]
+                   "layer_skip_deep_set", "layer_skip_trained_exit", "draft_model", "mtp_parallel", "mtp_sequential"]
   best = compare_drafters.best_skip_set()
   assert best["gamma"] == 2 and best["options"] == {"skip_layers": [12]}  # the record in configs/layer_skip_sets
 
