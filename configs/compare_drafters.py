@@ -11,7 +11,8 @@ compiling (results/compare_drafters/). `both` runs everything twice.
 
 Methods (SmolLM2-135M-Instruct, fp32, batch 1, gamma 4 unless a method sets its own): prompt lookup; untrained
 early exit after layer 24; the best layer-skip set found by the search (configs/layer_skip_sets/smollm2-135m.json,
-with the gamma it was searched for) and the best multi-layer set of the search on ShareGPT text (smollm2-135m-deep.json); a trained exit adapter (layer_skip adapter="default"); the distilled draft
+with the gamma it was searched for) and the best set of the multi-layer search on ShareGPT text
+(smollm2-135m-deep.json); a trained exit adapter (layer_skip adapter="default"); the distilled draft
 model ("smollm2-135m-draft"); parallel MTP heads and a sequential MTP module (the shipped checkpoints). A method
 that `needs` a shipped checkpoint not yet in specjax/checkpoints/smollm2-135m/ is left out with a warning in the
 log and listed in results.md. Variants (comma-separated): `small` (one prompt per category, 64 tokens, one
