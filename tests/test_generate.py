@@ -244,6 +244,7 @@ def test_dropping_an_executable_gives_its_memory_mappings_back(monkeypatch):
   assert compilation._map_count() < held
   assert program(inputs[2])[1] == 0.0 and program(inputs[0])[1] > 0
 
+
 def _first_stop(tokens: list[int], stop: int) -> list[int]:
   return tokens[:tokens.index(stop) + 1] if stop in tokens else tokens
 
