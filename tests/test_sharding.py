@@ -62,7 +62,7 @@ for data, model_axis in %(meshes)s:
 
 # Speculative decoding, every drafter, on every mesh: the single-device greedy tokens, one compile per shape.
 # Adaptive drafting (several verify widths in one program) on the mesh with both axes, fixed gamma on the others:
-# a fixed-gamma program compiles in about 60% of the time.
+# a fixed-gamma program compiles in about three fifths of the time.
 import specjax
 draft = Model(model.config.replace(num_layers=1), init_params(model.config.replace(num_layers=1),
               jax.random.PRNGKey(1), std=0.2), None, "tiny-draft")
