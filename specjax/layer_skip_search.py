@@ -49,8 +49,8 @@ draft's agreement with the target's next token as it drafts a round's first toke
 model above; `greedy_path_search` adds the best layer at every step up to `max_skip_fraction` of the layers
 and keeps the best set met on the way (`candidate_pool`: over the n least influential layers only, about n^2 / 2
 sets). On SmolLM2-135M (pool 14, γ 3, 105 sets, 25 min) agreement fell 3-4 points per skipped layer while the
-draft cost fell 3, so the best set skips one layer and no deeper set pays. Whole layers only: skipping attention and MLP sublayers apart (Draft &
-Verify) would need the model's forward to take sublayer sets.
+draft cost fell 3, so the best set skips one layer and no deeper set pays. Whole layers only: skipping attention
+and MLP sublayers apart (Draft & Verify) would need the model's forward to take sublayer sets.
 
 The result is a JSON record (`save_skip_set`, written atomically) that `load_skip_set` turns back into
 `specjax.make_drafter("layer_skip", model, **options)` keyword arguments.
@@ -228,6 +228,12 @@ def block_influence(model, prompts: Sequence[Sequence[int]]) -> np.ndarray:
   return np.mean(scores, axis=0)
 
 
+def least_influential(influence: np.ndarray, layers: Sequence[int], n: int = 0) -> list[int]:
+  """`layers` ordered least influential first (ties keep their order); the first n of them (0: all)."""
+  order = sorted((int(l) for l in layers), key=lambda l: influence[l])
+  return order[:n] if n else order
+
+
 @functools.partial(jax.jit, static_argnames=("config",))
 def _block_influence(params, tokens, *, config):
   out = forward(params, tokens, init_cache(config, 1, tokens.shape[1]), jnp.zeros(1, jnp.int32), config,
@@ -334,8 +340,7 @@ def search(model, prompts: Sequence[Sequence[int]], *, gamma: int, max_new_token
   if len(exit_layers) >= budget:
     raise ValueError(f"budget ({budget}) must exceed the number of exit layers swept ({len(exit_layers)})")
   influence = block_influence(model, prompts)
-  order = [int(l) for l in np.argsort(influence, kind="stable")]
-  candidates = order[:candidate_pool] if candidate_pool else order
+  candidates = least_influential(influence, range(len(influence)), candidate_pool)
   sweep = exit_layer_sweep(num_layers, score, exit_layers, on_evaluation)
   greedy = greedy_search(num_layers, score, budget=budget - len(sweep), candidate_layers=candidates,
                          on_evaluation=on_evaluation)
@@ -565,7 +570,7 @@ def deep_search(model, tokens: np.ndarray, mask: np.ndarray, *, gamma: int, max_
   if candidate_pool:
     influence = block_influence(model, [row[:int(np.max(np.nonzero(m)[0])) + 2] for row, m in zip(tokens, mask)
                                         if m.any()])
-    candidates = sorted(candidates, key=lambda l: influence[l])[:candidate_pool]
+    candidates = least_influential(influence, candidates, candidate_pool)
   max_skip = min(len(candidates), max(1, int(max_skip_fraction * num_layers)))
   score = memoize(teacher_forced_objective(model, tokens, mask, gamma=gamma, verify_cost=verify_cost,
                                            acceptance=acceptance, batch_size=batch_size))

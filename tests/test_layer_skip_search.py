@@ -225,7 +225,6 @@ def test_deep_search_record_round_trips_into_make_drafter(tiny, tmp_path):
   assert set(drafter.options.layers) | set(best["skip_layers"]) == {0, 1, 2}
 
 
-
 def test_deep_search_candidate_pool_takes_the_least_influential_layers(tiny):
   rng = np.random.default_rng(1)
   tokens = rng.integers(0, tiny.config.vocab_size, size=(4, 24)).astype(np.int32)
@@ -237,6 +236,7 @@ def test_deep_search_candidate_pool_takes_the_least_influential_layers(tiny):
   least = min((1, 2), key=lambda l: influence[l])
   assert record["search"]["candidates"] == [least] and record["search"]["evaluations"] == 1
   assert [row["skip_layers"] for row in record["search"]["history"]] == [[least]]
+
 
 def test_sampling_acceptance_is_the_overlap_of_p_and_q(tiny):
   """With nothing skipped the draft is the target: α = 1 for greedy, and the top-K mass of p for sampling."""
