@@ -11,7 +11,7 @@ Variants (the argument after the colon):
   deepseek    3 distinct sequential modules on the last hidden state (DeepSeek-V3 MTP), chained in training
   small       appended with a comma (e.g. `parallel,small`): a few steps, for a quick end-to-end check
 
-`parallel` (600 steps) took 53 min and `sequential` (1500 steps) 77 min on 2 CPU cores, each beside other jobs
+`parallel` (600 steps) took 53 min and `sequential` (3000 steps) 208 min on 2 CPU cores, each beside other jobs
 (the Spec-Bench pass adds ~10 min). Runs write metrics.jsonl and orbax
 checkpoints to the workdir (default workdirs/train/<variant>/); a killed run restarted with the same
 command resumes from its last checkpoint. At the end the drafter is exported (safetensors + a model card)
@@ -45,7 +45,7 @@ def get_config(arg=None):
     config.drafter = "mtp_sequential"
     config.options = ml_collections.ConfigDict({"path": None, "depth": 4, "recurrent": True, "eagle3": True})
     config.learning_rate = 1e-3
-    config.steps = 1500
+    config.steps = 3000  # the shipped module: on the 10k cache (prepare_data --config.num_train=10000)
   else:
     config.drafter = "mtp_sequential"
     config.options = ml_collections.ConfigDict({"path": None, "depth": 3, "recurrent": False, "eagle3": False})
