@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 import time
 
 import jax
@@ -37,15 +36,13 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import specjax  # noqa: E402
-from configs import compare_drafters  # noqa: E402
-from experiments import costs as cost_lib  # noqa: E402
-from specjax import leviathan, roofline  # noqa: E402
-from specjax.config import ModelConfig  # noqa: E402
-from specjax.loading import Model  # noqa: E402
-from specjax.model import init_cache, init_params  # noqa: E402
+import specjax
+from configs import compare_drafters
+from experiments import costs as cost_lib
+from specjax import leviathan
+from specjax.config import ModelConfig
+from specjax.loading import Model
+from specjax.model import init_cache, init_params
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model name or path for specjax.load.")
 _SHAPE = flags.DEFINE_string("shape", "", "A model-shape JSON (--write_shape): random weights of that shape.")
@@ -69,7 +66,8 @@ _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 64, "Tokens per --decode call."
 _EXTRA_SKIP = flags.DEFINE_list("extra_skip", ["15"], "--decode also runs layer_skip without these layers (a draft "
                                 "that agrees with the target most of the time, whatever the weights).")
 _OUT = flags.DEFINE_string("out", "", "JSON output path (default: print only).")
-_COSTS_JSON = flags.DEFINE_string("costs_json", "", "Time nothing: print an --out JSON's costs with --alpha_from's alpha.")
+_COSTS_JSON = flags.DEFINE_string("costs_json", "", "Time nothing: print an --out JSON's costs with "
+                                  "--alpha_from's alpha.")
 
 
 def model_shape(model: Model) -> dict:
@@ -259,7 +257,8 @@ def report(result: dict, alphas: dict[str, dict]) -> None:
       predicted = leviathan.predicted_speedup(alpha, gamma, cost["draft_cost"], cost["verify_cost"])
       projected = leviathan.predicted_speedup(alpha, gamma, cost["draft_cost_bytes"], cost["verify_cost_bytes"])
     print(f"| {name} | {gamma} | {cost['draft_cost']:.3f} | {cost['verify_cost']:.2f} | "
-          f"{cost['draft_cost_bytes']:.3f} | {fmt(alpha, '.2f')} | {fmt(predicted, '.2f')}x | {fmt(projected, '.2f')}x |")
+          f"{cost['draft_cost_bytes']:.3f} | {fmt(alpha, '.2f')} | {fmt(predicted, '.2f')}x | "
+          f"{fmt(projected, '.2f')}x |")
   if "decode" in result:
     d = result["decode"]
     print(f"\nDecoding {d['prompts']} prompts x {d['new_tokens']} tokens, batch 1, fixed gamma, {d['repeats']} "
