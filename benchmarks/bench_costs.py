@@ -195,7 +195,7 @@ def main(argv):
       continue
     try:
       drafter = specjax.make_drafter(method["drafter"], model, **method["options"])
-    except Exception as e:  # a missing shipped checkpoint: say so and time the others
+    except ValueError as e:  # a missing shipped checkpoint (CheckpointError), a layer the model lacks: time the rest
       skipped.append(f"{method['name']}: {e}")
       continue
     gamma = alphas.get(method["name"], {}).get("gamma") or method.get("gamma", 4)
@@ -206,6 +206,9 @@ def main(argv):
     skip = [int(l) for l in _EXTRA_SKIP.value]
     methods.append((f"layer_skip_without_{'_'.join(map(str, skip))}",
                     specjax.make_drafter("layer_skip", model, skip_layers=skip), 4))
+  unknown = sorted(set(_METHODS.value) - {m[0] for m in methods} - {line.split(":")[0] for line in skipped})
+  if unknown:
+    raise app.UsageError(f"--methods names unknown methods {unknown}; known: {[m[0] for m in methods]}")
   methods = [m for m in methods if not _METHODS.value or m[0] in _METHODS.value]
 
   start = time.perf_counter()
