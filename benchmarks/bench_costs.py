@@ -32,17 +32,16 @@ import os
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
 import specjax
 from configs import compare_drafters
 from experiments import costs as cost_lib
-from specjax import leviathan
+from specjax import leviathan, roofline
 from specjax.config import ModelConfig
 from specjax.loading import Model
-from specjax.model import init_cache, init_params
+from specjax.model import init_params
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model name or path for specjax.load.")
 _SHAPE = flags.DEFINE_string("shape", "", "A model-shape JSON (--write_shape): random weights of that shape.")
@@ -95,39 +94,10 @@ def measured_alpha(path: str) -> dict[str, dict]:
   return {m: {"alpha": s["alpha"], "gamma": s["gamma"]} for m, s in summary.items() if s.get("alpha") is not None}
 
 
-def copy_bandwidth(megabytes: int) -> float:
-  """Bytes per second of a jitted copy (read + write counted), median of 7 after a warmup."""
-  x = jnp.ones((megabytes * 2**20 // 4,), jnp.float32)
-  copy = jax.jit(lambda a: a + 1.0)
-  jax.block_until_ready(copy(x))
-  times = []
-  for _ in range(7):
-    start = time.perf_counter()
-    jax.block_until_ready(copy(x))
-    times.append(time.perf_counter() - start)
-  return 2 * x.nbytes / float(np.median(times))
-
-
 def forward_widths(model: Model, context: list[int], widths: list[int], rows: int) -> dict[str, float]:
   """Seconds of a forward over T tokens (1 row) for each T, and of a 1-token step over `rows` rows."""
-  config, params = model.config, model.params
-  runs, caches = {}, {}
-
-  def make(name, batch, tokens_per_row):
-    prompt = jnp.asarray([context] * batch, jnp.int32)
-    caches[name] = cost_lib._target_loop(params, init_cache(config, batch, _CACHE_LEN.value), prompt,
-                                         jnp.zeros(batch, jnp.int32), 1, config=config)[1]
-    tokens = jnp.full((batch, tokens_per_row), context[-1], jnp.int32)
-    position = jnp.full((batch,), len(context), jnp.int32)
-
-    def run(calls):
-      out, caches[name] = cost_lib._target_loop(params, caches[name], tokens, position, calls, config=config)
-      return out
-    runs[name] = run
-
-  for t in widths:
-    make(f"T{t}", 1, t)
-  make(f"B{rows}", rows, 1)
+  runs = {f"T{t}": cost_lib.forward_run(model, context, _CACHE_LEN.value, tokens=t) for t in widths}
+  runs[f"B{rows}"] = cost_lib.forward_run(model, context, _CACHE_LEN.value, rows=rows)
   return cost_lib.interleaved_seconds(runs, _REPEATS.value)
 
 
@@ -214,7 +184,8 @@ def main(argv):
   start = time.perf_counter()
   measured = cost_lib.measure(model, methods, context, _CACHE_LEN.value, repeats=_REPEATS.value, count_bytes=True)
   seconds = forward_widths(model, context, [int(t) for t in _TOKENS.value], _BATCH.value)
-  bandwidth = copy_bandwidth(_COPY_MB.value or (256 if jax.default_backend() == "cpu" else 2048))
+  bandwidth = roofline.measure_copy_bandwidth(_COPY_MB.value or (256 if jax.default_backend() == "cpu" else 2048),
+                                               repeats=7)
   result = {
       "backend": jax.default_backend(), "device_kind": device.device_kind, "jax": jax.__version__,
       "dtype": _DTYPE.value, "weights": "random (the real model's shape)" if _SHAPE.value else "real",

@@ -99,6 +99,28 @@ def interleaved_seconds(runs: dict[str, Callable[[int], Any]], repeats: int, sho
   return {name: statistics.median(d) for name, d in deltas.items()}
 
 
+def prefilled_cache(model, context: Sequence[int], cache_len: int, rows: int = 1):
+  """A target KV cache of `cache_len` positions holding `context` in each of `rows` rows."""
+  prompt = jnp.asarray([list(context)] * rows, jnp.int32)
+  return _target_loop(model.params, init_cache(model.config, rows, cache_len), prompt, jnp.zeros(rows, jnp.int32), 1,
+                      config=model.config)[1]
+
+
+def forward_run(model, context: Sequence[int], cache_len: int, *, tokens: int = 1, rows: int = 1
+                ) -> Callable[[int], Any]:
+  """`run(calls)` for `interleaved_seconds`: `calls` target forwards over `tokens` new tokens in each of `rows` rows,
+  written at position len(context) of a cache prefilled with `context` (donated and threaded through the loop, as
+  in decoding)."""
+  cache = {"cache": prefilled_cache(model, context, cache_len, rows)}
+  new = jnp.full((rows, tokens), context[-1], jnp.int32)
+  position = jnp.full((rows,), len(context), jnp.int32)
+
+  def run(calls):
+    out, cache["cache"] = _target_loop(model.params, cache["cache"], new, position, calls, config=model.config)
+    return out
+  return run
+
+
 def measure(model, methods: Sequence[tuple[str, Drafter, int]], context: Sequence[int], cache_len: int, *,
             rows: int = 1, repeats: int = 5, sampling: SamplingParams = SamplingParams(),
             count_bytes: bool = True) -> dict[str, Any]:
@@ -117,16 +139,10 @@ def measure(model, methods: Sequence[tuple[str, Drafter, int]], context: Sequenc
   positions = jnp.full((rows,), position, jnp.int32)
   sequence, key = jnp.asarray(sequence), jax.random.PRNGKey(0)
   prompt_tokens = jnp.asarray([list(context)] * rows, jnp.int32)
-  state = {"cache": _target_loop(params, init_cache(config, rows, cache_len), prompt_tokens,
-                                 jnp.zeros(rows, jnp.int32), 1, config=config)[1]}
+  state = {"cache": prefilled_cache(model, context, cache_len, rows)}
 
   def target_run(num_tokens):
-    tokens = jnp.repeat(sequence[:, position:position + 1], num_tokens, axis=1)
-
-    def run(calls):
-      out, state["cache"] = _target_loop(params, state["cache"], tokens, positions, calls, config=config)
-      return out
-    return run
+    return forward_run(model, context, cache_len, tokens=num_tokens, rows=rows)
 
   def prompt_info(drafter: Drafter) -> PromptInfo:
     features = (jnp.zeros((rows, position, len(drafter.feature_layers), config.hidden_size), jnp.dtype(config.dtype))
