@@ -7,11 +7,14 @@ Both rules run inside the compiled loop (no host sync):
    accepted. The confidence at slot i is a function of the tokens before slot i only (never of the token
    drawn there), so whether slot i is drafted is decided before x_i is drawn: every emitted token still
    follows the target (an undrafted slot is verified with q = 0, i.e. drawn from p, as the bonus token is).
-2. A draft length per round (Leviathan et al. 2023, section 3.4, "optimal gamma"): with alpha the running
-   acceptance estimate, a round that drafts gamma tokens commits E(alpha, gamma) = sum_{i=0..gamma} alpha^i
-   tokens per row on average and costs gamma * c + v(gamma) plain target steps, so the round drafts
+2. A draft budget per round (Leviathan et al. 2023, section 3.4, "optimal gamma", extended to rows that stop
+   early): with alpha the running acceptance of drafted tokens and d the running chance that a row drafts its next
+   slot (rule 1 stops it otherwise), a row commits E = sum_{i=0..gamma} (d alpha)^i tokens in a round with budget
+   gamma, and the round costs a draft step (c) while any row still drafts plus a verification over the narrowest
+   compiled width that holds the longest draft (`expected_rounds`: with B rows, P(some row drafts >= k slots) =
+   1 - (1 - d^k)^B). The round drafts
 
-       gamma* = argmax_{0 <= gamma <= G} E(alpha, gamma) / cost(gamma),
+       gamma* = argmax_{0 <= gamma <= G} E(gamma) / cost(gamma),
 
    G being the static maximum (`generate`'s `gamma`). gamma = 0 is a plain target step (one token, cost 1
    plus the drafter's `plain_step_cost`): where drafting cannot pay, decoding falls back to autoregressive
@@ -35,9 +38,13 @@ Both rules run inside the compiled loop (no host sync):
                for another machine or a large batch. A drafter that reuses the target's first k layers
                (`Drafter.reuse_layers`) runs them on one token only, so its verification costs
                s + (1 - s) v(gamma), s being their share of the weights.
-   alpha is accepted / tested drafts over past rounds, both counts decayed by `memory` each round and
-   started from a prior (`prior_alpha`, worth one tested draft), so it follows the text and, after a run of
-   plain steps, drifts back to the prior: a drafter that pays under the prior is tried again.
+   With d = 1 (no row stops early) this is Leviathan's fixed round, gamma c + v(gamma). Counting early stops
+   matters: alpha alone describes only the rows that drafted, so at batch 4 with most rows stopping at once, a
+   plan from alpha alone verified a wide forward for one or two confident rows and lost 10-13% against
+   autoregressive decoding. alpha is accepted / tested drafts and d is drafted / (drafted + stopped) slots over
+   past rounds, all counts decayed by `memory` each round and started from priors (`prior_alpha` worth one
+   tested draft; d = 1 worth one slot), so they follow the text and, after a run of plain steps, drift back to the
+   priors: a drafter that pays under the priors is tried again.
 """
 
 from __future__ import annotations
@@ -116,11 +123,26 @@ class AdaptiveDrafting:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """What the compiled loop needs (static): round costs by draft length 0..G, and the estimator's settings."""
+  """What the compiled loop needs (static): the costs of a round's parts in plain target steps at this batch size,
+  and the estimator's settings."""
   min_confidence: float
-  round_costs: tuple[float, ...]  # [G + 1]: cost(gamma) in target steps; gamma = 0 is a plain step
+  draft_cost: float  # c: one draft step
+  plain_cost: float  # a round that does not draft: one target step plus the drafter's `plain_step_cost`
+  widths: tuple[int, ...]  # the compiled verification widths (`verify_widths`)
+  verify_costs: tuple[float, ...]  # a verification forward of each width
+  rows: int  # B: the rows one forward processes
   prior_alpha: float
   memory: float
+
+  @property
+  def gamma(self) -> int:
+    return self.widths[-1] - 1
+
+  @property
+  def round_costs(self) -> tuple[float, ...]:
+    """cost(gamma) for gamma = 0..G when every row drafts the whole budget (Leviathan's fixed-gamma round)."""
+    return (self.plain_cost,) + tuple(g * self.draft_cost + self.verify_costs[int(width_index(self.widths, g))]
+                                      for g in range(1, self.gamma + 1))
 
 
 def make_plan(options: AdaptiveDrafting, drafter, target_params, config, gamma: int, batch: int = 1) -> Plan:
@@ -131,39 +153,76 @@ def make_plan(options: AdaptiveDrafting, drafter, target_params, config, gamma: 
   points = options.forward_costs or default_forward_costs()
   plain = forward_cost(points, batch)
   widths = verify_widths(gamma)
-
-  def verify(g):
-    return reused + (1.0 - reused) * forward_cost(points, batch * widths[int(width_index(widths, g))]) / plain
-
-  costs = (1.0 + drafter.plain_step_cost,) + tuple(g * c + verify(g) for g in range(1, gamma + 1))
-  return Plan(min_confidence=options.min_confidence, round_costs=costs, prior_alpha=options.prior_alpha,
+  # Width 1 is a plain forward (no row drafted); wider ones run the reused layers on one token only.
+  verify_costs = (1.0,) + tuple(reused + (1.0 - reused) * forward_cost(points, batch * w) / plain for w in widths[1:])
+  return Plan(min_confidence=options.min_confidence, draft_cost=float(c), plain_cost=1.0 + drafter.plain_step_cost,
+              widths=widths, verify_costs=verify_costs, rows=int(batch), prior_alpha=options.prior_alpha,
               memory=options.memory)
 
 
 @struct.dataclass
 class Acceptance:
-  """Decayed counts of accepted and tested drafts (accepted + rejected), summed over the batch."""
+  """Decayed counts over past drafting rounds, summed over the batch's live rows: drafts accepted and tested
+  (accepted + rejected: the verifier's evidence), and slots drafted and stopped at (a row drafting fewer than the
+  round's budget: the drafter's own early stop)."""
   accepted: jax.Array  # scalar float32
-  tested: jax.Array  # scalar float32
+  tested: jax.Array
+  drafted: jax.Array
+  stopped: jax.Array
 
   @classmethod
   def zero(cls):
-    return cls(accepted=jnp.zeros((), jnp.float32), tested=jnp.zeros((), jnp.float32))
+    z = jnp.zeros((), jnp.float32)
+    return cls(accepted=z, tested=z, drafted=z, stopped=z)
 
-  def update(self, plan: Plan | None, accepted: jax.Array, rejected: jax.Array) -> "Acceptance":
-    """After a round: accepted [B] drafts and rejected [B] (whether the row's round ended at a rejection)."""
+  def update(self, plan: Plan | None, accepted: jax.Array, rejected: jax.Array, drafted: jax.Array | None = None,
+             stopped: jax.Array | None = None) -> "Acceptance":
+    """After a round: per row [B], accepted drafts, whether the round ended at a rejection, slots drafted and
+    whether the row stopped drafting before the budget (live rows only; zeros in a round that did not draft)."""
     memory = 1.0 if plan is None else plan.memory
-    accepted = jnp.sum(accepted).astype(jnp.float32)
-    tested = accepted + jnp.sum(rejected).astype(jnp.float32)
-    return Acceptance(accepted=memory * self.accepted + accepted, tested=memory * self.tested + tested)
+    total = lambda x: jnp.zeros((), jnp.float32) if x is None else jnp.sum(x).astype(jnp.float32)  # noqa: E731
+    accepted_sum = total(accepted)
+    return Acceptance(accepted=memory * self.accepted + accepted_sum,
+                      tested=memory * self.tested + accepted_sum + total(rejected),
+                      drafted=memory * self.drafted + total(drafted), stopped=memory * self.stopped + total(stopped))
 
   def alpha(self, plan: Plan) -> jax.Array:
+    """P(a drafted token is accepted | the drafts before it were): from the prior, worth one tested draft."""
     return (self.accepted + plan.prior_alpha) / (self.tested + 1.0)
+
+  def continues(self) -> jax.Array:
+    """P(a row drafts the next slot | it drafted the ones before): from a prior of 1, worth one slot."""
+    return (self.drafted + 1.0) / (self.drafted + self.stopped + 1.0)
+
+
+def expected_rounds(plan: Plan, alpha, continues):
+  """(tokens, cost) [G + 1] of a round with a draft budget of gamma = 0..G, per row, in plain target steps.
+
+  Each row drafts slot i with probability `continues` once it drafted the slots before (the drafter's early stop),
+  and each drafted token is accepted with probability `alpha`, so a row commits
+  E = 1 + s + ... + s^gamma tokens, s = continues * alpha (Leviathan's E with s for alpha). The round costs a draft
+  step while any of the B rows still drafts, and a verification over the narrowest compiled width that holds the
+  longest draft: P(some row drafts >= k) = 1 - (1 - continues^k)^B. With continues = 1 this is Leviathan's fixed
+  round, gamma c + v(gamma + 1).
+  """
+  gamma = plan.gamma
+  gammas = jnp.arange(gamma + 1)
+  tokens = jnp.cumsum((continues * alpha) ** gammas)
+  k = jnp.arange(gamma + 1, dtype=jnp.float32)
+  some_row = 1.0 - (1.0 - continues ** k) ** plan.rows  # [k]: P(the longest draft >= k); k = 0: 1
+  # Draft steps for budget g: step i + 1 runs while some row has drafted all i before it, i = 0..g-1.
+  steps = jnp.concatenate([jnp.zeros(1), jnp.cumsum(some_row[:-1])])
+  verify = jnp.zeros(gamma + 1)
+  for i, width in enumerate(plan.widths):  # the narrowest width >= n + 1 holds a longest draft n (capped at g)
+    lo, hi = (plan.widths[i - 1] if i else 0), width  # width i holds lo <= n < hi
+    below_hi = some_row[hi] if hi <= gamma else 0.0
+    reach = jnp.where(gammas >= lo, some_row[lo], 0.0) - jnp.where(gammas >= hi, below_hi, 0.0)
+    verify = verify + reach * plan.verify_costs[i]
+  cost = jnp.where(gammas == 0, plan.plain_cost, steps * plan.draft_cost + verify)
+  return tokens, cost
 
 
 def draft_length(plan: Plan, acceptance: Acceptance) -> jax.Array:
-  """gamma* in 0..G: the draft length with the most expected tokens per unit of cost (0: a plain step)."""
-  alpha = acceptance.alpha(plan)
-  gammas = jnp.arange(len(plan.round_costs))
-  expected = jnp.cumsum(alpha ** gammas)  # E(alpha, gamma) = 1 + alpha + ... + alpha^gamma
-  return jnp.argmax(expected / jnp.asarray(plan.round_costs, jnp.float32)).astype(jnp.int32)
+  """gamma* in 0..G: the draft budget with the most expected tokens per unit of cost (0: a plain step)."""
+  tokens, cost = expected_rounds(plan, acceptance.alpha(plan), acceptance.continues())
+  return jnp.argmax(tokens / cost).astype(jnp.int32)

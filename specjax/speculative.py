@@ -158,7 +158,8 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
       return SpecState(
           sequence=sequence, position=position, done=done, cache=sharding.constrain_cache(out.cache, cache_sharding),
           draft_state=drafter.update(params, draft_params, drafter.options, c.draft_state, result), key=key,
-          rounds=s.rounds + 1, acceptance=s.acceptance.update(plan, accepted, rejected),
+          rounds=s.rounds + 1,
+          acceptance=s.acceptance.update(plan, accepted, rejected, draft_lengths, live & (draft_lengths < budget)),
           counts=s.counts.add(live, draft_lengths, accepted, rejected, result.drafted, proposal.steps))
 
     # Verify [pending, x_1..x_n], n the longest draft a row made: with adaptive drafting in the narrowest compiled

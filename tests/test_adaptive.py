@@ -12,7 +12,8 @@ import pytest
 
 import specjax
 from specjax import speculative, verify
-from specjax.adaptive import Acceptance, AdaptiveDrafting, Plan, draft_length, make_plan, verify_widths
+from specjax.adaptive import (Acceptance, AdaptiveDrafting, Plan, draft_length, expected_rounds, make_plan,
+                              verify_widths)
 from specjax.decoding import prefill
 from specjax.drafters import DraftInputs, PromptInfo
 from specjax.model import init_cache
@@ -112,34 +113,76 @@ def test_only_early_exits_reuse_layers(random_target):
 # ------------------------------------------------------------------------------------- the draft-length rule
 
 
-def plan(costs, prior_alpha=0.5, memory=0.9) -> Plan:
-  return Plan(min_confidence=0.5, round_costs=tuple(costs), prior_alpha=prior_alpha, memory=memory)
+def plan(draft_cost, verify_costs, rows=1, prior_alpha=0.5, memory=0.9, gamma=4) -> Plan:
+  return Plan(min_confidence=0.5, draft_cost=draft_cost, plain_cost=1.0, widths=verify_widths(gamma),
+              verify_costs=tuple(verify_costs), rows=rows, prior_alpha=prior_alpha, memory=memory)
 
 
-def evidence(accepted, tested):
-  return Acceptance(accepted=jnp.float32(accepted), tested=jnp.float32(tested))
+def evidence(accepted, tested, drafted=None, stopped=0):
+  """Decayed counts; by default every row drafted the whole budget (no early stops)."""
+  drafted = tested if drafted is None else drafted
+  return Acceptance(accepted=jnp.float32(accepted), tested=jnp.float32(tested), drafted=jnp.float32(drafted),
+                    stopped=jnp.float32(stopped))
 
 
 def test_draft_length_is_leviathans_optimum_and_falls_back_to_plain_steps():
-  cheap = plan([1.0] + [0.05 * g + 1.2 for g in range(1, 5)])
+  cheap = plan(0.05, (1.0, 1.2, 1.2))
+  assert cheap.round_costs == pytest.approx((1.0, 1.25, 1.3, 1.35, 1.4))
   assert int(draft_length(cheap, evidence(90, 100))) == 4  # alpha ~ 0.9, cheap drafts: the longest
   assert int(draft_length(cheap, evidence(1, 100))) == 0  # nothing gets accepted: plain steps
-  costly = plan([1.0] + [0.8 * g + 1.1 for g in range(1, 5)])
+  costly = plan(0.8, (1.0, 1.1, 1.1))
   assert int(draft_length(costly, evidence(60, 100))) == 0  # a draft step nearly as dear as a target step
   # In between, the argmax of E(alpha, g) / cost(g), with E = 1 + alpha + ... + alpha^g.
-  middle = plan([1.0] + [0.3 * g + 1.1 for g in range(1, 5)])
+  middle = plan(0.3, (1.0, 1.1, 1.1))
   alpha = (70 + 0.5) / (100 + 1)
   expected = [sum(alpha ** i for i in range(g + 1)) / c for g, c in enumerate(middle.round_costs)]
   assert int(draft_length(middle, evidence(70, 100))) == int(np.argmax(expected)) not in (0, 4)
 
 
+def test_expected_rounds_match_a_simulation_of_early_stopping_rows():
+  """Rows draft each next slot with probability `continues` and have each draft accepted with probability alpha;
+  the round runs a draft step while some row still drafts and verifies in the narrowest width holding the longest
+  draft. The closed form agrees with simulating exactly that, at every budget and batch size."""
+  rng = np.random.default_rng(0)
+  alpha, continues, n = 0.7, 0.6, 200_000
+  for rows in (1, 4):
+    p = plan(0.1, (1.0, 1.3, 2.0), rows=rows)
+    tokens, cost = (np.asarray(x) for x in expected_rounds(p, alpha, continues))
+    for g in range(1, p.gamma + 1):
+      drafted = np.minimum(rng.geometric(1 - continues, size=(n, rows)) - 1, g)  # slots each row drafts
+      accepted = np.minimum(rng.geometric(1 - alpha, size=(n, rows)) - 1, drafted)  # a prefix of them
+      longest = drafted.max(axis=1)
+      width = np.searchsorted(np.asarray(p.widths), longest + 1)
+      round_cost = np.minimum(longest + 1, g) * p.draft_cost + np.asarray(p.verify_costs)[width]
+      assert tokens[g] == pytest.approx(1 + accepted.mean(), abs=0.01)
+      assert cost[g] == pytest.approx(round_cost.mean(), abs=0.01)
+    assert cost[0] == p.plain_cost and tokens[0] == 1.0
+
+
+def test_rows_that_stop_drafting_early_make_wide_verification_pay_less():
+  """The same verifier evidence (alpha 0.8), with most rows stopping before they draft: at batch 1 a round whose
+  row stopped is verified in a 1-token forward, so drafting still pays; at batch 4 some row nearly always drafts, the
+  wide forward runs anyway and the few accepted drafts do not pay for it, so the rounds are plain steps."""
+  costs = {1: (1.0, 1.07, 1.43), 4: (1.0, 1.34, 2.5)}
+  for rows, verify_costs in costs.items():
+    p = plan(0.06, verify_costs, rows=rows)
+    assert int(draft_length(p, evidence(80, 100))) > 0  # no early stops: every round pays at alpha 0.8
+  stops = dict(drafted=100, stopped=300)  # a row drafts the next slot a quarter of the time
+  assert int(draft_length(plan(0.06, costs[1], rows=1), evidence(80, 100, **stops))) > 0
+  assert int(draft_length(plan(0.06, costs[4], rows=4), evidence(80, 100, **stops))) == 0
+
+
 def test_acceptance_estimate_decays_back_to_the_prior():
-  p = plan([1.0, 2.0], prior_alpha=0.6, memory=0.5)
-  a = Acceptance.zero().update(p, jnp.array([0, 0]), jnp.array([True, True]))  # two rejections, no acceptance
-  assert float(a.alpha(p)) == pytest.approx(0.6 / 3)
+  p = plan(1.0, (1.0, 2.0, 2.0), prior_alpha=0.6, memory=0.5)
+  # Two rows: one drafted 1 slot and had it rejected, one stopped before drafting anything.
+  a = Acceptance.zero().update(p, jnp.array([0, 0]), jnp.array([True, False]), jnp.array([1, 0]),
+                               jnp.array([True, True]))
+  assert float(a.alpha(p)) == pytest.approx(0.6 / 2)
+  assert float(a.continues()) == pytest.approx(2 / 4)
   for _ in range(30):  # rounds without drafts
     a = a.update(p, jnp.array([0, 0]), jnp.array([False, False]))
   assert float(a.alpha(p)) == pytest.approx(0.6, abs=1e-6)
+  assert float(a.continues()) == pytest.approx(1.0, abs=1e-6)
 
 
 def test_round_costs_follow_the_forward_costs_of_the_rows_verified(random_target):
