@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import specjax
@@ -36,5 +37,7 @@ def test_xla_counts_a_deeper_draft_step_as_more_bytes(tiny):
   assert lookup < steps[0] < steps[1] < target
 
 
-def test_copy_bandwidth_is_positive():
+def test_copy_bandwidth_is_positive_and_counts_read_and_write():
+  src = np.ones(1 << 20, np.float32)
+  assert roofline.copy_bandwidth(src, np.empty_like(src)) > 0
   assert roofline.measure_copy_bandwidth(megabytes=4, repeats=2) > 0
