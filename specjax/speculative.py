@@ -152,8 +152,12 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
       sequence, position, done = _commit(c, proposal.tokens, accepted_len, next_token, lengths, max_new_tokens,
                                          stop_ids)
       accepted, rejected = jnp.where(live, accepted_len, 0), live & (accepted_len < draft_lengths)
-      result = RoundResult(sequence=sequence, position=position, accepted=accepted, verify_hidden=out.hidden,
-                           features=_features(out, drafter.feature_layers), verify_position=s.position,
+      # The drafter's update sees the `width` verified positions only (a plain round: the pending one), not the
+      # padding: the sequential MTP module runs its block over every position it is handed.
+      features = _features(out, drafter.feature_layers)
+      result = RoundResult(sequence=sequence, position=position, accepted=accepted,
+                           verify_hidden=out.hidden[:, :width],
+                           features=None if features is None else features[:, :width], verify_position=s.position,
                            drafted=jnp.asarray(drafting))
       return SpecState(
           sequence=sequence, position=position, done=done, cache=sharding.constrain_cache(out.cache, cache_sharding),

@@ -83,8 +83,10 @@ class RoundResult:
   sequence: jax.Array  # [B, L] after committing this round's tokens
   position: jax.Array  # [B] new pending position
   accepted: jax.Array  # [B] draft tokens accepted this round (0 for finished rows)
-  verify_hidden: jax.Array  # [B, gamma+1, D] target hidden states over [pending, x_1..x_gamma]
-  features: jax.Array | None  # [B, gamma+1, F, D] after each of `Drafter.feature_layers` (or None)
+  # [B, w, D] target hidden states over [pending, x_1..x_{w-1}], w the verification's width (1 in a plain round,
+  # always > accepted)
+  verify_hidden: jax.Array
+  features: jax.Array | None  # [B, w, F, D] after each of `Drafter.feature_layers` (or None)
   verify_position: jax.Array  # [B] position of the first verified token (the pending one before this round)
   drafted: jax.Array  # scalar bool: the drafter proposed this round (False: a plain target step, width 1)
 
