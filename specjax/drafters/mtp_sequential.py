@@ -37,10 +37,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import ModelConfig, rope_inv_freq
-from specjax import leviathan
+from specjax import cpu_kernels, leviathan
 from specjax.drafters import (Drafter, DraftInputs, PromptInfo, Proposal, RoundResult, choose_tokens, confidence,
                               draft_head)
-from specjax.model import ParamSpec, apply_rope, embed, mlp_block, rms_norm
+from specjax.model import (ParamSpec, apply_rope, attend as causal_attend, embed, merge_heads, mlp_block,
+                           project_heads, rms_norm)
 from specjax.sampling import SamplingParams
 
 NAME = "mtp_sequential"
@@ -105,23 +106,23 @@ def features_to_hidden(params, features: jax.Array) -> jax.Array:
   if "feature_proj" not in params:
     return features[:, :, 0, :]
   flat = features.reshape(features.shape[:2] + (-1,))
-  return flat @ params["feature_proj"].astype(flat.dtype)
+  return cpu_kernels.dense(flat, params["feature_proj"].astype(flat.dtype))
 
 
 def module_input(mp, token_emb: jax.Array, hidden: jax.Array, config: ModelConfig) -> jax.Array:
   """W [RMSNorm(emb); RMSNorm(h)]: [B, T, D]."""
   eps = config.rms_norm_eps
   both = jnp.concatenate([rms_norm(token_emb, mp["emb_norm"], eps), rms_norm(hidden, mp["hidden_norm"], eps)], -1)
-  return both @ mp["fc"]
+  return cpu_kernels.dense(both, mp["fc"])
 
 
 def qkv(mp, x: jax.Array, positions: jax.Array, config: ModelConfig):
   """Queries [B, T, H, hd] and keys/values [B, T, KV, hd] of the block's attention, RoPE applied."""
   inv_freq = jnp.asarray(rope_inv_freq(config), jnp.float32)
   h = rms_norm(x, mp["attn_norm"], config.rms_norm_eps)
-  q = apply_rope(jnp.einsum("btd,dnh->btnh", h, mp["wq"]), positions, inv_freq)
-  k = apply_rope(jnp.einsum("btd,dnh->btnh", h, mp["wk"]), positions, inv_freq)
-  return q, k, jnp.einsum("btd,dnh->btnh", h, mp["wv"])
+  q = apply_rope(project_heads(h, mp["wq"]), positions, inv_freq)
+  k = apply_rope(project_heads(h, mp["wk"]), positions, inv_freq)
+  return q, k, project_heads(h, mp["wv"])
 
 
 def attend(q, keys, values, visible, config: ModelConfig, extra_keys=None, extra_values=None):
@@ -145,7 +146,7 @@ def attend(q, keys, values, visible, config: ModelConfig, extra_keys=None, extra
 
 def finish(mp, x, attn_out, config: ModelConfig) -> jax.Array:
   """The block's residual updates after attention: g = x + Wo attn; g + MLP(g)."""
-  x = x + jnp.einsum("btnh,nhd->btd", attn_out, mp["wo"])
+  x = x + merge_heads(attn_out, mp["wo"])
   return x + mlp_block(mp, x, config)
 
 
@@ -166,9 +167,8 @@ def _run_true(target_params, params, options: Options, state, next_tokens, featu
     x = module_input(mp, token_emb, hidden, config)
     q, k, v = qkv(mp, x, positions, config)
     k_cache, v_cache = _write(state["k"][m], k, positions), _write(state["v"][m], v, positions)
-    if m == 0:
-      visible = jnp.arange(k_cache.shape[1])[None, None, :] <= positions[:, :, None]
-      first = finish(mp, x, attend(q, k_cache, v_cache, visible, config), config)
+    if m == 0:  # causal over the committed slots: specjax's CPU attention kernel where it applies
+      first = finish(mp, x, cpu_kernels.attention(q, k_cache, v_cache, positions, causal_attend), config)
     k_caches.append(k_cache)
     v_caches.append(v_cache)
   return {**state, "k": jnp.stack(k_caches), "v": jnp.stack(v_caches)}, first
@@ -213,12 +213,13 @@ def propose(target_params, params, options: Options, state, inputs: DraftInputs,
     x = module_input(mp, embed(target_params, token[:, None]), hidden[:, None], config)
     q_, k, v = qkv(mp, x, position, config)
     k_cache, v_cache = _write(k_all[m], k, position), _write(v_all[m], v, position)
-    slots = jnp.arange(k_cache.shape[1])[None, None, :]
-    if options.recurrent:  # committed slots and this round's drafts p..q, all written by this module
-      visible = slots <= position[:, :, None]
+    if options.recurrent:  # committed slots and this round's drafts p..q, all written by this module: causal
+      attn = cpu_kernels.attention(q_, k_cache, v_cache, position, causal_attend)
     else:  # committed slots and this module's own position
+      slots = jnp.arange(k_cache.shape[1])[None, None, :]
       visible = (slots <= (p - 1)[:, None, None]) | (slots == position[:, :, None])
-    hidden = finish(mp, x, attend(q_, k_cache, v_cache, visible, config), config)[:, 0]
+      attn = attend(q_, k_cache, v_cache, visible, config)
+    hidden = finish(mp, x, attn, config)[:, 0]
     return (*choose(hidden, keys[step - 1]), hidden, k_all.at[m].set(k_cache), v_all.at[m].set(v_cache))
 
   token, q, sure = choose(state["hidden"], keys[0])
