@@ -141,9 +141,6 @@ def measure(model, methods: Sequence[tuple[str, Drafter, int]], context: Sequenc
   prompt_tokens = jnp.asarray([list(context)] * rows, jnp.int32)
   state = {"cache": prefilled_cache(model, context, cache_len, rows)}
 
-  def target_run(num_tokens):
-    return forward_run(model, context, cache_len, tokens=num_tokens, rows=rows)
-
   def prompt_info(drafter: Drafter) -> PromptInfo:
     features = (jnp.zeros((rows, position, len(drafter.feature_layers), config.hidden_size), jnp.dtype(config.dtype))
                 if drafter.feature_layers else None)
@@ -166,8 +163,8 @@ def measure(model, methods: Sequence[tuple[str, Drafter, int]], context: Sequenc
     return run
 
   gammas = sorted({g for _, _, g in methods})
-  runs = {"target 1": target_run(1)}
-  runs.update({f"target {g + 1}": target_run(g + 1) for g in gammas})
+  runs = {"target 1": forward_run(model, context, cache_len, rows=rows)}
+  runs.update({f"target {g + 1}": forward_run(model, context, cache_len, tokens=g + 1, rows=rows) for g in gammas})
   runs.update({f"draft {name}": draft_run(name, drafter, gamma) for name, drafter, gamma in methods})
   seconds = interleaved_seconds(runs, repeats)
   t_1 = seconds["target 1"]

@@ -141,8 +141,7 @@ class Plan:
   @property
   def round_costs(self) -> tuple[float, ...]:
     """cost(gamma) for gamma = 0..G when every row drafts the whole budget (Leviathan's fixed-gamma round)."""
-    return (self.plain_cost,) + tuple(g * self.draft_cost + self.verify_costs[int(width_index(self.widths, g))]
-                                      for g in range(1, self.gamma + 1))
+    return tuple(float(c) for c in expected_rounds(self, 0.0, 1.0)[1])
 
 
 def make_plan(options: AdaptiveDrafting, drafter, target_params, config, gamma: int, batch: int = 1) -> Plan:
@@ -175,12 +174,12 @@ class Acceptance:
     z = jnp.zeros((), jnp.float32)
     return cls(accepted=z, tested=z, drafted=z, stopped=z)
 
-  def update(self, plan: Plan | None, accepted: jax.Array, rejected: jax.Array, drafted: jax.Array | None = None,
-             stopped: jax.Array | None = None) -> "Acceptance":
+  def update(self, plan: Plan | None, accepted: jax.Array, rejected: jax.Array, drafted: jax.Array,
+             stopped: jax.Array) -> "Acceptance":
     """After a round: per row [B], accepted drafts, whether the round ended at a rejection, slots drafted and
     whether the row stopped drafting before the budget (live rows only; zeros in a round that did not draft)."""
     memory = 1.0 if plan is None else plan.memory
-    total = lambda x: jnp.zeros((), jnp.float32) if x is None else jnp.sum(x).astype(jnp.float32)  # noqa: E731
+    total = lambda x: jnp.sum(x).astype(jnp.float32)  # noqa: E731
     accepted_sum = total(accepted)
     return Acceptance(accepted=memory * self.accepted + accepted_sum,
                       tested=memory * self.tested + accepted_sum + total(rejected),

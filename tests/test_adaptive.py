@@ -180,7 +180,7 @@ def test_acceptance_estimate_decays_back_to_the_prior():
   assert float(a.alpha(p)) == pytest.approx(0.6 / 2)
   assert float(a.continues()) == pytest.approx(2 / 4)
   for _ in range(30):  # rounds without drafts
-    a = a.update(p, jnp.array([0, 0]), jnp.array([False, False]))
+    a = a.update(p, jnp.array([0, 0]), jnp.array([False, False]), jnp.array([0, 0]), jnp.array([False, False]))
   assert float(a.alpha(p)) == pytest.approx(0.6, abs=1e-6)
   assert float(a.continues()) == pytest.approx(1.0, abs=1e-6)
 
