@@ -57,6 +57,9 @@ def get_config(arg=None):
   small = arg == "small"
   config = common.spec_bench_run(per_category=1 if small else 2, max_new_tokens=64 if small else 128, model=MODEL)
   # Peers decode greedily, one row at a time; HF drafts a fixed schedule, specjax's drafters adapt (the default).
+  # Costs: every drafter's c and r, and `summary.roofline_fraction` (specjax's 1-token step against the read
+  # bandwidth measured in the run).
+  config.costs = common.costs(repeats=3)
 
   methods = [
       {"name": "autoregressive"},

@@ -140,12 +140,16 @@ def summarize(records: Sequence[dict], methods: Sequence[str], baseline: str,
 
 
 def add_costs(summary: dict[str, Any], costs: dict[str, Any]) -> None:
-  """Adds c, r, Leviathan's prediction, the efficiency and the accelerator projection to each drafted method.
+  """Adds c, r, Leviathan's prediction, the efficiency and the accelerator projection to each drafted method, and
+  `roofline_fraction` (the 1-token target step's bytes / its time / the read bandwidth, both measured in the run)
+  to the summary.
 
     predicted = E(alpha, gamma) / (gamma c + r),  E = (1 - alpha^(gamma+1)) / (1 - alpha),
     efficiency = measured speedup / predicted,
     projected (accelerator) = E(alpha, gamma) / (gamma c_bytes + r_bytes), c and r from bytes moved per step.
   """
+  if "roofline_fraction" in costs:
+    summary["roofline_fraction"] = costs["roofline_fraction"]
   for name, s in summary["methods"].items():
     cost = costs["methods"].get(name)
     if cost is None or s["alpha"] is None:
@@ -441,6 +445,11 @@ def write(workdir: str, results: dict[str, Any]) -> str:
               f"timed inside compiled loops in this run (median of {costs['repeats']} interleaved rounds, context "
               f"{costs['context_tokens']} tokens, cache {costs['cache_len']}). predicted = (1 − α^(γ+1)) / (1 − α) / "
               "(γ·c + r) (Leviathan et al. 2023); efficiency = measured speedup / predicted.", "", PROJECTION]
+    if "roofline_fraction" in costs:
+      lines += ["", f"**Roofline** of {summary['baseline']} decoding: a 1-token target step (batch {costs['rows']}) "
+                f"takes {1e3 * costs['target_seconds'][1]:.2f} ms for {costs['target_step_bytes'] / 1e6:.0f} MB of "
+                f"weights and KV cache, {summary['roofline_fraction']:.0%} of the read bandwidth measured in this "
+                f"run ({costs['read_bandwidth'] / 1e9:.1f} GB/s, a jitted sum over 512 MB on CPU, 2 GB elsewhere)."]
   skipped = summary.get("skipped_methods") or {}
   if skipped:
     lines += ["", "Left out (shipped checkpoint missing): " +

@@ -309,8 +309,13 @@ def test_run_reports_costs_prediction_efficiency_and_projection(tiny_chat, tmp_p
   assert methods["prompt_lookup"]["draft_cost_bytes"] < 0.01 < methods["exit2"]["draft_cost_bytes"] < 1
   assert methods["autoregressive"]["alpha"] is None and methods["autoregressive"]["mean_accepted"] == 1
   assert results["summary"]["methods"]["heads"]["gamma"] == 3
+  costs = saved["costs"]
+  assert summary["roofline_fraction"] == pytest.approx(
+      costs["target_step_bytes"] / costs["target_seconds"]["1"] / costs["read_bandwidth"])
+  assert 0 < summary["roofline_fraction"] < 10  # a tiny model's step is per-call overhead, far from the roofline
 
   text = (tmp_path / "results.md").read_text()
+  assert f"{summary['roofline_fraction']:.0%} of the read bandwidth measured in this run" in text
   assert "LOSSLESS CHECK FAILED" not in text
   assert "**Accelerator projection**" in text and "(γ·c_bytes + r_bytes)" in text
   assert "| heads | 3 |" in text and "## Acceptance per draft position" in text

@@ -1,4 +1,4 @@
-"""specjax.roofline: bytes per decode step by formula and by XLA's count, and the copy bandwidth."""
+"""specjax.roofline: bytes per decode step by formula and by XLA's count, and the read and copy bandwidths."""
 
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ def test_xla_counts_a_deeper_draft_step_as_more_bytes(tiny):
   assert lookup < steps[0] < steps[1] < target
 
 
-def test_copy_bandwidth_is_positive_and_counts_read_and_write():
-  src = np.ones(1 << 20, np.float32)
-  assert roofline.copy_bandwidth(src, np.empty_like(src)) > 0
-  assert roofline.measure_copy_bandwidth(megabytes=4, repeats=2) > 0
+def test_bandwidths_are_measured_over_every_byte():
+  x = np.arange(1 << 20, dtype=np.float32) % 7
+  assert float(roofline._sum(x)) == float(np.sum(x, dtype=np.float64))  # the read reduction sees every element
+  assert 0 < roofline.measure_read_bandwidth(megabytes=4, repeats=2) < 1e15
+  assert 0 < roofline.measure_copy_bandwidth(megabytes=4, repeats=2) < 1e15
