@@ -107,7 +107,7 @@ def measure_read_bandwidth(megabytes: int = 512, repeats: int = 7) -> float:
   """Median bytes/s read by a jitted sum over a `megabytes` float32 array on JAX's default device (XLA splits the
   array's rows over the cores it uses). A decode step's bytes over this is its roofline fraction.
 
-  On the 2-core CPU of README's benchmarks this gives 26-30 GB/s, where `measure_copy_bandwidth`'s in-place pass
+  On the 2-core CPU of README's benchmarks this gives 26-31 GB/s, where `measure_copy_bandwidth`'s in-place pass
   gives 31-39 GB/s counting its reads and writes, and one numpy copy on one thread 21 GB/s."""
   x = jnp.ones((megabytes * 2**20 // 4,), jnp.float32)
   jax.block_until_ready(_sum(x))
