@@ -129,7 +129,7 @@ def measure(model, methods: Sequence[tuple[str, Drafter, int]], context: Sequenc
   Returns {"context_tokens", "cache_len", "rows", "target_seconds": {tokens: s}, "draft_seconds": {name: s},
   "methods": {name: {"gamma", "draft_cost", "verify_cost"[, "draft_cost_bytes", "verify_cost_bytes"]}}} and,
   with `count_bytes`, "target_step_bytes" (formula), "target_step_bytes_xla", "draft_step_bytes" {name: B},
-  "read_bandwidth" (bytes/s, `roofline.measure_read_bandwidth`) and "roofline_fraction": the 1-token target step's
+  "read_bandwidth" (bytes/s, `roofline.measure_read_bandwidth` over "read_megabytes") and "roofline_fraction": the 1-token target step's
   bytes (formula) / its time / that bandwidth.
   """
   config, params = model.config, model.params
@@ -180,7 +180,8 @@ def measure(model, methods: Sequence[tuple[str, Drafter, int]], context: Sequenc
   if count_bytes:
     costs["target_step_bytes"] = roofline.target_step_bytes(params, config, position, rows)
     # The roofline of autoregressive decoding: the 1-token step's bytes at the read bandwidth measured now.
-    costs["read_bandwidth"] = roofline.measure_read_bandwidth(512 if jax.default_backend() == "cpu" else 2048)
+    costs["read_megabytes"] = 512 if jax.default_backend() == "cpu" else 2048
+    costs["read_bandwidth"] = roofline.measure_read_bandwidth(costs["read_megabytes"])
     costs["roofline_fraction"] = costs["target_step_bytes"] / t_1 / costs["read_bandwidth"]
     costs["target_step_bytes_xla"] = roofline.target_step_bytes_xla(params, state["cache"], config, positions)
     costs["draft_step_bytes"] = {}

@@ -449,7 +449,7 @@ def write(workdir: str, results: dict[str, Any]) -> str:
       lines += ["", f"**Roofline** of {summary['baseline']} decoding: a 1-token target step (batch {costs['rows']}) "
                 f"takes {1e3 * costs['target_seconds'][1]:.2f} ms for {costs['target_step_bytes'] / 1e6:.0f} MB of "
                 f"weights and KV cache, {summary['roofline_fraction']:.0%} of the read bandwidth measured in this "
-                f"run ({costs['read_bandwidth'] / 1e9:.1f} GB/s, a jitted sum over 512 MB on CPU, 2 GB elsewhere)."]
+                f"run ({costs['read_bandwidth'] / 1e9:.1f} GB/s, a jitted sum over {costs['read_megabytes']} MB)."]
   skipped = summary.get("skipped_methods") or {}
   if skipped:
     lines += ["", "Left out (shipped checkpoint missing): " +
