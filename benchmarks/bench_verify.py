@@ -4,10 +4,9 @@ kernels (`specjax.cpu_kernels`: matrix products over few rows, decode attention)
   python benchmarks/bench_verify.py [--tokens=1,2,5,8,16,32,64] [--batch_sizes=1,4,8] [--repeats=5]
 
 Verification over gamma + 1 tokens and decoding over B rows both multiply a few rows by every weight; while the
-weights' bytes dominate, each should cost about one step. For each implementation ("xla": XLA only; "kernel":
-the CPU kernels, for products of up to `cpu_kernels.MAX_ROWS` rows and attention of up to
-`cpu_kernels.MAX_QUERY_TOKENS` tokens per row) and each (B, T), the cost of one forward at
-position `--position` over a cache of `--cache_len` is timed inside a compiled loop, as
+weights' bytes dominate, each should cost about one step. For each implementation ("xla": XLA only, on the
+weights as loaded; "kernel": the CPU kernels on the packed weights `generate` reads, for every product and for
+attention of up to `cpu_kernels.MAX_QUERY_TOKENS` tokens per row) and each (B, T), the cost of one forward at position `--position` over a cache of `--cache_len` is timed inside a compiled loop, as
 `experiments.costs` does: (t(long loop) - t(short loop)) / (long - short), so per-call overhead cancels. All
 cases run interleaved, medians over `--repeats` rounds. Reported: ms per forward, r = t(B, T) / t(1, 1) of the
 same implementation, kernel / xla time, and the largest logit difference between the two implementations.
@@ -29,6 +28,7 @@ from absl import app, flags
 import specjax
 from experiments.costs import interleaved_seconds
 from specjax import cpu_kernels
+from specjax.decoding import decode_params
 from specjax.model import forward, init_cache
 
 _TOKENS = flags.DEFINE_list("tokens", ["1", "2", "5", "8", "16", "32", "64"], "Tokens per row (T).")
@@ -59,9 +59,10 @@ def _logits(params, cache, tokens, position, *, config, kernel):
 def main(argv):
   del argv
   model = specjax.load(_MODEL.value)
-  config, params = model.config, model.params
+  config = model.config
   if not cpu_kernels.available():
     raise SystemExit(f"the CPU kernel is not available here: {cpu_kernels.status()}")
+  weights = {False: model.params, True: decode_params(model)}  # the kernel reads packed weights
   rng = np.random.default_rng(0)
   context = rng.integers(3, config.vocab_size, size=_POSITION.value).astype(np.int32)
   shapes = [(1, int(t)) for t in _TOKENS.value]
@@ -71,18 +72,19 @@ def main(argv):
   caches, runs, compile_s, diffs = {}, {}, {}, {}
   for b, t in shapes:
     prompt = jnp.asarray(np.tile(context, (b, 1)))
-    filled = _loop(params, init_cache(config, b, _CACHE_LEN.value), prompt, jnp.zeros(b, jnp.int32), 1,
+    filled = _loop(model.params, init_cache(config, b, _CACHE_LEN.value), prompt, jnp.zeros(b, jnp.int32), 1,
                    config=config, kernel=False)[1]
     tokens = jnp.asarray(rng.integers(3, config.vocab_size, size=(b, t)).astype(np.int32))
     position = jnp.full((b,), _POSITION.value, jnp.int32)
-    logits = {k: _logits(params, filled, tokens, position, config=config, kernel=k) for k in (False, True)}
+    logits = {k: _logits(weights[k], filled, tokens, position, config=config, kernel=k) for k in (False, True)}
     diffs[(b, t)] = float(jnp.max(jnp.abs(logits[True] - logits[False])))
     for kernel in (False, True):
       key = ("kernel" if kernel else "xla", b, t)
       caches[key] = jax.tree.map(jnp.copy, filled)
 
       def run(calls, key=key, tokens=tokens, position=position, kernel=kernel):
-        out, caches[key] = _loop(params, caches[key], tokens, position, calls, config=config, kernel=kernel)
+        out, caches[key] = _loop(weights[kernel], caches[key], tokens, position, calls, config=config,
+                                 kernel=kernel)
         return out
       start = time.perf_counter()
       run(2).block_until_ready()
@@ -103,8 +105,7 @@ def main(argv):
     print(f"{b:>3} {t:>3} {1e3 * x:>8.2f} {1e3 * k:>10.2f} {x / base['xla']:>7.2f} {k / base['kernel']:>9.2f} "
           f"{k / x:>11.2f} {diffs[(b, t)]:>13.1e}")
   print(f"\nr: the forward's time over the same implementation's 1-row, 1-token forward. The kernels serve products "
-        f"of up to {cpu_kernels.MAX_ROWS} rows (B x T) and attention of up to {cpu_kernels.MAX_QUERY_TOKENS} tokens "
-        f"per row; beyond, XLA's in both columns.")
+        f"and attention of up to {cpu_kernels.MAX_QUERY_TOKENS} tokens per row (beyond, XLA's attention).")
   # Adaptive drafting's cost model on this machine: f(n), a forward over n = B x T rows over a 1-row one.
   by_rows: dict[int, list[float]] = {}
   for b, t in shapes:

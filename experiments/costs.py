@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import roofline
+from specjax.decoding import decode_params
 from specjax.drafters import DraftInputs, Drafter, PromptInfo, RoundResult
 from specjax.model import forward, init_cache
 from specjax.sampling import SamplingParams
@@ -102,8 +103,8 @@ def interleaved_seconds(runs: dict[str, Callable[[int], Any]], repeats: int, sho
 def prefilled_cache(model, context: Sequence[int], cache_len: int, rows: int = 1):
   """A target KV cache of `cache_len` positions holding `context` in each of `rows` rows."""
   prompt = jnp.asarray([list(context)] * rows, jnp.int32)
-  return _target_loop(model.params, init_cache(model.config, rows, cache_len), prompt, jnp.zeros(rows, jnp.int32), 1,
-                      config=model.config)[1]
+  return _target_loop(decode_params(model), init_cache(model.config, rows, cache_len), prompt,
+                      jnp.zeros(rows, jnp.int32), 1, config=model.config)[1]
 
 
 def forward_run(model, context: Sequence[int], cache_len: int, *, tokens: int = 1, rows: int = 1
@@ -116,7 +117,8 @@ def forward_run(model, context: Sequence[int], cache_len: int, *, tokens: int = 
   position = jnp.full((rows,), len(context), jnp.int32)
 
   def run(calls):
-    out, cache["cache"] = _target_loop(model.params, cache["cache"], new, position, calls, config=model.config)
+    out, cache["cache"] = _target_loop(decode_params(model), cache["cache"], new, position, calls,
+                                       config=model.config)
     return out
   return run
 
@@ -133,6 +135,7 @@ def measure(model, methods: Sequence[tuple[str, Drafter, int]], context: Sequenc
   bytes (formula) / its time / that bandwidth.
   """
   config, params = model.config, model.params
+  decoded = decode_params(model)  # the weights as generate's loop reads them
   position = len(context)
   if position + max([g for _, _, g in methods] or [0]) + 2 > cache_len:
     raise ValueError(f"a cost context of {position} tokens does not fit a cache of {cache_len} positions")
@@ -155,11 +158,11 @@ def measure(model, methods: Sequence[tuple[str, Drafter, int]], context: Sequenc
 
   def draft_run(name: str, drafter: Drafter, gamma: int):
     static, draft_params = drafter.static(), drafter.params
-    draft_states[name] = _draft_init(params, draft_params, prompt_info(drafter), drafter=static)
+    draft_states[name] = _draft_init(decoded, draft_params, prompt_info(drafter), drafter=static)
 
     def run(calls):
       draft_states[name], state["cache"], _ = _propose_loop(
-          params, draft_params, draft_states[name], state["cache"], sequence, positions, key, calls, drafter=static,
+          decoded, draft_params, draft_states[name], state["cache"], sequence, positions, key, calls, drafter=static,
           gamma=gamma, sampling=sampling, hidden_size=config.hidden_size, dtype=config.dtype)
       return state["cache"]
     return run

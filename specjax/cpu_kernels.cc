@@ -1,16 +1,18 @@
 // Decode kernels for XLA:CPU, called through the XLA FFI (see cpu_kernels.py). Float32 arithmetic; weights and
 // caches float32 or bfloat16.
 //
-//   SmallMatmulKN: out[M, N] = x[M, K] @ w[K, N]    (the decoder's projections)
-//   SmallMatmulNK: out[M, N] = x[M, K] @ w[N, K]^T  (a tied LM head: the embedding table, rows = tokens)
+//   PackedMatmul: out[M, NB * P] = x[M, K] @ w, w packed as NB column panels [NB, K, P] (P = kPanel)
 //
 // A decode step or a verification over a few tokens multiplies M = batch x tokens rows by every weight
 // matrix. The weights are read from memory once per call whatever M is, so the product should cost about what a
 // matrix-vector product costs. XLA:CPU's general matrix product packs the weight matrix into a scratch layout on
-// every call, which reads and writes it again: 5 rows cost ~2-2.6x one row. These kernels keep up to 8 rows'
-// accumulators in registers or L1 (more rows, up to kMaxRows: one pass over the weight updating them all) and
-// stream each weight once, prefetching ahead; the column blocks are split over XLA's intra-op thread pool. Every output element sums over k in the same order whatever M is, so a row's result
-// does not depend on which other rows share the call.
+// every call, which reads and writes it again (5 rows cost ~2-2.6x one row). Here the weights are packed once,
+// when they are loaded for decoding (cpu_kernels.pack): each panel of P output columns is one contiguous run of
+// K x P values, so a call streams every weight exactly once, sequentially, prefetching ahead. Within a panel,
+// groups of up to kGroup rows keep their P-column accumulators in registers over all of K; more rows take more
+// passes over the panel, which then comes from L2 (a panel is K x P x 4 bytes: 72 KB for K = 576). The panels are
+// split over XLA's intra-op thread pool. Every output element sums over k in the same order whatever M is, so a
+// row's result does not depend on which other rows share the call.
 //
 //   DecodeAttention: causal grouped-query attention of a few new tokens per row over the KV cache
 //
@@ -59,145 +61,71 @@ inline v16 LoadW(const uint16_t* p) {
   return v;
 }
 
+// Must equal cpu_kernels.PANEL.
+constexpr int kVecs = 2;
+constexpr int64_t kPanel = 16 * kVecs;
 #ifndef SPECJAX_PF
 #define SPECJAX_PF 16
 #endif
-#ifndef SPECJAX_PANEL
-#define SPECJAX_PANEL 128  // 16, 32, 64, 128, 192 or 256
-#endif
-constexpr int64_t kPanel = SPECJAX_PANEL;  // output columns per block (kn)
-constexpr int64_t kPrefetch = SPECJAX_PF;  // rows of w ahead (kn) / vectors ahead (nk)
-static_assert(kPanel == 16 || kPanel == 32 || kPanel == 64 || kPanel == 128 || kPanel == 192 || kPanel == 256,
-              "SPECJAX_PANEL must be one of the widths Columns dispatches on: 16, 32, 64, 128, 192 or 256");
+constexpr int64_t kPrefetch = SPECJAX_PF;  // panel rows (k) ahead
+constexpr int64_t kGroup = 8;              // rows whose accumulators stay in registers
 
-// kn: MR rows x kVecs * 16 columns of out, over all K; w points at the panel's first column, row stride ldw.
-// Each row of w contributes a contiguous run of columns; the accumulators live in L1.
-template <typename W, int MR, int kVecs>
-void BlockKN(const float* __restrict x, int64_t K, const W* __restrict w, int64_t ldw, float* __restrict out,
-             int64_t ldo) {
-  alignas(64) v16 acc[MR][kVecs];
+// MR rows x kPanel columns of out, over all K; wp is one panel, [K, kPanel] contiguous.
+template <typename W, int MR>
+void PanelBlock(const float* __restrict x, int64_t K, const W* __restrict wp, float* __restrict out, int64_t ldo) {
+  v16 acc[MR][kVecs];
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < kVecs; ++j) acc[m][j] = v16{};
   for (int64_t k = 0; k < K; ++k) {
-    const W* row = w + k * ldw;
-    const W* ahead = row + kPrefetch * ldw;
-    for (int j = 0; j < kVecs; ++j) __builtin_prefetch(ahead + 16 * j);
-    float xv[MR];
-    for (int m = 0; m < MR; ++m) xv[m] = x[m * K + k];
-    for (int j = 0; j < kVecs; ++j) {
-      const v16 wv = LoadW(row + 16 * j);
-      for (int m = 0; m < MR; ++m) acc[m][j] += xv[m] * wv;
-    }
-  }
-  for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < kVecs; ++j) Store(out + m * ldo + 16 * j, acc[m][j]);
-}
-
-// kn for more than 8 rows: the same stream over w, every row's accumulators (L1) updated from each loaded vector,
-// so w is read once whatever the number of rows (up to kMaxRows).
-constexpr int64_t kMaxRows = 32;
-
-template <typename W, int kVecs>
-void BlockKNWide(const float* __restrict x, int64_t M, int64_t K, const W* __restrict w, int64_t ldw,
-                 float* __restrict out, int64_t ldo) {
-  alignas(64) v16 acc[kMaxRows][kVecs];
-  for (int64_t m = 0; m < M; ++m)
-    for (int j = 0; j < kVecs; ++j) acc[m][j] = v16{};
-  for (int64_t k = 0; k < K; ++k) {
-    const W* row = w + k * ldw;
-    const W* ahead = row + kPrefetch * ldw;
-    for (int j = 0; j < kVecs; ++j) __builtin_prefetch(ahead + 16 * j);
+    const W* row = wp + k * kPanel;
+    __builtin_prefetch(row + kPrefetch * kPanel);
+    if (sizeof(W) * kPanel > 64) __builtin_prefetch(row + kPrefetch * kPanel + 64 / sizeof(W));
     v16 wv[kVecs];
     for (int j = 0; j < kVecs; ++j) wv[j] = LoadW(row + 16 * j);
-    for (int64_t m = 0; m < M; ++m) {
+    for (int m = 0; m < MR; ++m) {
       const float xv = x[m * K + k];
       for (int j = 0; j < kVecs; ++j) acc[m][j] += xv * wv[j];
     }
   }
-  for (int64_t m = 0; m < M; ++m)
+  for (int m = 0; m < MR; ++m)
     for (int j = 0; j < kVecs; ++j) Store(out + m * ldo + 16 * j, acc[m][j]);
 }
 
-// nk: MR rows x 4 columns of out; w points at 4 consecutive rows of the [N, K] matrix.
-template <typename W, int MR>
-void BlockNK(const float* __restrict x, int64_t K, const W* __restrict w, float* __restrict out, int64_t ldo) {
-  v16 acc[4][MR];
-  for (int i = 0; i < 4; ++i)
-    for (int m = 0; m < MR; ++m) acc[i][m] = v16{};
-  for (int64_t k = 0; k < K; k += 16) {
-    v16 wv[4];
-    for (int i = 0; i < 4; ++i) {
-      __builtin_prefetch(w + i * K + k + kPrefetch * 16);
-      wv[i] = LoadW(w + i * K + k);
-    }
-    for (int m = 0; m < MR; ++m) {
-      const v16 xv = Load(x + m * K + k);
-      for (int i = 0; i < 4; ++i) acc[i][m] += wv[i] * xv;
-    }
-  }
-  for (int i = 0; i < 4; ++i)
-    for (int m = 0; m < MR; ++m) {
-      float s = 0.f;
-      for (int j = 0; j < 16; ++j) s += acc[i][m][j];
-      out[m * ldo + i] = s;
-    }
-}
-
 // Calls f(std::integral_constant<int, V>) for the V among Vs that equals the runtime `value` (callers pass only
-// values in the list): the kernels' row counts and column widths are compile-time constants.
+// values in the list): the kernels' row counts are compile-time constants.
 template <int... Vs, typename F>
 void WithConstant(int64_t value, F f) {
   (void)((value == Vs && (f(std::integral_constant<int, Vs>{}), true)) || ...);
 }
 
+// All rows of panels [b0, b1): rows in groups of at most kGroup, as even as possible (16 rows: 8 + 8).
 template <typename W>
-struct Problem {
-  const float* x;
-  const W* w;
-  float* out;
-  int64_t M, K, N;
-  bool nk;
-  int64_t col_block;  // output columns per block
-};
-
-// Computes all rows for output column blocks [b0, b1).
-template <typename W>
-void Columns(const Problem<W>& p, int64_t b0, int64_t b1) {
-  const int64_t rows_per_group = p.nk ? 4 : 8;
+void Panels(const float* x, int64_t M, int64_t K, const W* w, float* out, int64_t N, int64_t b0, int64_t b1) {
+  const int64_t groups = (M + kGroup - 1) / kGroup;
   for (int64_t b = b0; b < b1; ++b) {
-    const int64_t col = b * p.col_block;
-    if (!p.nk && p.M > 8 && p.M <= kMaxRows) {
-      WithConstant<16, 12, 8, 4, 2, 1>(p.col_block / 16, [&](auto vecs) {
-        BlockKNWide<W, decltype(vecs)::value>(p.x, p.M, p.K, p.w + col, p.N, p.out + col, p.N);
-      });
-      continue;
-    }
-    for (int64_t m0 = 0; m0 < p.M; m0 += rows_per_group) {
-      const int64_t mr = p.M - m0 < rows_per_group ? p.M - m0 : rows_per_group;
-      const float* xr = p.x + m0 * p.K;
-      float* o = p.out + m0 * p.N + col;
+    int64_t m0 = 0;
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t mr = (M - m0) / (groups - g);
       WithConstant<1, 2, 3, 4, 5, 6, 7, 8>(mr, [&](auto rows) {
-        constexpr int MR = decltype(rows)::value;
-        if (p.nk) {
-          BlockNK<W, MR>(xr, p.K, p.w + col * p.K, o, p.N);
-        } else {
-          WithConstant<16, 12, 8, 4, 2, 1>(p.col_block / 16, [&](auto vecs) {
-            BlockKN<W, MR, decltype(vecs)::value>(xr, p.K, p.w + col, p.N, o, p.N);
-          });
-        }
+        PanelBlock<W, decltype(rows)::value>(x + m0 * K, K, w + b * K * kPanel, out + m0 * N + b * kPanel, N);
       });
+      m0 += mr;
     }
   }
 }
 
-// Runs body(begin, end) over [0, n) in up to one chunk per pool thread. The calling thread and the pool tasks share
-// the chunks: whoever comes first takes the next one, so the call never waits on a task that has not started (the
-// pool may be busy, or the caller may be one of its threads). A task that starts after every chunk is taken returns
+// Runs body(begin, end) over [0, n) in up to kChunksPerThread chunks per pool thread. The calling thread and the
+// pool tasks share the chunks: whoever comes first takes the next one, so the call never waits on a task that has
+// not started (the pool may be busy, or the caller may be one of its threads), and a task that wakes late finds
+// less left to do than an equal split would leave it. A task that starts after every chunk is taken returns
 // without touching body.
+constexpr int64_t kChunksPerThread = 8;
+
 template <typename F>
 void ParallelFor(ffi::ThreadPool& pool, int64_t n, const F& body) {
   const int64_t threads = pool.num_threads() > 1 ? pool.num_threads() : 1;
-  const int chunks = static_cast<int>(threads < n ? threads : n);
+  const int64_t most = threads > 1 ? threads * kChunksPerThread : 1;
+  const int chunks = static_cast<int>(most < n ? most : n);
   if (chunks <= 1) {
     if (n > 0) body(0, n);
     return;
@@ -214,39 +142,28 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, const F& body) {
       counters->done.fetch_add(1, std::memory_order_release);
     }
   };
-  for (int t = 1; t < chunks; ++t) pool.Schedule([work]() { work(); });
+  for (int t = 1; t < threads && t < chunks; ++t) pool.Schedule([work]() { work(); });
   work();
   while (counters->done.load(std::memory_order_acquire) < chunks) {
   }
 }
 
 template <ffi::DataType WT>
-ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT> w, ffi::ResultBuffer<ffi::F32> out,
-                  bool nk) {
+ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT> w,
+                        ffi::ResultBuffer<ffi::F32> out) {
   using W = ffi::NativeType<WT>;
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
-  if (wd.size() != 2 || xd.size() < 1) return ffi::Error::InvalidArgument("cpu_kernels: w must be 2-D");
-  Problem<W> p;
-  p.K = xd.back();
-  p.M = p.K ? x.element_count() / p.K : 0;
-  p.nk = nk;
-  p.N = nk ? wd[0] : wd[1];
-  const int64_t wk = nk ? wd[1] : wd[0];
-  p.col_block = 4;
-  if (!nk) {
-    p.col_block = 0;
-    for (int64_t width : {kPanel, int64_t{192}, int64_t{128}, int64_t{64}, int64_t{32}, int64_t{16}})
-      if (width <= kPanel && p.N % width == 0) { p.col_block = width; break; }
-    if (p.col_block == 0) return ffi::Error::InvalidArgument("cpu_kernels: N must be a multiple of 16");
-  }
-  if (wk != p.K) return ffi::Error::InvalidArgument("cpu_kernels: contraction sizes differ");
-  if (p.N % p.col_block != 0 || (nk && p.K % 16 != 0))
-    return ffi::Error::InvalidArgument("cpu_kernels: unsupported shape");
-  p.x = x.typed_data();
-  p.w = w.typed_data();
-  p.out = out->typed_data();
-  if (p.M > 0) ParallelFor(pool, p.N / p.col_block, [&p](int64_t b0, int64_t b1) { Columns(p, b0, b1); });
+  if (wd.size() != 3 || xd.size() < 1 || wd[2] != kPanel)
+    return ffi::Error::InvalidArgument("cpu_kernels: w must be packed panels [NB, K, 32]");
+  const int64_t K = xd.back(), NB = wd[0], N = NB * kPanel;
+  if (wd[1] != K) return ffi::Error::InvalidArgument("cpu_kernels: contraction sizes differ");
+  const int64_t M = K ? x.element_count() / K : 0;
+  const float* xp = x.typed_data();
+  const W* wp = w.typed_data();
+  float* op = out->typed_data();
+  if (M > 0 && NB > 0)
+    ParallelFor(pool, NB, [&](int64_t b0, int64_t b1) { Panels(xp, M, K, wp, op, N, b0, b1); });
   return ffi::Error::Success();
 }
 
@@ -331,12 +248,6 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   return ffi::Error::Success();
 }
 
-template <ffi::DataType WT, bool kNK>
-ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT> w,
-                      ffi::ResultBuffer<ffi::F32> out) {
-  return Matmul<WT>(pool, x, w, out, kNK);
-}
-
 // The handlers' signatures: the intra-op thread pool, then the operands and the result.
 template <ffi::DataType WT>
 auto MatmulBinding() {
@@ -352,9 +263,7 @@ auto AttentionBinding() {
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SmallMatmulKN, (MatmulImpl<ffi::F32, false>), MatmulBinding<ffi::F32>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SmallMatmulNK, (MatmulImpl<ffi::F32, true>), MatmulBinding<ffi::F32>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SmallMatmulKNBF16, (MatmulImpl<ffi::BF16, false>), MatmulBinding<ffi::BF16>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SmallMatmulNKBF16, (MatmulImpl<ffi::BF16, true>), MatmulBinding<ffi::BF16>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PackedMatmulF32, PackedMatmul<ffi::F32>, MatmulBinding<ffi::F32>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PackedMatmulBF16, PackedMatmul<ffi::BF16>, MatmulBinding<ffi::BF16>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttention, AttentionImpl<ffi::F32>, AttentionBinding<ffi::F32>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttentionBF16, AttentionImpl<ffi::BF16>, AttentionBinding<ffi::BF16>());

@@ -7,17 +7,21 @@ row over SmolLM2's MLP weights), and it runs decode attention as many tiny batch
 dominates (at batch 8, half of a step), and its bfloat16 matrix-vector products run ~10x slower than float32
 ones, so halving the bytes did not pay. benchmarks/bench_verify.py and bench_autoregressive.py measure them.
 
-  dense(x, w)      x @ w    for w [K, N]  (every projection of the decoder)
-  dense_t(x, w)    x @ w.T  for w [N, K]  (a tied LM head: the embedding table)
+  pack(w, k_dims)  a weight as column panels (`Packed`), once, when a model is loaded for decoding
+                   (`specjax.model.pack_params`, which `generate` calls through `specjax.decoding.decode_params`)
+  dense(x, w)      x @ w for w [K, N] or a `Packed` weight (every projection of the decoder, the LM head)
   attention(q, k_cache, v_cache, positions, reference)   causal grouped-query attention over the cache
 
-Each computes with XLA (the plain dot, or `reference`) unless all of these hold, in which case it calls the
-kernel:
+The product kernel reads packed weights: each panel of PANEL output columns is one contiguous run of K x PANEL
+values, so a call streams the matrix once, in order, whatever the number of rows. `dense` computes with XLA
+(the plain dot; for a `Packed` weight, the same product over the panels) unless all of these hold, in which case
+it calls the kernel (attention likewise, with `reference`):
+  * the weight is `Packed` (attention: always),
   * the default backend is CPU and the process has a single device (a mesh partitions XLA's ops; XLA would
     replicate a kernel's operands),
-  * float32 or bfloat16 operands (float32 arithmetic either way); at most MAX_ROWS rows (x's leading
-    dimensions multiplied) for products, at most MAX_QUERY_TOKENS new tokens per row for attention; shapes the
-    kernels support,
+  * float32 or bfloat16 operands (float32 arithmetic either way); for attention, at most MAX_QUERY_TOKENS new
+    tokens per row and shapes the kernel supports (products take any number of rows: a prefill's too, where
+    the kernel was as fast as XLA's product over the unpacked weights at 32 to 1024 rows),
   * the library is built: on first use, with the C++ compiler ($CXX, else c++), into $SPECJAX_CACHE (default
     ~/.cache/specjax), keyed by the source, jaxlib's version and the CPU; a failed build warns once with the
     compiler's message and XLA is used,
@@ -42,16 +46,15 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
-MAX_ROWS = 24  # products: faster than XLA at 16 and 20 rows, slower at 32 (2 cores); prefill and training use XLA
+PANEL = 32  # output columns per packed panel (cpu_kernels.cc: kPanel)
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.cc")
 # (kernel, weight or cache dtype) -> (XLA custom-call target, the handler's symbol in cpu_kernels.cc)
 _KERNELS = {
-    ("kn", "float32"): ("specjax_small_matmul_kn", "SmallMatmulKN"),
-    ("nk", "float32"): ("specjax_small_matmul_nk", "SmallMatmulNK"),
+    ("packed", "float32"): ("specjax_packed_matmul", "PackedMatmulF32"),
     ("attention", "float32"): ("specjax_decode_attention", "DecodeAttention"),
-    ("kn", "bfloat16"): ("specjax_small_matmul_kn_bf16", "SmallMatmulKNBF16"),
-    ("nk", "bfloat16"): ("specjax_small_matmul_nk_bf16", "SmallMatmulNKBF16"),
+    ("packed", "bfloat16"): ("specjax_packed_matmul_bf16", "PackedMatmulBF16"),
     ("attention", "bfloat16"): ("specjax_decode_attention_bf16", "DecodeAttentionBF16"),
 }
 _WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16)  # weights and caches either; activations widened to float32
@@ -157,11 +160,54 @@ def available() -> bool:
   return build()
 
 
-def _use_kernel(x: jax.Array, w: jax.Array, n: int, k: int, nk: bool) -> bool:
+@struct.dataclass
+class Packed:
+  """A weight stored for the product kernel. Logically an array of `shape` used as the matrix [K, N], K the
+  product of its first `k_dims` sizes (wq [D, H, hd]: K = D; wo [H, hd, D]: K = H * hd); stored as `data`
+  [ceil(N / PANEL), K, PANEL]: panel b holds columns b * PANEL ... (b + 1) * PANEL - 1, zeros past N."""
+  data: jax.Array
+  shape: tuple[int, ...] = struct.field(pytree_node=False)
+  k_dims: int = struct.field(pytree_node=False, default=1)
+
+  @property
+  def dtype(self):
+    return self.data.dtype
+
+  @property
+  def matrix_shape(self) -> tuple[int, int]:
+    return (int(np.prod(self.shape[:self.k_dims], dtype=np.int64)),
+            int(np.prod(self.shape[self.k_dims:], dtype=np.int64)))
+
+  def unpack(self) -> jax.Array:
+    """The weight as the array it was packed from."""
+    k, n = self.matrix_shape
+    return self.data.transpose(1, 0, 2).reshape(k, -1)[:, :n].reshape(self.shape)
+
+
+def pack(w: jax.Array, k_dims: int = 1) -> Packed:
+  """w (the first `k_dims` axes contracted) as column panels; `unpack` returns it unchanged."""
+  shape = tuple(int(d) for d in w.shape)
+  k = int(np.prod(shape[:k_dims], dtype=np.int64))
+  n = int(np.prod(shape[k_dims:], dtype=np.int64))
+  m = jnp.asarray(w).reshape(k, n)
+  pad = -n % PANEL
+  if pad:
+    m = jnp.pad(m, ((0, 0), (0, pad)))
+  return Packed(data=m.reshape(k, -1, PANEL).transpose(1, 0, 2), shape=shape, k_dims=k_dims)
+
+
+def as_matrix(w, k_dims: int):
+  """w as the [K, N] matrix `dense` takes: an array reshaped, a `Packed` weight as it is."""
+  if isinstance(w, Packed):
+    if w.k_dims != k_dims:
+      raise ValueError(f"a weight packed with k_dims={w.k_dims} is used with k_dims={k_dims}")
+    return w
+  return w.reshape(int(np.prod(w.shape[:k_dims], dtype=np.int64)), -1)
+
+
+def _use_kernel(x: jax.Array, w: Packed) -> bool:
   rows = int(np.prod(x.shape[:-1], dtype=np.int64))
-  if x.dtype not in _WEIGHT_DTYPES or w.dtype not in _WEIGHT_DTYPES or w.ndim != 2 or not 0 < rows <= MAX_ROWS:
-    return False
-  if n % 16 or (nk and (k % 16 or n % 4)):
+  if x.dtype not in _WEIGHT_DTYPES or w.dtype not in _WEIGHT_DTYPES or rows == 0:
     return False
   return available()
 
@@ -170,39 +216,41 @@ def _target(kind: str, dtype) -> str:
   return _KERNELS[(kind, jnp.dtype(dtype).name)][0]
 
 
-def _product(kind: str, x: jax.Array, w: jax.Array, out_dtype) -> jax.Array:
-  """The kernel's x @ w ("kn") or x @ w.T ("nk"), float32 accumulation, as out_dtype; XLA's dots for gradients."""
-  target = _target(kind, w.dtype)
-  n = w.shape[0] if kind == "nk" else w.shape[1]
-  oriented = (lambda a: a.T) if kind == "nk" else (lambda a: a)
+def _panels_xla(x: jax.Array, data: jax.Array, preferred_element_type=None) -> jax.Array:
+  """x [..., K] @ the packed panels [NB, K, P] -> [..., NB * P], with XLA."""
+  out = jnp.einsum("...k,bkp->...bp", x, data, preferred_element_type=preferred_element_type)
+  return out.reshape(*x.shape[:-1], -1)
+
+
+def _packed_product(x: jax.Array, data: jax.Array, out_dtype) -> jax.Array:
+  """The kernel's x @ panels, float32 accumulation, as out_dtype; XLA's products for gradients."""
+  target = _target("packed", data.dtype)
 
   @jax.custom_jvp
-  def kernel(x, w):
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape[:-1] + (n,), jnp.float32), vmap_method="sequential")
-    return call(x.astype(jnp.float32), w).astype(out_dtype)
+  def kernel(x, data):
+    out = jax.ShapeDtypeStruct(x.shape[:-1] + (data.shape[0] * data.shape[2],), jnp.float32)
+    return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x.astype(jnp.float32), data).astype(out_dtype)
 
   @kernel.defjvp
   def kernel_jvp(primals, tangents):
-    (x, w), (dx, dw) = primals, tangents
-    tangent = (jnp.matmul(dx, oriented(w), preferred_element_type=jnp.float32)
-               + jnp.matmul(x, oriented(dw), preferred_element_type=jnp.float32))
-    return kernel(x, w), tangent.astype(out_dtype)
+    (x, data), (dx, ddata) = primals, tangents
+    tangent = (_panels_xla(dx, data, preferred_element_type=jnp.float32)
+               + _panels_xla(x, ddata, preferred_element_type=jnp.float32))
+    return kernel(x, data), tangent.astype(out_dtype)
 
-  return kernel(x, w)
-
-
-def dense(x: jax.Array, w: jax.Array, preferred_element_type=None) -> jax.Array:
-  """x [..., K] @ w [K, N] -> [..., N], as jnp.matmul(x, w, preferred_element_type=...)."""
-  if _use_kernel(x, w, w.shape[-1], w.shape[0], nk=False):
-    return _product("kn", x, w, preferred_element_type or jnp.result_type(x.dtype, w.dtype))
-  return jnp.matmul(x, w, preferred_element_type=preferred_element_type)
+  return kernel(x, data)
 
 
-def dense_t(x: jax.Array, w: jax.Array, preferred_element_type=None) -> jax.Array:
-  """x [..., K] @ w [N, K].T -> [..., N]."""
-  if _use_kernel(x, w, w.shape[0], w.shape[1], nk=True):
-    return _product("nk", x, w, preferred_element_type or jnp.result_type(x.dtype, w.dtype))
-  return jnp.einsum("...d,vd->...v", x, w, preferred_element_type=preferred_element_type)
+def dense(x: jax.Array, w, preferred_element_type=None) -> jax.Array:
+  """x [..., K] @ w -> [..., N], as jnp.matmul(x, w, preferred_element_type=...); w [K, N] or `Packed`."""
+  if not isinstance(w, Packed):
+    return jnp.matmul(x, w, preferred_element_type=preferred_element_type)
+  n = w.matrix_shape[1]
+  if _use_kernel(x, w):
+    out = _packed_product(x, w.data, preferred_element_type or jnp.result_type(x.dtype, w.dtype))
+  else:
+    out = _panels_xla(x, w.data, preferred_element_type=preferred_element_type)
+  return out if out.shape[-1] == n else out[..., :n]
 
 
 def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array, reference) -> jax.Array:

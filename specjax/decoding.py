@@ -16,7 +16,7 @@ import numpy as np
 
 from specjax import sharding
 from specjax.loading import Model
-from specjax.model import KVCache, forward, lm_head
+from specjax.model import KVCache, forward, lm_head, pack_params
 
 
 @dataclasses.dataclass
@@ -92,10 +92,23 @@ def check_ids(ids: Sequence[int], vocab_size: int, what: str) -> None:
     raise ValueError(f"{what} has token ids outside [0, {vocab_size}): {bad[:5]}")
 
 
+def decode_params(model: Model):
+  """model.params as the decode loop reads them on one device: packed for specjax.cpu_kernels where they run
+  (`specjax.model.pack_params`). Packed once per parameter tree and kept on the model: assigning new params to
+  model.params packs those on the next call."""
+  cached = getattr(model, "_decode_params", None)
+  if cached is not None and cached[0] is model.params:
+    return cached[1]
+  packed = pack_params(model.params, model.config)
+  model._decode_params = (model.params, packed)
+  return packed
+
+
 def place_on_mesh(model: Model, batch: Batch, mesh):
-  """(params, prompt tokens, lengths, cache sharding): placed on `mesh`, or as they are when it is None."""
+  """(params, prompt tokens, lengths, cache sharding): placed on `mesh`, or for one device (`decode_params`)
+  when it is None."""
   if mesh is None:
-    return model.params, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths), None
+    return decode_params(model), jnp.asarray(batch.tokens), jnp.asarray(batch.lengths), None
   params = sharding.shard_params(model.params, model.config, mesh)
   tokens, lengths = sharding.shard_batch((batch.tokens, batch.lengths), mesh)
   cache = sharding.cache_sharding(model.config, mesh, batch_size=len(batch.lengths), max_len=batch.cache_len)

@@ -40,6 +40,8 @@ class Model:
   params: Params
   tokenizer: "Tokenizer | None"
   name: str = ""
+  # (params, their packed copy) kept by specjax.decoding.decode_params
+  _decode_params: tuple | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
   def __repr__(self):
     return (f"Model({self.name!r}, layers={self.config.num_layers}, hidden={self.config.hidden_size}, "

@@ -23,7 +23,7 @@ from flax import struct
 
 from specjax import cpu_kernels
 from specjax.config import ModelConfig, rope_inv_freq
-from specjax.cpu_kernels import dense, dense_t
+from specjax.cpu_kernels import as_matrix, dense
 
 Params = dict[str, Any]
 
@@ -117,21 +117,25 @@ def _write(cache_arr: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Ar
 
 def project_heads(h: jax.Array, w: jax.Array) -> jax.Array:
   """h [B, T, D] @ w [D, N, hd] -> [B, T, N, hd]."""
-  return dense(h, w.reshape(w.shape[0], -1)).reshape(*h.shape[:-1], *w.shape[1:])
+  return dense(h, as_matrix(w, 1)).reshape(*h.shape[:-1], *w.shape[1:])
 
 
 def merge_heads(out: jax.Array, w: jax.Array) -> jax.Array:
   """out [B, T, N, hd] @ w [N, hd, D] -> [B, T, D]."""
-  return dense(out.reshape(*out.shape[:-2], -1), w.reshape(-1, w.shape[-1]))
+  return dense(out.reshape(*out.shape[:-2], -1), as_matrix(w, 2))
 
 
 def attention_block(layer: Params, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                     positions: jax.Array, inv_freq: jax.Array, config: ModelConfig):
   """Pre-norm grouped-query self-attention over the cache. Returns (residual update, k_cache, v_cache)."""
   h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
-  q = apply_rope(project_heads(h, layer["wq"]), positions, inv_freq)
-  k = apply_rope(project_heads(h, layer["wk"]), positions, inv_freq)
-  v = project_heads(h, layer["wv"])
+  if "wqkv" in layer:  # packed for decoding: one product for the three projections
+    heads = (config.num_heads, config.num_kv_heads, config.num_kv_heads)
+    q, k, v = (a.reshape(*h.shape[:-1], n, config.head_dim) for a, n in
+               zip(jnp.split(dense(h, layer["wqkv"]), np.cumsum(heads[:2]) * config.head_dim, axis=-1), heads))
+  else:
+    q, k, v = project_heads(h, layer["wq"]), project_heads(h, layer["wk"]), project_heads(h, layer["wv"])
+  q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
   k_cache = _write(k_cache, k, positions)
   v_cache = _write(v_cache, v, positions)
   out = cpu_kernels.attention(q, k_cache, v_cache, positions, attend)
@@ -152,16 +156,53 @@ def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.
 
 def mlp_block(layer: Params, x: jax.Array, config: ModelConfig) -> jax.Array:
   h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
-  gate = jax.nn.silu(dense(h, layer["w_gate"]))
-  return dense(gate * dense(h, layer["w_up"]), layer["w_down"])
+  if "w_gate_up" in layer:  # packed for decoding: one product for both
+    gate, up = jnp.split(dense(h, layer["w_gate_up"]), 2, axis=-1)
+  else:
+    gate, up = dense(h, layer["w_gate"]), dense(h, layer["w_up"])
+  return dense(jax.nn.silu(gate) * up, layer["w_down"])
 
 
 def lm_head(params: Params, hidden: jax.Array, config: ModelConfig) -> jax.Array:
   """Final norm + output projection; float32 logits."""
-  h = rms_norm(hidden, params["final_norm"], config.rms_norm_eps)
+  return output_projection(params, rms_norm(hidden, params["final_norm"], config.rms_norm_eps), config)
+
+
+def output_projection(params: Params, h: jax.Array, config: ModelConfig) -> jax.Array:
+  """float32 logits of normed hidden states h [..., D]: the LM head, or the tied embedding table."""
+  if "lm_head_packed" in params:
+    return dense(h, params["lm_head_packed"], preferred_element_type=jnp.float32)
   if config.tie_embeddings:
-    return dense_t(h, params["embed"], preferred_element_type=jnp.float32)
+    return jnp.einsum("...d,vd->...v", h, params["embed"], preferred_element_type=jnp.float32)
   return dense(h, params["lm_head"], preferred_element_type=jnp.float32)
+
+
+def pack_layer(layer: Params) -> Params:
+  """A layer's matrices as `cpu_kernels.Packed` panels, as decoding reads them: "wqkv" (wq, wk and wv side by
+  side, one product for the three), "wo", "w_gate_up" (w_gate, w_up side by side) and "w_down"; norms as they
+  are."""
+  d = layer["wq"].shape[0]
+  packed = {name: w for name, w in layer.items() if name not in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
+  packed["wqkv"] = cpu_kernels.pack(jnp.concatenate([layer[n].reshape(d, -1) for n in ("wq", "wk", "wv")], axis=1))
+  packed["wo"] = cpu_kernels.pack(layer["wo"], k_dims=2)
+  packed["w_gate_up"] = cpu_kernels.pack(jnp.concatenate([layer["w_gate"], layer["w_up"]], axis=1))
+  packed["w_down"] = cpu_kernels.pack(layer["w_down"])
+  return packed
+
+
+def pack_params(params: Params, config: ModelConfig) -> Params:
+  """The parameters as the decode loop reads them where `specjax.cpu_kernels` runs: every layer's matrices
+  packed (`pack_layer`), and the output projection (the LM head, or the tied embedding table transposed)
+  packed as "lm_head_packed" beside the arrays it comes from (the embedding lookup and drafters read those).
+  `forward` gives the same results from either tree (to float32 rounding); the packed tree is a second copy of
+  the weights. Returned unchanged where the kernels do not run (cpu_kernels.available())."""
+  if "lm_head_packed" in params or not cpu_kernels.available():
+    return params
+  packed = dict(params)
+  packed["layers"] = [pack_layer(layer) for layer in params["layers"]]
+  head = params["embed"].T if config.tie_embeddings else params["lm_head"]
+  packed["lm_head_packed"] = cpu_kernels.pack(head)
+  return packed
 
 
 def embed(params: Params, tokens: jax.Array) -> jax.Array:

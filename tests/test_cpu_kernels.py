@@ -1,4 +1,4 @@
-"""The CPU matrix kernel (specjax.cpu_kernels): builds here, equals XLA's dot, is used only where it should be."""
+"""The CPU kernels (specjax.cpu_kernels): build here, equal XLA, are used only where they should be."""
 
 import os
 import subprocess
@@ -14,7 +14,7 @@ from specjax import cpu_kernels
 
 def _has_kernel(fn, *args) -> bool:
   # A fresh function each time: jax reuses a function's trace for the same shapes, whatever was enabled then.
-  return "specjax_small_matmul" in jax.jit(lambda *a: fn(*a)).lower(*args).as_text()
+  return "specjax_packed_matmul" in jax.jit(lambda *a: fn(*a)).lower(*args).as_text()
 
 
 def test_kernel_builds_on_this_machine():
@@ -23,20 +23,32 @@ def test_kernel_builds_on_this_machine():
   assert cpu_kernels.status() == "in use"
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16, cpu_kernels.MAX_ROWS])
-@pytest.mark.parametrize("k,n", [(576, 1536), (1536, 576), (64, 48), (32, 16), (576, 192)])
+@pytest.mark.parametrize("shape,k_dims", [((576, 1536), 1), ((64, 48), 1), ((64, 3, 16), 1), ((3, 16, 64), 2),
+                                          ((8, 100), 1)])
+def test_pack_unpack_round_trip(shape, k_dims):
+  """Any column count: a last panel that is not full is padded with zeros and cut off again."""
+  w = jnp.asarray(np.random.default_rng(0).standard_normal(shape, np.float32))
+  packed = cpu_kernels.pack(w, k_dims)
+  k, n = packed.matrix_shape
+  assert (k, n) == (int(np.prod(shape[:k_dims])), int(np.prod(shape[k_dims:])))
+  assert packed.data.shape == (-(-n // cpu_kernels.PANEL), k, cpu_kernels.PANEL)
+  np.testing.assert_array_equal(np.asarray(packed.unpack()), np.asarray(w))
+  np.testing.assert_array_equal(np.asarray(packed.data[0, :, :min(n, cpu_kernels.PANEL)]),
+                                np.asarray(w.reshape(k, n)[:, :cpu_kernels.PANEL]))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16, 24, 67])
+@pytest.mark.parametrize("k,n", [(576, 1536), (1536, 576), (64, 48), (32, 16), (576, 192), (48, 100)])
 def test_dense_equals_xla(rows, k, n):
   rng = np.random.default_rng(rows * 7 + n)
   x = jnp.asarray(rng.standard_normal((rows, k), np.float32))
   w = jnp.asarray(rng.standard_normal((k, n), np.float32) / np.sqrt(k))
-  assert _has_kernel(cpu_kernels.dense, x, w)
-  got = jax.jit(cpu_kernels.dense)(x, w)
+  packed = cpu_kernels.pack(w)
+  assert _has_kernel(cpu_kernels.dense, x, packed)
+  assert not _has_kernel(cpu_kernels.dense, x, w)  # arrays as loaded: XLA's dot
+  got = jax.jit(cpu_kernels.dense)(x, packed)
+  assert got.shape == (rows, n)
   np.testing.assert_allclose(np.asarray(got), np.asarray(x @ w), rtol=1e-5, atol=1e-5)
-  if n % 4 == 0 and k % 16 == 0:
-    wt = jnp.asarray(np.asarray(w).T.copy())
-    assert _has_kernel(cpu_kernels.dense_t, x, wt)
-    got_t = jax.jit(cpu_kernels.dense_t)(x, wt)
-    np.testing.assert_allclose(np.asarray(got_t), np.asarray(x @ w), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("rows", [1, 5, 8])
@@ -46,60 +58,76 @@ def test_bfloat16_weights_accumulate_in_float32(rows):
   rng = np.random.default_rng(rows)
   x = jnp.asarray(rng.standard_normal((rows, 576), np.float32)).astype(jnp.bfloat16)
   w = jnp.asarray(rng.standard_normal((576, 192), np.float32) / 24).astype(jnp.bfloat16)
-  e = jnp.asarray(rng.standard_normal((256, 576), np.float32) / 24).astype(jnp.bfloat16)
-  assert "specjax_small_matmul_kn_bf16" in jax.jit(lambda x, w: cpu_kernels.dense(x, w)).lower(x, w).as_text()
-  got = jax.jit(lambda x, w: cpu_kernels.dense(x, w))(x, w)
+  packed = cpu_kernels.pack(w)
+  assert packed.dtype == jnp.bfloat16
+  assert "specjax_packed_matmul_bf16" in jax.jit(lambda x, w: cpu_kernels.dense(x, w)).lower(x, packed).as_text()
+  got = jax.jit(lambda x, w: cpu_kernels.dense(x, w))(x, packed)
   assert got.dtype == jnp.bfloat16
   want = jnp.matmul(x, w, preferred_element_type=jnp.float32)
   np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=1e-2, atol=1e-2)
-  head = jax.jit(lambda x, e: cpu_kernels.dense_t(x, e, preferred_element_type=jnp.float32))(x, e)
-  assert head.dtype == jnp.float32
-  np.testing.assert_allclose(np.asarray(head), np.asarray(jnp.einsum("md,vd->mv", x, e,
-                             preferred_element_type=jnp.float32)), rtol=1e-5, atol=1e-5)
+  wide = jax.jit(lambda x, w: cpu_kernels.dense(x, w, preferred_element_type=jnp.float32))(x, packed)
+  assert wide.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(wide), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows_per_call", [3, 12], ids=["few_rows", "wide"])
+@pytest.mark.parametrize("rows_per_call", [3, 12], ids=["one_group", "two_groups"])
 def test_leading_dimensions_and_rows_are_independent(rows_per_call):
   """A row's result is the same bits whichever rows share the call: verifying T tokens multiplies each token
-  exactly as decoding it alone does (more than 8 rows take the kernel's wide path)."""
+  exactly as decoding it alone does (more than 8 rows take two passes over each panel)."""
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.standard_normal((2, rows_per_call, 576), np.float32))
-  w = jnp.asarray(rng.standard_normal((576, 1536), np.float32))
-  e = jnp.asarray(rng.standard_normal((4096, 576), np.float32))
-  for fn, weight in ((cpu_kernels.dense, w), (cpu_kernels.dense_t, e)):
-    full = np.asarray(jax.jit(fn)(x, weight))
-    assert full.shape == (2, rows_per_call, weight.shape[1] if fn is cpu_kernels.dense else weight.shape[0])
-    for b in range(2):
-      for t in range(rows_per_call):
-        alone = np.asarray(jax.jit(fn)(x[b, t][None], weight))[0]
-        np.testing.assert_array_equal(full[b, t], alone)
+  w = cpu_kernels.pack(jnp.asarray(rng.standard_normal((576, 1536), np.float32)))
+  full = np.asarray(jax.jit(cpu_kernels.dense)(x, w))
+  assert full.shape == (2, rows_per_call, 1536)
+  for b in range(2):
+    for t in range(rows_per_call):
+      alone = np.asarray(jax.jit(cpu_kernels.dense)(x[b, t][None], w))[0]
+      np.testing.assert_array_equal(full[b, t], alone)
 
 
-def test_xla_dot_where_the_kernel_does_not_apply():
+def test_xla_where_the_kernel_does_not_apply():
   rng = np.random.default_rng(1)
-  w = jnp.asarray(rng.standard_normal((64, 32), np.float32))
-  many = jnp.asarray(rng.standard_normal((cpu_kernels.MAX_ROWS + 1, 64), np.float32))
-  assert not _has_kernel(cpu_kernels.dense, many, w)
-  np.testing.assert_allclose(np.asarray(cpu_kernels.dense(many, w)), np.asarray(many @ w), rtol=1e-6)
+  w = jnp.asarray(rng.standard_normal((64, 40), np.float32))
+  packed = cpu_kernels.pack(w)
   few = jnp.asarray(rng.standard_normal((4, 64), np.float32))
-  assert not _has_kernel(cpu_kernels.dense, few.astype(jnp.float16), w.astype(jnp.float16))
-  assert not _has_kernel(cpu_kernels.dense, few, w[:, :24])  # N not a multiple of 16
+  half = cpu_kernels.pack(w.astype(jnp.float16))
+  assert not _has_kernel(cpu_kernels.dense, few.astype(jnp.float16), half)
   with cpu_kernels.enabled(False):
-    assert not _has_kernel(cpu_kernels.dense, few, w)
-  assert _has_kernel(cpu_kernels.dense, few, w)  # the previous setting is back
+    assert not _has_kernel(cpu_kernels.dense, few, packed)
+    got = jax.jit(lambda x, w: cpu_kernels.dense(x, w))(few, packed)  # XLA's product over the panels
+  np.testing.assert_allclose(np.asarray(got), np.asarray(few @ w), rtol=1e-5, atol=1e-5)
+  assert _has_kernel(cpu_kernels.dense, few, packed)  # the previous setting is back
 
 
 def test_gradients_go_through_plain_dots():
   rng = np.random.default_rng(2)
   x = jnp.asarray(rng.standard_normal((3, 64), np.float32))
-  w = jnp.asarray(rng.standard_normal((64, 32), np.float32))
-  e = jnp.asarray(rng.standard_normal((32, 64), np.float32))
-  loss = lambda x, w, e: jnp.sum(jnp.tanh(cpu_kernels.dense(x, w)) * cpu_kernels.dense_t(x, e))
-  reference = lambda x, w, e: jnp.sum(jnp.tanh(x @ w) * (x @ e.T))
-  got = jax.grad(loss, argnums=(0, 1, 2))(x, w, e)
-  want = jax.grad(reference, argnums=(0, 1, 2))(x, w, e)
-  for g, r in zip(got, want):
-    np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-5)
+  w = jnp.asarray(rng.standard_normal((64, 40), np.float32))
+  loss = lambda x, w: jnp.sum(jnp.tanh(cpu_kernels.dense(x, w)) ** 2)
+  reference = lambda x, w: jnp.sum(jnp.tanh(x @ w) ** 2)
+  got = jax.grad(loss, argnums=(0, 1))(x, cpu_kernels.pack(w))
+  want = jax.grad(reference, argnums=(0, 1))(x, w)
+  np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(got[1].unpack()), np.asarray(want[1]), rtol=1e-4, atol=1e-5)
+
+
+def test_packed_parameters_give_the_same_logits():
+  """`pack_params`, as generate reads the weights: the forward's logits equal those of the weights as loaded,
+  for a decode step, a verification and a prefill (XLA over the panels), tied and untied output heads."""
+  from specjax.config import ModelConfig
+  from specjax.model import forward, init_cache, init_params, pack_params
+  for tie in (True, False):
+    config = ModelConfig(vocab_size=250, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=16, tie_embeddings=tie)
+    params = init_params(config, jax.random.PRNGKey(0), std=0.1)
+    packed = pack_params(params, config)
+    assert isinstance(packed["layers"][0]["wo"], cpu_kernels.Packed) and "lm_head_packed" in packed
+    assert pack_params(packed, config) is packed
+    step = jax.jit(lambda p, t: forward(p, t, init_cache(config, 2, 64), jnp.zeros(2, jnp.int32), config).logits)
+    for width in (1, 5, 30):
+      tokens = jnp.asarray(np.random.default_rng(width).integers(0, 250, (2, width)), jnp.int32)
+      np.testing.assert_allclose(np.asarray(step(packed, tokens)), np.asarray(step(params, tokens)), rtol=1e-4,
+                                 atol=1e-5)
 
 
 def test_a_fresh_build_compiles_into_the_cache(tmp_path):
@@ -107,7 +135,7 @@ def test_a_fresh_build_compiles_into_the_cache(tmp_path):
   code = """
 import jax.numpy as jnp, numpy as np
 from specjax import cpu_kernels
-x, w = jnp.ones((2, 64)), jnp.ones((64, 32))
+x, w = jnp.ones((2, 64)), cpu_kernels.pack(jnp.ones((64, 32)))
 assert np.allclose(np.asarray(cpu_kernels.dense(x, w)), 64.0)
 print(cpu_kernels.status(), cpu_kernels.library_path())
 """
@@ -125,7 +153,7 @@ import jax.numpy as jnp, numpy as np
 from specjax import cpu_kernels
 with warnings.catch_warnings(record=True) as caught:
   warnings.simplefilter("always")
-  x, w = jnp.ones((2, 64)), jnp.ones((64, 32))
+  x, w = jnp.ones((2, 64)), cpu_kernels.pack(jnp.ones((64, 32)))
   out = cpu_kernels.dense(x, w)
 assert np.allclose(np.asarray(out), 64.0)
 assert not cpu_kernels.available()

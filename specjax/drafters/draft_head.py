@@ -25,7 +25,7 @@ import numpy as np
 from specjax.config import ModelConfig
 from specjax.drafters import checkpoint
 from specjax.loading import CheckpointError, EMBEDDED_MODELS
-from specjax.model import ParamSpec, rms_norm
+from specjax.model import ParamSpec, output_projection, rms_norm
 
 
 def head_specs(config: ModelConfig, draft_vocab: int | None) -> dict:
@@ -49,9 +49,7 @@ def logits(target_params, params, hidden: jax.Array, config: ModelConfig) -> jax
   h = rms_norm(hidden, target_params["final_norm"], config.rms_norm_eps)
   if "head" in params:
     return jnp.einsum("...d,dv->...v", h, params["head"], preferred_element_type=jnp.float32)
-  if config.tie_embeddings:
-    return jnp.einsum("...d,vd->...v", h, target_params["embed"], preferred_element_type=jnp.float32)
-  return jnp.einsum("...d,dv->...v", h, target_params["lm_head"], preferred_element_type=jnp.float32)
+  return output_projection(target_params, h, config)
 
 
 def token_ids(params, draft_index: jax.Array) -> jax.Array:
