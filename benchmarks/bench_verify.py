@@ -6,9 +6,10 @@ kernels (`specjax.cpu_kernels`: matrix products over few rows, decode attention)
 Verification over gamma + 1 tokens and decoding over B rows both multiply a few rows by every weight; while the
 weights' bytes dominate, each should cost about one step. For each implementation ("xla": XLA only, on the
 weights as loaded; "kernel": the CPU kernels on the packed weights `generate` reads, for every product and for
-attention of up to `cpu_kernels.MAX_QUERY_TOKENS` tokens per row) and each (B, T), the cost of one forward at position `--position` over a cache of `--cache_len` is timed inside a compiled loop, as
-`experiments.costs` does: (t(long loop) - t(short loop)) / (long - short), so per-call overhead cancels. All
-cases run interleaved, medians over `--repeats` rounds. Reported: ms per forward, r = t(B, T) / t(1, 1) of the
+attention of up to `cpu_kernels.MAX_QUERY_TOKENS` tokens per row) and each (B, T), the cost of one forward at
+position `--position` over a cache of `--cache_len` is timed inside a compiled loop, as `experiments.costs` does:
+(t(long loop) - t(short loop)) / (long - short), so per-call overhead cancels. All cases run interleaved,
+medians over `--repeats` rounds. Reported: ms per forward, r = t(B, T) / t(1, 1) of the
 same implementation, kernel / xla time, and the largest logit difference between the two implementations.
 Compilation is excluded and reported. Last, the kernel column's costs by rows (B x T) as the `forward_costs`
 points adaptive drafting plans with (`specjax.AdaptiveDrafting(forward_costs=...)`).

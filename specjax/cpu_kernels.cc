@@ -184,43 +184,132 @@ struct Attention {
   float scale;
 };
 
-// One (row, KV head): all of its H / KV query heads for all T tokens.
+typedef int32_t i16v __attribute__((vector_size(64)));
+
+inline v16 Select(i16v mask, v16 yes, v16 no) {  // mask lanes are all ones or all zeros
+  i16v y, n;
+  std::memcpy(&y, &yes, sizeof(y));
+  std::memcpy(&n, &no, sizeof(n));
+  const i16v r = (y & mask) | (n & ~mask);
+  v16 out;
+  std::memcpy(&out, &r, sizeof(out));
+  return out;
+}
+
+// exp(x) for x <= 0 (a softmax's x - max), lanes below -87 flushed to 2^-126; Cephes' expf polynomial, ~1 ulp.
+inline v16 Exp(v16 x) {
+  x = Select(x < -87.f, v16{} - 87.f, x);
+  const v16 round = v16{} + 12582912.f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
+  const v16 n = (x * 1.44269504088896341f + round) - round;
+  const v16 r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  v16 p = v16{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const i16v bits = (__builtin_convertvector(n, i16v) + 127) << 23;
+  v16 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// Sums each of 16 vectors: lane i of the result is the sum of the lanes of acc[kBitReversed[i]]. Four rounds
+// of pairwise shuffles and adds (a transpose as it sums) instead of 16 separate horizontal sums.
+constexpr int kBitReversed[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+
+inline v16 SumEach(const v16* acc) {
+  v16 c[8], d[4], e[2];
+  for (int i = 0; i < 8; ++i)
+    c[i] = __builtin_shufflevector(acc[2 * i], acc[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21,
+                                   22, 23) +
+           __builtin_shufflevector(acc[2 * i], acc[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28,
+                                   29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26,
+                                   27) +
+           __builtin_shufflevector(c[2 * i], c[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30,
+                                   31);
+  for (int i = 0; i < 2; ++i)
+    e[i] = __builtin_shufflevector(d[2 * i], d[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28,
+                                   29) +
+           __builtin_shufflevector(d[2 * i], d[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30,
+                                   31);
+  return __builtin_shufflevector(e[0], e[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+         __builtin_shufflevector(e[0], e[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
+
+// One (row, KV head): all of its H / KV query heads for all T tokens. Scores go 16 positions at a time: the
+// block's keys are read once (from memory) for all of the queries, and each query's 16 dot products are summed
+// together (SumEach). Then a vectorised softmax per query, and its weighted sum of the values.
 template <typename W>
-void AttendTask(const Attention<W>& a, int64_t task, float* scores) {
+void AttendTask(const Attention<W>& a, int64_t task, float* scores, int64_t stride) {
   const int64_t b = task / a.KV, kh = task % a.KV, groups = a.H / a.KV, vecs = a.D / 16;
   const int64_t kv_stride = a.KV * a.D;  // floats between consecutive positions of one head
   const W* kbase = a.k + (b * a.S * a.KV + kh) * a.D;
   const W* vbase = a.v + (b * a.S * a.KV + kh) * a.D;
+  const i16v lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  auto visible_of = [&](int64_t t) {
+    const int64_t visible = static_cast<int64_t>(a.pos[b * a.T + t]) + 1;
+    return visible > a.S ? a.S : (visible < 0 ? 0 : visible);
+  };
+  int64_t most = 0;
+  for (int64_t t = 0; t < a.T; ++t) most = visible_of(t) > most ? visible_of(t) : most;
+  for (int64_t s0 = 0; s0 < most; s0 += 16) {
+    const int64_t n = most - s0 < 16 ? most - s0 : 16;
+    for (int64_t t = 0; t < a.T; ++t) {
+      const int64_t visible = visible_of(t);
+      if (visible <= s0) continue;
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* qv = a.q + ((b * a.T + t) * a.H + kh * groups + g) * a.D;
+        v16 acc[16];
+        for (int p = 0; p < 16; ++p) {
+          v16 sum = v16{};
+          if (p < n) {
+            const W* kr = kbase + (s0 + p) * kv_stride;
+            for (int64_t j = 0; j < vecs; ++j) sum += Load(qv + 16 * j) * LoadW(kr + 16 * j);
+          }
+          acc[kBitReversed[p]] = sum;
+        }
+        const v16 dots = SumEach(acc) * a.scale;
+        const i16v seen = lanes + static_cast<int32_t>(s0) < static_cast<int32_t>(visible);
+        Store(scores + (t * groups + g) * stride + s0, Select(seen, dots, v16{} - __builtin_inff()));
+      }
+    }
+  }
   for (int64_t t = 0; t < a.T; ++t) {
-    int64_t visible = static_cast<int64_t>(a.pos[b * a.T + t]) + 1;
-    if (visible > a.S) visible = a.S;
-    if (visible < 0) visible = 0;
+    const int64_t visible = visible_of(t);
     for (int64_t g = 0; g < groups; ++g) {
-      const int64_t head = kh * groups + g;
-      const float* qv = a.q + ((b * a.T + t) * a.H + head) * a.D;
-      float* o = a.out + ((b * a.T + t) * a.H + head) * a.D;
-      float best = -__builtin_inff();
-      for (int64_t s = 0; s < visible; ++s) {
-        const W* kr = kbase + s * kv_stride;
-        v16 acc = v16{};
-        for (int64_t j = 0; j < vecs; ++j) acc += Load(qv + 16 * j) * LoadW(kr + 16 * j);
-        float dot = 0.f;
-        for (int j = 0; j < 16; ++j) dot += acc[j];
-        scores[s] = dot * a.scale;
-        if (scores[s] > best) best = scores[s];
-      }
-      float total = 0.f;
-      for (int64_t s = 0; s < visible; ++s) {
-        scores[s] = __builtin_expf(scores[s] - best);
-        total += scores[s];
-      }
-      const float inv = visible ? 1.f / total : 0.f;
+      float* sc = scores + (t * groups + g) * stride;
+      float* o = a.out + ((b * a.T + t) * a.H + kh * groups + g) * a.D;
       v16 acc[kMaxHeadVecs];
       for (int64_t j = 0; j < vecs; ++j) acc[j] = v16{};
+      if (visible == 0) {
+        for (int64_t j = 0; j < vecs; ++j) Store(o + 16 * j, acc[j]);
+        continue;
+      }
+      v16 best = v16{} - __builtin_inff();
+      for (int64_t s0 = 0; s0 < visible; s0 += 16) {
+        const v16 x = Load(sc + s0);
+        best = Select(x > best, x, best);
+      }
+      float top = best[0];
+      for (int j = 1; j < 16; ++j) top = best[j] > top ? best[j] : top;
+      v16 total = v16{};
+      for (int64_t s0 = 0; s0 < visible; s0 += 16) {
+        const i16v seen = lanes + static_cast<int32_t>(s0) < static_cast<int32_t>(visible);
+        const v16 e = Select(seen, Exp(Load(sc + s0) - top), v16{});
+        Store(sc + s0, e);
+        total += e;
+      }
+      float sum = 0.f;
+      for (int j = 0; j < 16; ++j) sum += total[j];
       for (int64_t s = 0; s < visible; ++s) {
         const W* vr = vbase + s * kv_stride;
-        for (int64_t j = 0; j < vecs; ++j) acc[j] += scores[s] * LoadW(vr + 16 * j);
+        for (int64_t j = 0; j < vecs; ++j) acc[j] += sc[s] * LoadW(vr + 16 * j);
       }
+      const float inv = 1.f / sum;
       for (int64_t j = 0; j < vecs; ++j) Store(o + 16 * j, acc[j] * inv);
     }
   }
@@ -242,8 +331,9 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   a.out = out->typed_data();
   a.scale = 1.f / __builtin_sqrtf(static_cast<float>(a.D));
   ParallelFor(pool, a.B * a.KV, [&a](int64_t t0, int64_t t1) {
-    std::unique_ptr<float[]> scores(new float[a.S > 0 ? a.S : 1]);
-    for (int64_t task = t0; task < t1; ++task) AttendTask(a, task, scores.get());
+    const int64_t stride = (a.S + 15) / 16 * 16;  // scores of one query, whole blocks of 16
+    std::unique_ptr<float[]> scores(new float[a.T * (a.H / a.KV) * stride + 16]);
+    for (int64_t task = t0; task < t1; ++task) AttendTask(a, task, scores.get(), stride);
   });
   return ffi::Error::Success();
 }
