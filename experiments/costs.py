@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import roofline
-from specjax.decoding import decode_params
+from specjax.decoding import decode_draft_params, decode_params
 from specjax.drafters import DraftInputs, Drafter, PromptInfo, RoundResult
 from specjax.model import forward, init_cache
 from specjax.sampling import SamplingParams
@@ -157,7 +157,7 @@ def measure(model, methods: Sequence[tuple[str, Drafter, int]], context: Sequenc
   draft_states: dict[str, Any] = {}
 
   def draft_run(name: str, drafter: Drafter, gamma: int):
-    static, draft_params = drafter.static(), drafter.params
+    static, draft_params = drafter.static(), decode_draft_params(drafter)
     draft_states[name] = _draft_init(decoded, draft_params, prompt_info(drafter), drafter=static)
 
     def run(calls):

@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import sharding
+from specjax import cpu_kernels, sharding
 from specjax.loading import Model
-from specjax.model import KVCache, forward, lm_head, pack_params
+from specjax.model import KVCache, forward, lm_head, pack_layer, pack_params
 
 
 @dataclasses.dataclass
@@ -101,6 +101,25 @@ def decode_params(model: Model):
     return cached[1]
   packed = pack_params(model.params, model.config)
   model._decode_params = (model.params, packed)
+  return packed
+
+
+def decode_draft_params(drafter):
+  """drafter.params as the decode loop reads them on one device: a draft model's layers (`pack_layer`) and a
+  truncated draft vocabulary's output head ("head") packed for specjax.cpu_kernels where they run; the rest
+  as it is. Packed once per parameter tree and kept on the drafter."""
+  params = drafter.params
+  cached = getattr(drafter, "_decode_params", None)
+  if cached is not None and cached[0] is params:
+    return cached[1]
+  packed = params
+  if isinstance(params, dict) and cpu_kernels.available():
+    packed = dict(params)
+    if isinstance(params.get("layers"), list):
+      packed["layers"] = [pack_layer(layer) for layer in params["layers"]]
+    if "head" in params:
+      packed["head"] = cpu_kernels.pack(params["head"])
+  object.__setattr__(drafter, "_decode_params", (params, packed))  # Drafter is frozen; this is a cache
   return packed
 
 

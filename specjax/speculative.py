@@ -31,8 +31,8 @@ from flax import struct
 from specjax import compilation, control, distributed, sharding
 from specjax.adaptive import Acceptance, AdaptiveDrafting, Plan, draft_length, make_plan, verify_widths, width_index
 from specjax.drafters import Drafter, DraftInputs, PromptInfo, Proposal, RoundResult
-from specjax.decoding import (Output, decode_outputs, describe_shapes, is_stop, place_on_mesh, prefill,
-                              prepare_batch)
+from specjax.decoding import (Output, decode_draft_params, decode_outputs, describe_shapes, is_stop, place_on_mesh,
+                              prefill, prepare_batch)
 from specjax.model import KVCache, forward, init_cache
 from specjax.sampling import SamplingParams, probabilities, sample
 from specjax.verify import greedy_verify, speculative_verify
@@ -303,8 +303,11 @@ _speculative_program = compilation.Program(_generate_speculative, "speculative d
 
 
 def _place_draft_params(drafter: Drafter, mesh):
-  """The drafter's own parameters, placed on the mesh by their declared logical axes."""
-  if mesh is None or not jax.tree.leaves(drafter.params):
+  """The drafter's own parameters, placed on the mesh by their declared logical axes (on one device: packed
+  for the CPU kernels, `decode_draft_params`)."""
+  if mesh is None:
+    return decode_draft_params(drafter)
+  if not jax.tree.leaves(drafter.params):
     return drafter.params
   return sharding.shard_tree(drafter.params, drafter.param_specs, mesh)
 
