@@ -131,8 +131,9 @@ def measure(model, methods: Sequence[tuple[str, Drafter, int]], context: Sequenc
   Returns {"context_tokens", "cache_len", "rows", "target_seconds": {tokens: s}, "draft_seconds": {name: s},
   "methods": {name: {"gamma", "draft_cost", "verify_cost"[, "draft_cost_bytes", "verify_cost_bytes"]}}} and,
   with `count_bytes`, "target_step_bytes" (formula), "target_step_bytes_xla", "draft_step_bytes" {name: B},
-  "read_bandwidth" (bytes/s, `roofline.measure_read_bandwidth` over "read_megabytes") and "roofline_fraction": the 1-token target step's
-  bytes (formula) / its time / that bandwidth.
+  "read_bandwidth" (bytes/s, `roofline.measure_read_bandwidth` over "read_megabytes") and "roofline_fraction":
+  the 1-token target step's bytes (formula) / its time / that bandwidth. Target and draft steps run on the
+  weights as generate's loop reads them (`specjax.decoding.decode_params`, `decode_draft_params`).
   """
   config, params = model.config, model.params
   decoded = decode_params(model)  # the weights as generate's loop reads them

@@ -29,13 +29,13 @@ Both rules run inside the compiled loop (no host sync):
      v(gamma)  a verification forward over B x w rows over a plain step's B rows, w the compiled width that
                holds gamma + 1 tokens: f(B w) / f(B), f(n) being a target forward over n rows (batch rows
                times tokens) in units of a 1-row one, interpolated linearly between the points of
-               `forward_costs`. The default on a CPU backend
-               (`CPU_FORWARD_COSTS`) was measured on this project's 2-core XLA:CPU with specjax's CPU kernels
-               and SmolLM2-135M: flat to 4 rows, f(5) = 1.12, f(40) = 3.65 (past ~5 rows each row's arithmetic
-               adds to the weight stream), so at batch 8 a 5-token verification costs ~2.7 plain steps and
-               drafting pays only at high alpha. On a GPU/TPU backend the default is flat (`ACCELERATOR_FORWARD_COSTS`: a
-               small model's forward stays memory-bound far beyond these row counts); pass measured points
-               for another machine or a large batch. A drafter that reuses the target's first k layers
+               `forward_costs`. The default on a CPU backend (`CPU_FORWARD_COSTS`) was measured on this
+               project's 2-core XLA:CPU with specjax's CPU kernels and SmolLM2-135M: flat to 4 rows, f(5) =
+               1.12, f(40) = 3.65 (past ~5 rows each row's arithmetic adds to the weight stream), so at batch 8
+               a 5-token verification costs ~2.7 plain steps and drafting pays only at high alpha. On a GPU/TPU
+               backend the default is flat (`ACCELERATOR_FORWARD_COSTS`: a small model's forward stays
+               memory-bound far beyond these row counts); pass measured points for another machine or a large
+               batch. A drafter that reuses the target's first k layers
                (`Drafter.reuse_layers`) runs them on one token only, so its verification costs
                s + (1 - s) v(gamma), s being their share of the weights.
    With d = 1 (no row stops early) this is Leviathan's fixed round, gamma c + v(gamma). Counting early stops

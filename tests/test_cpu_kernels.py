@@ -223,3 +223,24 @@ def test_attention_falls_back_and_differentiates():
   grad = jax.grad(lambda q: jnp.sum(fn(q, k, k, positions[:, :4]) ** 2))(small)
   want = jax.grad(lambda q: jnp.sum(attend(q, k, k, positions[:, :4]) ** 2))(small)
   np.testing.assert_allclose(np.asarray(grad), np.asarray(want), rtol=1e-4, atol=1e-5)
+
+
+def test_decode_params_are_packed_once_per_parameter_tree():
+  """generate reads the packed copy kept on the model; new params assigned to the model are packed anew."""
+  import specjax
+  from specjax.config import ModelConfig
+  from specjax.decoding import decode_draft_params, decode_params
+  from specjax.loading import Model
+  from specjax.model import init_params
+  config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                       num_kv_heads=1, head_dim=16)
+  model = Model(config, init_params(config, jax.random.PRNGKey(0)), None, "tiny")
+  first = decode_params(model)
+  assert decode_params(model) is first and isinstance(first["layers"][1]["w_gate_up"], cpu_kernels.Packed)
+  model.params = init_params(config, jax.random.PRNGKey(1))
+  second = decode_params(model)
+  assert second is not first
+  np.testing.assert_array_equal(np.asarray(second["layers"][0]["wo"].unpack()),
+                                np.asarray(model.params["layers"][0]["wo"]))
+  drafter = specjax.make_drafter("layer_skip", model, exit_layer=1)
+  assert decode_draft_params(drafter) is decode_draft_params(drafter)
