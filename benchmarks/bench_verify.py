@@ -1,5 +1,5 @@
 r"""What a forward over T tokens and B rows costs against a 1-token, 1-row step, with and without specjax's CPU
-kernels (`specjax.cpu_kernels`: matrix products over few rows, decode attention), on SmolLM2-135M.
+kernels (`specjax.cpu_kernels`: matrix products over packed weights, decode attention), on SmolLM2-135M.
 
   python benchmarks/bench_verify.py [--tokens=1,2,5,8,16,32,64] [--batch_sizes=1,4,8] [--repeats=5]
 
