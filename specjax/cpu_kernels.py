@@ -175,8 +175,7 @@ class Packed:
 
   @property
   def matrix_shape(self) -> tuple[int, int]:
-    return (int(np.prod(self.shape[:self.k_dims], dtype=np.int64)),
-            int(np.prod(self.shape[self.k_dims:], dtype=np.int64)))
+    return _matrix_shape(self.shape, self.k_dims)
 
   def unpack(self) -> jax.Array:
     """The weight as the array it was packed from."""
@@ -184,11 +183,15 @@ class Packed:
     return self.data.transpose(1, 0, 2).reshape(k, -1)[:, :n].reshape(self.shape)
 
 
+def _matrix_shape(shape, k_dims: int) -> tuple[int, int]:
+  """(K, N) of an array of `shape` whose first `k_dims` axes are contracted."""
+  return (int(np.prod(shape[:k_dims], dtype=np.int64)), int(np.prod(shape[k_dims:], dtype=np.int64)))
+
+
 def pack(w: jax.Array, k_dims: int = 1) -> Packed:
   """w (the first `k_dims` axes contracted) as column panels; `unpack` returns it unchanged."""
   shape = tuple(int(d) for d in w.shape)
-  k = int(np.prod(shape[:k_dims], dtype=np.int64))
-  n = int(np.prod(shape[k_dims:], dtype=np.int64))
+  k, n = _matrix_shape(shape, k_dims)
   m = jnp.asarray(w).reshape(k, n)
   pad = -n % PANEL
   if pad:
@@ -202,7 +205,7 @@ def as_matrix(w, k_dims: int):
     if w.k_dims != k_dims:
       raise ValueError(f"a weight packed with k_dims={w.k_dims} is used with k_dims={k_dims}")
     return w
-  return w.reshape(int(np.prod(w.shape[:k_dims], dtype=np.int64)), -1)
+  return w.reshape(_matrix_shape(w.shape, k_dims))
 
 
 def _use_kernel(x: jax.Array, w: Packed) -> bool:

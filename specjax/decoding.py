@@ -92,15 +92,32 @@ def check_ids(ids: Sequence[int], vocab_size: int, what: str) -> None:
     raise ValueError(f"{what} has token ids outside [0, {vocab_size}): {bad[:5]}")
 
 
+def _packed_once(owner, pack):
+  """pack(owner.params), kept on `owner` (a Model, or a frozen Drafter: hence object.__setattr__) until its
+  params are replaced."""
+  params = owner.params
+  cached = getattr(owner, "_decode_params", None)
+  if cached is None or cached[0] is not params:
+    cached = (params, pack(params))
+    object.__setattr__(owner, "_decode_params", cached)
+  return cached[1]
+
+
 def decode_params(model: Model):
   """model.params as the decode loop reads them on one device: packed for specjax.cpu_kernels where they run
   (`specjax.model.pack_params`). Packed once per parameter tree and kept on the model: assigning new params to
   model.params packs those on the next call."""
-  cached = getattr(model, "_decode_params", None)
-  if cached is not None and cached[0] is model.params:
-    return cached[1]
-  packed = pack_params(model.params, model.config)
-  model._decode_params = (model.params, packed)
+  return _packed_once(model, lambda params: pack_params(params, model.config))
+
+
+def _pack_draft(params):
+  if not isinstance(params, dict) or not cpu_kernels.available():
+    return params
+  packed = dict(params)
+  if isinstance(params.get("layers"), list):
+    packed["layers"] = [pack_layer(layer) for layer in params["layers"]]
+  if "head" in params:
+    packed["head"] = cpu_kernels.pack(params["head"])
   return packed
 
 
@@ -108,19 +125,7 @@ def decode_draft_params(drafter):
   """drafter.params as the decode loop reads them on one device: a draft model's layers (`pack_layer`) and a
   truncated draft vocabulary's output head ("head") packed for specjax.cpu_kernels where they run; the rest
   as it is. Packed once per parameter tree and kept on the drafter."""
-  params = drafter.params
-  cached = getattr(drafter, "_decode_params", None)
-  if cached is not None and cached[0] is params:
-    return cached[1]
-  packed = params
-  if isinstance(params, dict) and cpu_kernels.available():
-    packed = dict(params)
-    if isinstance(params.get("layers"), list):
-      packed["layers"] = [pack_layer(layer) for layer in params["layers"]]
-    if "head" in params:
-      packed["head"] = cpu_kernels.pack(params["head"])
-  object.__setattr__(drafter, "_decode_params", (params, packed))  # Drafter is frozen; this is a cache
-  return packed
+  return _packed_once(drafter, _pack_draft)
 
 
 def place_on_mesh(model: Model, batch: Batch, mesh):

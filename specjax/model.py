@@ -182,7 +182,7 @@ def pack_layer(layer: Params) -> Params:
   side, one product for the three), "wo", "w_gate_up" (w_gate, w_up side by side) and "w_down"; norms as they
   are."""
   d = layer["wq"].shape[0]
-  packed = {name: w for name, w in layer.items() if name not in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
+  packed = {name: w for name, w in layer.items() if w.ndim == 1}  # the norms
   packed["wqkv"] = cpu_kernels.pack(jnp.concatenate([layer[n].reshape(d, -1) for n in ("wq", "wk", "wv")], axis=1))
   packed["wo"] = cpu_kernels.pack(layer["wo"], k_dims=2)
   packed["w_gate_up"] = cpu_kernels.pack(jnp.concatenate([layer["w_gate"], layer["w_up"]], axis=1))
