@@ -67,7 +67,7 @@ def _propose_loop(target_params, params, state, target_cache, sequence, position
     sequence = sequence.at[rows, position].set(proposal.tokens[:, -1])
     result = RoundResult(sequence=sequence, position=position, accepted=jnp.zeros_like(position),
                          verify_hidden=hidden, features=features, verify_position=position,
-                         drafted=jnp.array(True))
+                         drafted=True)
     state = drafter.update(target_params, params, drafter.options, proposal.state, result)
     return state, proposal.target_cache, sequence
   return jax.lax.fori_loop(0, calls, body, (state, target_cache, sequence))

@@ -17,8 +17,9 @@ Both rules run inside the compiled loop (no host sync):
        gamma* = argmax_{0 <= gamma <= G} E(gamma) / cost(gamma),
 
    G being the static maximum (`generate`'s `gamma`). gamma = 0 is a plain target step (one token, cost 1
-   plus the drafter's `plain_step_cost`): where drafting cannot pay, decoding falls back to autoregressive
-   steps. Verification runs over the narrowest compiled width that holds the longest draft any row made plus
+   plus its share of the drafter following it: a drafter with its own cache, e.g. a draft model, reads plain
+   steps `catch_up` = W at a time, one forward over W tokens, `Drafter.plain_step_cost` f(B W) / f(B) / W):
+   where drafting cannot pay, decoding falls back to autoregressive steps at nearly their cost. Verification runs over the narrowest compiled width that holds the longest draft any row made plus
    the pending token (`verify_widths`: 1, 2 and G + 1, chosen inside the compiled loop), so a one-token draft pays
    for a 2-token forward only. Each width is one more compiled target forward in the program: more compile
    time, and more executable memory mappings (XLA:CPU maps each kernel apart; Linux allows 65,530 per process
@@ -103,6 +104,9 @@ class AdaptiveDrafting:
   forward_costs: tuple[tuple[int, float], ...] | None = None
   prior_alpha: float = 0.5  # the acceptance assumed before any evidence (and returned to without evidence)
   memory: float = 0.9  # per-round decay of the acceptance counts
+  # W: a drafter that keeps its own cache follows plain steps W at a time (one update over W positions), and before
+  # it drafts again (`specjax.speculative.PlainSteps`); 1: after every plain step
+  catch_up: int = 8
 
   def __post_init__(self):
     if not 0.0 <= self.min_confidence <= 1.0:
@@ -121,6 +125,9 @@ class AdaptiveDrafting:
       raise ValueError(f"prior_alpha must be in (0, 1), got {self.prior_alpha}")
     if not 0.0 <= self.memory < 1.0:
       raise ValueError(f"memory must be in [0, 1), got {self.memory}")
+    if not isinstance(self.catch_up, int) or isinstance(self.catch_up, bool) or self.catch_up < 1:
+      raise ValueError(f"catch_up must be a positive integer (plain steps a drafter follows at once), got "
+                       f"{self.catch_up!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,12 +136,13 @@ class Plan:
   and the estimator's settings."""
   min_confidence: float
   draft_cost: float  # c: one draft step
-  plain_cost: float  # a round that does not draft: one target step plus the drafter's `plain_step_cost`
+  plain_cost: float  # a round that does not draft: one target step plus its share of the drafter's catch-up
   widths: tuple[int, ...]  # the compiled verification widths (`verify_widths`)
   verify_costs: tuple[float, ...]  # a verification forward of each width
   rows: int  # B: the rows one forward processes
   prior_alpha: float
   memory: float
+  catch_up: int = 1  # W: plain steps the drafter follows at once (`AdaptiveDrafting.catch_up`)
 
   @property
   def gamma(self) -> int:
@@ -156,9 +164,12 @@ def make_plan(options: AdaptiveDrafting, drafter, target_params, config, gamma: 
   widths = verify_widths(gamma)
   # Width 1 is a plain forward (no row drafted); wider ones run the reused layers on one token only.
   verify_costs = (1.0,) + tuple(reused + (1.0 - reused) * forward_cost(points, batch * w) / plain for w in widths[1:])
-  return Plan(min_confidence=options.min_confidence, draft_cost=float(c), plain_cost=1.0 + drafter.plain_step_cost,
+  # A plain step's share of the drafter following W of them in one forward over B x W rows.
+  w = options.catch_up
+  follow = drafter.plain_step_cost * forward_cost(points, batch * w) / plain / w
+  return Plan(min_confidence=options.min_confidence, draft_cost=float(c), plain_cost=1.0 + follow,
               widths=widths, verify_costs=verify_costs, rows=int(batch), prior_alpha=options.prior_alpha,
-              memory=options.memory)
+              memory=options.memory, catch_up=int(w))
 
 
 @struct.dataclass

@@ -201,8 +201,23 @@ def test_round_costs_follow_the_forward_costs_of_the_rows_verified(random_target
   assert at_2.round_costs == pytest.approx((1.0, 0.3 + 1.3 / 1.1, 0.6 + 2.4 / 1.1, 0.9 + 2.4 / 1.1, 1.2 + 2.4 / 1.1))
   at_4 = make_plan(options, no_reuse, random_target.params, random_target.config, 4, batch=4)
   assert at_4.round_costs[4] == pytest.approx(1.2 + 4.4 / 1.3)
+
+
+
+def test_a_plain_step_pays_its_share_of_the_drafters_catch_up(random_target):
+  """A draft model as large as the target follows plain steps with its layers (no head) over W tokens at once: a
+  plain step costs 1 + follow f(B W) / f(B) / W."""
   draft = specjax.make_drafter("draft_model", random_target, draft=random_target)
-  assert draft.plain_step_cost == draft.draft_cost == pytest.approx(1.0, abs=0.02)  # it follows every token
+  assert draft.draft_cost == pytest.approx(1.0, abs=0.02)
+  assert 0.3 < draft.plain_step_cost < draft.draft_cost  # the layers without the output head
+  points = ((1, 1.0), (4, 1.0), (8, 1.6))
+  for window, batch, expected in [(1, 1, 1.0), (4, 1, 1.0 / 4), (8, 1, 1.6 / 8), (4, 2, 1.6 / 4)]:
+    options = AdaptiveDrafting(forward_costs=points, catch_up=window)
+    p = make_plan(options, draft, random_target.params, random_target.config, 4, batch=batch)
+    assert p.catch_up == window
+    assert p.plain_cost == pytest.approx(1.0 + draft.plain_step_cost * expected)
+  lookup = specjax.make_drafter("prompt_lookup", random_target)  # nothing to follow
+  assert make_plan(AdaptiveDrafting(), lookup, random_target.params, random_target.config, 4).plain_cost == 1.0
 
 
 def test_the_default_costs_draft_at_batch_1_and_not_at_batch_8(random_target):
@@ -222,6 +237,9 @@ def test_bad_adaptive_options_are_rejected(random_target):
   for points in [((1, 1.0),), ((1, 1.0), (4, 0.9)), ((2, 1.0), (4, 2.0)), ((1, 1.0), (4, 2.0), (3, 2.5))]:
     with pytest.raises(ValueError, match="forward_costs"):
       AdaptiveDrafting(forward_costs=points)
+  for window in (0, -1, 2.5, True):
+    with pytest.raises(ValueError, match="catch_up"):
+      AdaptiveDrafting(catch_up=window)
   with pytest.raises(TypeError, match="adaptive must be"):
     specjax.generate(random_target, [[1, 2, 3]], max_new_tokens=4, adaptive="yes",
                      drafter=specjax.make_drafter("prompt_lookup", random_target))

@@ -15,8 +15,10 @@ skip runs the target's layers and owns nothing; an MTP head owns its head and re
       how many slots each row drafted, and later slots are never accepted.
   update(target_params, params, options, state, result: RoundResult) -> state
       after verification, given each row's accepted length and the target's hidden states at the verified
-      positions (what MTP heads draft from). Also after a round in which the drafter did not run
-      (`result.drafted` False: a plain target step), so a drafter that keeps its own cache can follow.
+      positions (what MTP heads draft from). Also after rounds in which the drafter did not run
+      (`result.drafted` False: plain target steps), so a drafter that keeps its own cache can follow: with
+      adaptive drafting, several plain steps at once (`AdaptiveDrafting.catch_up`), as one result over their
+      positions, before the drafter proposes again.
 
 A drafter that runs the target's own first k layers on [pending, x_1, ...] (`reuse_layers = k`, early exit)
 writes the target's K/V for those layers as it drafts and hands over their output (`Proposal.hidden`), so
@@ -79,16 +81,19 @@ class Proposal(NamedTuple):
 
 @struct.dataclass
 class RoundResult:
-  """What verification decided, for `update`."""
+  """What verification decided, for `update`: the target ran over w positions from `verify_position` and committed
+  the token after each of the first accepted + 1 of them (a row's later positions hold stale values: drafts it
+  rejected, or nothing)."""
   sequence: jax.Array  # [B, L] after committing this round's tokens
-  position: jax.Array  # [B] new pending position
+  position: jax.Array  # [B] new pending position: verify_position + accepted + 1 (less for a row that finished)
   accepted: jax.Array  # [B] draft tokens accepted this round (0 for finished rows)
-  # [B, w, D] target hidden states over [pending, x_1..x_{w-1}], w the verification's width (1 in a plain round,
-  # always > accepted)
+  # [B, w, D] target hidden states over [pending, x_1..x_{w-1}], w the verification's width (always > accepted)
   verify_hidden: jax.Array
   features: jax.Array | None  # [B, w, F, D] after each of `Drafter.feature_layers` (or None)
   verify_position: jax.Array  # [B] position of the first verified token (the pending one before this round)
-  drafted: jax.Array  # scalar bool: the drafter proposed this round (False: a plain target step, width 1)
+  # True: the drafter proposed this round. False: w plain target steps (rounds that did not draft), one token
+  # each from verify_position on, as if their tokens were accepted drafts (`accepted`: steps - 1).
+  drafted: bool = struct.field(pytree_node=False, default=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +112,9 @@ class Drafter:
   max_gamma: int | None = None  # most draft tokens one round can propose (None: unbounded)
   reuse_layers: int = 0  # k > 0: drafts run the target's layers 0..k-1 and hand over their output (see above)
   draft_cost: float = 0.0  # c: one draft step's cost over one target step (weights read), for adaptive drafting
-  plain_step_cost: float = 0.0  # the drafter's cost in a round without drafting (following a plain target step)
+  # Following one plain target step (its `update` over one token) over a target step; adaptive drafting amortises it
+  # over `AdaptiveDrafting.catch_up` steps followed at once
+  plain_step_cost: float = 0.0
 
   def static(self) -> "Drafter":
     return dataclasses.replace(self, params=None, param_specs=None)

@@ -3,8 +3,8 @@
 Each round the draft model first re-reads the token before the pending one, then the pending token (a
 2-token step), and then feeds back its own proposals one at a time. Re-reading the previous token keeps the
 draft cache complete when every draft was accepted in the last round (the last draft was never fed then).
-After a round without drafting (a plain target step), `update` reads that one token, so a plain step costs
-the target step plus one draft step (`plain_step_cost`).
+After rounds without drafting (plain target steps), `update` reads their tokens, several plain steps in one
+forward (adaptive drafting's `catch_up`), so a plain step costs the target step plus a share of that forward.
 
 Distilled draft (DistillSpec, Zhou et al. 2024; layer-dropped initialisation as in DistilBERT, Sanh et al. 2019,
 and Sheared/ShortGPT-style pruned students): n decoder layers initialised from target layers (evenly spaced,
@@ -85,16 +85,18 @@ def propose(target_params, params, options: Options, cache, inputs: DraftInputs,
 
 
 def update(target_params, params, options: Options, cache, result: RoundResult):
-  """After a plain target step (no drafting) the draft reads the token before the new pending one, so its cache
-  stays valid below pending - 1, where the next round's 2-token first step starts."""
-  def follow(cache):
-    rows = jnp.arange(result.sequence.shape[0])
-    position = result.verify_position - 1
-    token = result.sequence[rows, position][:, None]
-    return forward(model_params(target_params, params, options), token, cache, position, options.config,
-                   compute_logits=False).cache
-
-  return jax.lax.cond(result.drafted, lambda cache: cache, follow, cache)
+  """After a round that drafted the cache already holds [pending - 1, pending, x_1, ...]. After plain target
+  steps (`result.drafted` False) the draft reads the tokens of those steps, each one's previous token: positions
+  verify_position - 1 .. verify_position + w - 2, w being the result's width (one forward over all of them), so
+  its cache stays valid below position - 1, where the next round's 2-token first step starts."""
+  if result.drafted:
+    return cache
+  rows = jnp.arange(result.sequence.shape[0])
+  start = result.verify_position - 1
+  positions = jnp.minimum(start[:, None] + jnp.arange(result.verify_hidden.shape[1])[None, :],
+                          result.sequence.shape[1] - 1)  # slots past the cache are dropped by the write
+  return forward(model_params(target_params, params, options), result.sequence[rows[:, None], positions], cache,
+                 start, options.config, compute_logits=False).cache
 
 
 def cost(target, options: Options, params) -> float:
@@ -104,6 +106,11 @@ def cost(target, options: Options, params) -> float:
     return leviathan.draft_cost(target.params, target.config, (), own, head_columns=0)
   own = {k: v for k, v in params.items() if k not in ("token_map", "head")}
   return leviathan.draft_cost(target.params, target.config, (), own, head_columns=options.draft_vocab)
+
+
+def follow_cost(target, params) -> float:
+  """`update` after a plain step: the draft's layers over one token (no output head)."""
+  return leviathan.draft_cost(target.params, target.config, (), {"layers": params["layers"]}, head_columns=0)
 
 
 def loss(target_params, params, options: Options, batch):
@@ -205,14 +212,14 @@ def make(model, draft=None, num_layers: int | None = None, init_layers=None, tok
       draft = load(draft, dtype=config.dtype)
     _check_vocabulary(model, draft)
     options = Options(config=draft.config)
-    c = cost(model, options, draft.params)
     return Drafter(name=NAME, init=init, propose=propose, update=update, options=options, params=draft.params,
-                   param_specs=param_shapes(draft.config), loss=loss, draft_cost=c, plain_step_cost=c)
+                   param_specs=param_shapes(draft.config), loss=loss, draft_cost=cost(model, options, draft.params),
+                   plain_step_cost=follow_cost(model, draft.params))
   if options.draft_vocab is not None:
     params["head"] = draft_head.head_columns(model.params, config, params["token_map"])
-  c = cost(model, options, params)
   return Drafter(name=NAME, init=init, propose=propose, update=update, options=options, params=params,
-                 param_specs=param_specs(options), loss=loss, draft_cost=c, plain_step_cost=c)
+                 param_specs=param_specs(options), loss=loss, draft_cost=cost(model, options, params),
+                 plain_step_cost=follow_cost(model, params))
 
 
 def _check_vocabulary(model, draft) -> None:

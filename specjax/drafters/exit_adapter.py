@@ -16,7 +16,7 @@ Kangaroo's adapter is the attention alone (`mlp=False`). A fresh adapter is a co
 Drafting runs layers 0..k-1 on the draft token against the target's shared KV cache, exactly as
 `layer_skip` does, then the adapter. The adapter's own KV cache covers the committed positions: `init` and
 `update` write it from the target's layer-k features of the prefill and of every verification forward
-(`Drafter.feature_layers = (k - 1,)`), so no extra target call; slots past a row's committed length are
+(`Drafter.feature_layers = (k - 1,)`; plain target steps several at once), so no extra target call; slots past a row's committed length are
 overwritten by the next round's drafts before anything reads them.
 
 Training (`loss`, self-distillation on cached features with layer k - 1 among the cache's feature layers):
@@ -186,10 +186,17 @@ def make(model, adapter: str, exit_layer: int | None = None, mlp: bool | None = 
     params["head"] = draft_head.head_columns(model.params, config, params["token_map"])
   return Drafter(name=NAME, init=init, propose=propose, update=update, options=options, params=params,
                  param_specs=param_specs(options), loss=loss, feature_layers=(options.exit_layer - 1,),
-                 reuse_layers=options.exit_layer, draft_cost=cost(model, options, params))
+                 reuse_layers=options.exit_layer, draft_cost=cost(model, options, params),
+                 plain_step_cost=follow_cost(model, params))
 
 
 def cost(model, options: Options, params) -> float:
   """c: one draft step reads layers 0..k-1, the adapter and the (truncated) head."""
   own = {k: v for k, v in params.items() if k not in ("token_map", "head")}
   return leviathan.draft_cost(model.params, model.config, options.layers, own, options.draft_vocab)
+
+
+def follow_cost(model, params) -> float:
+  """`update` after a plain step: the adapter over one position's features."""
+  own = {k: v for k, v in params.items() if k not in ("token_map", "head")}
+  return leviathan.draft_cost(model.params, model.config, (), own, head_columns=0)

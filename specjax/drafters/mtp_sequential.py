@@ -14,7 +14,8 @@ again and again, as EAGLE does), which runs one position further. With `feature_
 
 KV caches. Each module keeps its own K/V cache over committed positions, computed from the TRUE target
 features: after every verification (`update`) each module runs over the gamma + 1 verified positions with
-the target's hidden states from that same verification forward (no extra target call); slots past a row's
+the target's hidden states from that same verification forward (no extra target call; plain target steps
+several at once); slots past a row's
 committed length are overwritten in the next round before anything reads them. Module 1's output at the
 newest committed position p-1 is kept, and gives the first draft at no cost in the next round. Drafting step
 k (k >= 2) runs at position q = p - 2 + k and attends to the committed slots (<= p-1) plus what this round
@@ -354,10 +355,17 @@ def make(model, path: str | None = "default", depth: int = 4, recurrent: bool = 
     params["head"] = draft_head.head_columns(model.params, config, params["token_map"])
   return Drafter(name=NAME, init=init, propose=propose, update=update, options=options, params=params,
                  param_specs=param_specs(options), loss=loss, feature_layers=options.feature_layers,
-                 max_gamma=None if options.recurrent else options.depth, draft_cost=cost(model, options, params))
+                 max_gamma=None if options.recurrent else options.depth, draft_cost=cost(model, options, params),
+                 plain_step_cost=follow_cost(model, params))
 
 
 def cost(model, options: Options, params) -> float:
   """c: one draft step reads one module and the (truncated) head."""
   own = {k: v[0] for k, v in params.items() if k in BLOCK + ("fc", "emb_norm", "hidden_norm")}
   return leviathan.draft_cost(model.params, model.config, (), own, options.draft_vocab)
+
+
+def follow_cost(model, params) -> float:
+  """`update` after a plain step: every module over one position (no head)."""
+  own = {k: v for k, v in params.items() if k in BLOCK + ("fc", "emb_norm", "hidden_norm", "feature_proj")}
+  return leviathan.draft_cost(model.params, model.config, (), own, head_columns=0)
