@@ -190,10 +190,13 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
       """Verifies [pending, x_1..x_n] with a forward over its first `width` tokens and commits the result."""
       out = _verify_forward(params, config, verify_tokens, proposal, c.cache, s.position, width,
                             drafter.reuse_layers, with_layers)
+      # No row drafted past slot width - 1, so verification reads the first width - 1 drafts only (none in a plain
+      # step: the next token is the target's own).
+      drafts = proposal.tokens[:, :width - 1]
       if sampling.greedy:
-        accepted_len, next_token = greedy_verify(proposal.tokens, out.logits, draft_lengths)
+        accepted_len, next_token = greedy_verify(drafts, out.logits, draft_lengths)
       else:
-        accepted_len, next_token = speculative_verify(verify_key, proposal.tokens, proposal.probs,
+        accepted_len, next_token = speculative_verify(verify_key, drafts, proposal.probs[:, :width - 1],
                                                       probabilities(out.logits, sampling), draft_lengths)
       sequence, position, done = _commit(c, proposal.tokens, accepted_len, next_token, lengths, max_new_tokens,
                                          stop_ids)
@@ -201,12 +204,10 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
       # The drafter's update sees the `width` verified positions only (a plain round: the pending one), not the
       # padding: the sequential MTP module runs its block over every position it is handed.
       features = _features(out, drafter.feature_layers)
-      features = None if features is None else features[:, :width]
       draft_state, plain = c.draft_state, c.plain
       if drafting or plain is None:
-        result = RoundResult(sequence=sequence, position=position, accepted=accepted,
-                             verify_hidden=out.hidden[:, :width], features=features, verify_position=s.position,
-                             drafted=drafting)
+        result = RoundResult(sequence=sequence, position=position, accepted=accepted, verify_hidden=out.hidden,
+                             features=features, verify_position=s.position, drafted=drafting)
         draft_state = drafter.update(params, draft_params, drafter.options, draft_state, result)
       else:  # a plain step: kept for the drafter to follow later (`catch_up`)
         plain = plain.add(out.hidden[:, 0], None if features is None else features[:, 0], s.position)
@@ -274,7 +275,7 @@ def _no_proposal(params, draft_params, drafter: Drafter, s: SpecState, key, gamm
 def _verify_forward(params, config, tokens, proposal: Proposal, cache, position, width: int, reuse_layers: int,
                     with_layers: bool):
   """The target over the first `width` of tokens [B, gamma+1] = [pending, x_1..x_gamma] written from `position`
-  (width 1: a plain step), with outputs padded to gamma + 1 positions.
+  (width 1: a plain step); outputs over those `width` positions.
 
   A drafter that ran the target's layers 0..k-1 (k = `reuse_layers`) for n steps has written their K/V for
   [pending, x_1..x_{n-1}] into `cache` (the proposal's target cache) and hands over their output
@@ -298,13 +299,7 @@ def _verify_forward(params, config, tokens, proposal: Proposal, cache, position,
   if reuse_layers and with_layers:  # layer k-1's output and later: the layers before it ran on one token only
     kept = out.layer_hidden[reuse_layers - config.num_layers - 1:]
     out = out._replace(layer_hidden=[None] * (reuse_layers - 1) + kept)
-  pad = proposal.tokens.shape[1] + 1 - width
-
-  def padded(x):
-    return None if x is None else jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-
-  return out._replace(logits=padded(out.logits), hidden=padded(out.hidden),
-                      layer_hidden=None if out.layer_hidden is None else [padded(x) for x in out.layer_hidden])
+  return out
 
 
 def _features(out, layers: tuple[int, ...]):
