@@ -43,9 +43,12 @@ Both rules run inside the compiled loop (no host sync):
    matters: alpha alone describes only the rows that drafted, so at batch 4 with most rows stopping at once, a
    plan from alpha alone verified a wide forward for one or two confident rows and lost 10-13% against
    autoregressive decoding. alpha is accepted / tested drafts and d is drafted / (drafted + stopped) slots over
-   past rounds, all counts decayed by `memory` each round and started from priors (`prior_alpha` worth one
-   tested draft; d = 1 worth one slot), so they follow the text and, after a run of plain steps, drift back to the
-   priors: a drafter that pays under the priors is tried again.
+   past rounds, all counts decayed by `memory` each drafting round and started from priors (`prior_alpha` worth
+   one tested draft; d = 1 worth one slot), so they follow the text. A plain step brings no evidence and ages
+   the counts by `plain_memory` only, so after a long run of plain steps they drift back to the priors and a
+   drafter that pays under the priors is tried again. A try costs a draft step even when every row is unsure at
+   its first slot; aged by `memory` in plain steps too, the estimate of d returned above c / alpha within about
+   three plain steps, and a draft model that rarely paid tried in a third to a half of all rounds.
 """
 
 from __future__ import annotations
@@ -103,7 +106,8 @@ class AdaptiveDrafting:
   # None: `default_forward_costs()` for the backend
   forward_costs: tuple[tuple[int, float], ...] | None = None
   prior_alpha: float = 0.5  # the acceptance assumed before any evidence (and returned to without evidence)
-  memory: float = 0.9  # per-round decay of the acceptance counts
+  memory: float = 0.9  # decay of the acceptance counts per drafting round
+  plain_memory: float = 0.98  # their decay per plain step (no evidence): how soon a drafter is tried again
   # W: a drafter that keeps its own cache follows plain steps W at a time (one update over W positions), and before
   # it drafts again (`specjax.speculative.PlainSteps`); 1: after every plain step
   catch_up: int = 8
@@ -125,6 +129,8 @@ class AdaptiveDrafting:
       raise ValueError(f"prior_alpha must be in (0, 1), got {self.prior_alpha}")
     if not 0.0 <= self.memory < 1.0:
       raise ValueError(f"memory must be in [0, 1), got {self.memory}")
+    if not 0.0 <= self.plain_memory < 1.0:
+      raise ValueError(f"plain_memory must be in [0, 1), got {self.plain_memory}")
     if not isinstance(self.catch_up, int) or isinstance(self.catch_up, bool) or self.catch_up < 1:
       raise ValueError(f"catch_up must be a positive integer (plain steps a drafter follows at once), got "
                        f"{self.catch_up!r}")
@@ -143,6 +149,7 @@ class Plan:
   prior_alpha: float
   memory: float
   catch_up: int = 1  # W: plain steps the drafter follows at once (`AdaptiveDrafting.catch_up`)
+  plain_memory: float | None = None  # decay per plain step (None: `memory`)
 
   @property
   def gamma(self) -> int:
@@ -169,7 +176,7 @@ def make_plan(options: AdaptiveDrafting, drafter, target_params, config, gamma: 
   follow = drafter.plain_step_cost * forward_cost(points, batch * w) / plain / w
   return Plan(min_confidence=options.min_confidence, draft_cost=float(c), plain_cost=1.0 + follow,
               widths=widths, verify_costs=verify_costs, rows=int(batch), prior_alpha=options.prior_alpha,
-              memory=options.memory, catch_up=int(w))
+              memory=options.memory, catch_up=int(w), plain_memory=options.plain_memory)
 
 
 @struct.dataclass
@@ -188,10 +195,13 @@ class Acceptance:
     return cls(accepted=z, tested=z, drafted=z, stopped=z)
 
   def update(self, plan: Plan | None, accepted: jax.Array, rejected: jax.Array, drafted: jax.Array,
-             stopped: jax.Array) -> "Acceptance":
+             stopped: jax.Array, plain: bool = False) -> "Acceptance":
     """After a round: per row [B], accepted drafts, whether the round ended at a rejection, slots drafted and
-    whether the row stopped drafting before the budget (live rows only; zeros in a round that did not draft)."""
-    memory = 1.0 if plan is None else plan.memory
+    whether the row stopped drafting before the budget (live rows only; zeros in a plain step, `plain`)."""
+    if plan is None:
+      memory = 1.0
+    else:
+      memory = plan.plain_memory if plain and plan.plain_memory is not None else plan.memory
     total = lambda x: jnp.sum(x).astype(jnp.float32)  # noqa: E731
     accepted_sum = total(accepted)
     return Acceptance(accepted=memory * self.accepted + accepted_sum,

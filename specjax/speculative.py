@@ -3,7 +3,8 @@
 One round, for every row at once:
   1. the drafter proposes up to gamma tokens x_1..x_gamma (and their draft distributions q when sampling);
      with adaptive drafting (specjax/adaptive.py) the round drafts the length that pays, none at all (a plain
-     target step) where drafting cannot pay, and a row stops early where the draft is unsure;
+     target step) where drafting cannot pay, and a row stops early where the draft is unsure; a drafter with its
+     own cache follows plain steps several at once (`PlainSteps`);
   2. the target scores [pending, x_1..x_gamma] in ONE forward at the row's own position (a causal mask makes
      that gamma+1 next-token predictions), or only the pending token when no row drafted; a drafter that ran
      the target's own first k layers hands over their output, and only layers k..L-1 run for all positions;
@@ -201,8 +202,8 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
       sequence, position, done = _commit(c, proposal.tokens, accepted_len, next_token, lengths, max_new_tokens,
                                          stop_ids)
       accepted, rejected = jnp.where(live, accepted_len, 0), live & (accepted_len < draft_lengths)
-      # The drafter's update sees the `width` verified positions only (a plain round: the pending one), not the
-      # padding: the sequential MTP module runs its block over every position it is handed.
+      # The drafter's update sees the `width` verified positions only (a plain round: the pending one): the
+      # sequential MTP module runs its block over every position it is handed.
       features = _features(out, drafter.feature_layers)
       draft_state, plain = c.draft_state, c.plain
       if drafting or plain is None:
@@ -214,7 +215,8 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
       return SpecState(
           sequence=sequence, position=position, done=done, cache=sharding.constrain_cache(out.cache, cache_sharding),
           draft_state=draft_state, key=key, rounds=s.rounds + 1,
-          acceptance=s.acceptance.update(plan, accepted, rejected, draft_lengths, live & (draft_lengths < budget)),
+          acceptance=s.acceptance.update(plan, accepted, rejected, draft_lengths, live & (draft_lengths < budget),
+                                         plain=not drafting),
           counts=s.counts.add(live, draft_lengths, accepted, rejected, jnp.asarray(drafting), proposal.steps),
           plain=plain)
 

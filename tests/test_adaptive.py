@@ -173,16 +173,47 @@ def test_rows_that_stop_drafting_early_make_wide_verification_pay_less():
 
 
 def test_acceptance_estimate_decays_back_to_the_prior():
-  p = plan(1.0, (1.0, 2.0, 2.0), prior_alpha=0.6, memory=0.5)
+  p = dataclasses.replace(plan(1.0, (1.0, 2.0, 2.0), prior_alpha=0.6, memory=0.5), plain_memory=0.9)
   # Two rows: one drafted 1 slot and had it rejected, one stopped before drafting anything.
-  a = Acceptance.zero().update(p, jnp.array([0, 0]), jnp.array([True, False]), jnp.array([1, 0]),
-                               jnp.array([True, True]))
-  assert float(a.alpha(p)) == pytest.approx(0.6 / 2)
-  assert float(a.continues()) == pytest.approx(2 / 4)
-  for _ in range(30):  # rounds without drafts
-    a = a.update(p, jnp.array([0, 0]), jnp.array([False, False]), jnp.array([0, 0]), jnp.array([False, False]))
+  first = Acceptance.zero().update(p, jnp.array([0, 0]), jnp.array([True, False]), jnp.array([1, 0]),
+                                   jnp.array([True, True]))
+  assert float(first.alpha(p)) == pytest.approx(0.6 / 2)
+  assert float(first.continues()) == pytest.approx(2 / 4)
+  nothing = (jnp.array([0, 0]), jnp.array([False, False]), jnp.array([0, 0]), jnp.array([False, False]))
+  # A drafting round in which no row drafted ages the counts by `memory`, a plain step by `plain_memory`.
+  assert float(first.update(p, *nothing).tested) == pytest.approx(0.5)
+  assert float(first.update(p, *nothing, plain=True).tested) == pytest.approx(0.9)
+  a = first
+  for _ in range(10):  # plain steps: the evidence ages slowly
+    a = a.update(p, *nothing, plain=True)
+  assert float(a.tested) == pytest.approx(0.9 ** 10) and float(a.alpha(p)) < 0.5
+  for _ in range(200):
+    a = a.update(p, *nothing, plain=True)
   assert float(a.alpha(p)) == pytest.approx(0.6, abs=1e-6)
   assert float(a.continues()) == pytest.approx(1.0, abs=1e-6)
+
+
+def test_plain_steps_age_the_evidence_slower_so_a_drafter_that_rarely_pays_is_tried_rarely():
+  """The row is unsure at its first slot whenever the drafter tries (c = 0.15, 3 of 4 drafts accepted before):
+  with the default ages it tries in 24 of 200 rounds; aged by `memory` in plain steps too, in 59."""
+  def tries(options, rounds=200):
+    p = make_plan_from(options)
+    a, count = Acceptance.zero().update(p, jnp.array([3]), jnp.array([True]), jnp.array([4]), jnp.array([False])), 0
+    for _ in range(rounds):
+      if int(draft_length(p, a)) > 0:  # a try: the row stops before drafting anything
+        count += 1
+        a = a.update(p, jnp.array([0]), jnp.array([False]), jnp.array([0]), jnp.array([True]))
+      else:
+        a = a.update(p, jnp.array([0]), jnp.array([False]), jnp.array([0]), jnp.array([False]), plain=True)
+    return count
+
+  def make_plan_from(options):
+    return dataclasses.replace(plan(0.15, (1.0, 1.0, 1.12)), memory=options.memory,
+                               plain_memory=options.plain_memory)
+
+  default = tries(AdaptiveDrafting())
+  same = tries(AdaptiveDrafting(plain_memory=AdaptiveDrafting().memory))
+  assert same > 50 and default < same / 2, (default, same)
 
 
 def test_round_costs_follow_the_forward_costs_of_the_rows_verified(random_target):
@@ -237,6 +268,8 @@ def test_bad_adaptive_options_are_rejected(random_target):
   for points in [((1, 1.0),), ((1, 1.0), (4, 0.9)), ((2, 1.0), (4, 2.0)), ((1, 1.0), (4, 2.0), (3, 2.5))]:
     with pytest.raises(ValueError, match="forward_costs"):
       AdaptiveDrafting(forward_costs=points)
+  with pytest.raises(ValueError, match="plain_memory"):
+    AdaptiveDrafting(plain_memory=1.0)
   for window in (0, -1, 2.5, True):
     with pytest.raises(ValueError, match="catch_up"):
       AdaptiveDrafting(catch_up=window)
