@@ -262,7 +262,7 @@ def test_second_call_does_not_recompile_and_program_has_no_host_callbacks(target
 
 def _every_few_rounds(plan, acceptance):
   """A draft-length rule that drafts the whole budget once the decayed count of tested drafts falls below 0.5:
-  after a round of 2 rows x 3 accepted drafts, 10 plain steps at memory 0.77, then a drafting round."""
+  after a round of 2 rows x 3 accepted drafts, 10 plain steps at (plain_)memory 0.77, then a drafting round."""
   return jnp.where(acceptance.tested < 0.5, plan.gamma, 0).astype(jnp.int32)
 
 
@@ -273,7 +273,7 @@ def test_drafters_with_their_own_cache_follow_plain_steps_in_windows(window, tar
   every draft only if its cache holds every position the plain steps committed."""
   monkeypatch.setattr(speculative, "draft_length", _every_few_rounds)
   # memory 0.77: a plan no other test compiles (the rule above is traced into the program)
-  options = specjax.AdaptiveDrafting(memory=0.77, min_confidence=0.0, catch_up=window)
+  options = specjax.AdaptiveDrafting(memory=0.77, plain_memory=0.77, min_confidence=0.0, catch_up=window)
   drafters = {"draft_model": specjax.make_drafter("draft_model", target, draft=target),
               "exit_adapter": specjax.make_drafter("layer_skip", target, adapter="fresh",
                                                    exit_layer=target.config.num_layers - 1)}
@@ -296,7 +296,7 @@ def test_catching_up_plain_steps_in_windows_drafts_what_following_each_one_draft
   drafter = specjax.make_drafter("mtp_sequential", target, path=None, depth=3)
   stats = []
   for window in (1, 3):
-    options = specjax.AdaptiveDrafting(memory=0.77, min_confidence=0.0, catch_up=window)
+    options = specjax.AdaptiveDrafting(memory=0.77, plain_memory=0.77, min_confidence=0.0, catch_up=window)
     stats.append(specjax.generate(target, ragged_prompts(2), max_new_tokens=40, gamma=3, stop_ids=[],
                                   drafter=drafter, adaptive=options).stats)
   one, three = stats
