@@ -19,9 +19,10 @@ Both rules run inside the compiled loop (no host sync):
    G being the static maximum (`generate`'s `gamma`). gamma = 0 is a plain target step (one token, cost 1
    plus its share of the drafter following it: a drafter with its own cache, e.g. a draft model, reads plain
    steps `catch_up` = W at a time, one forward over W tokens, `Drafter.plain_step_cost` f(B W) / f(B) / W):
-   where drafting cannot pay, decoding falls back to autoregressive steps at nearly their cost. Verification runs over the narrowest compiled width that holds the longest draft any row made plus
-   the pending token (`verify_widths`: 1, 2 and G + 1, chosen inside the compiled loop), so a one-token draft pays
-   for a 2-token forward only. Each width is one more compiled target forward in the program: more compile
+   where drafting cannot pay, decoding falls back to autoregressive steps at nearly their cost. Verification
+   runs over the narrowest compiled width that holds the longest draft any row made plus the pending token
+   (`verify_widths`: 1, 2 and G + 1, chosen inside the compiled loop), so a one-token draft pays for a 2-token
+   forward only. Each width is one more compiled target forward in the program: more compile
    time, and more executable memory mappings (XLA:CPU maps each kernel apart; Linux allows 65,530 per process
    by default, which a long experiment run with every width reached). Costs are in units of a plain target
    step at the same batch size B:
