@@ -49,7 +49,7 @@ def main(argv):
   prompts = [spec_bench.prompt_ids(question, model.tokenizer, chat=True) for question in questions]
   windows = [int(w) for w in _CATCH_UP.value]
 
-  def decode(drafter, window=8):
+  def decode(drafter, window=AdaptiveDrafting.catch_up):
     never = AdaptiveDrafting(draft_cost=100.0, catch_up=window)
     return lambda tokens: specjax.generate(model, prompts, max_new_tokens=tokens, stop_ids=(), drafter=drafter,
                                            adaptive=never if drafter else False)

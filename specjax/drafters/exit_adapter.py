@@ -190,13 +190,16 @@ def make(model, adapter: str, exit_layer: int | None = None, mlp: bool | None = 
                  plain_step_cost=follow_cost(model, params))
 
 
+def _adapter_weights(params) -> dict:
+  return {k: v for k, v in params.items() if k not in ("token_map", "head")}
+
+
 def cost(model, options: Options, params) -> float:
   """c: one draft step reads layers 0..k-1, the adapter and the (truncated) head."""
-  own = {k: v for k, v in params.items() if k not in ("token_map", "head")}
-  return leviathan.draft_cost(model.params, model.config, options.layers, own, options.draft_vocab)
+  return leviathan.draft_cost(model.params, model.config, options.layers, _adapter_weights(params),
+                              options.draft_vocab)
 
 
 def follow_cost(model, params) -> float:
   """`update` after a plain step: the adapter over one position's features."""
-  own = {k: v for k, v in params.items() if k not in ("token_map", "head")}
-  return leviathan.draft_cost(model.params, model.config, (), own, head_columns=0)
+  return leviathan.draft_cost(model.params, model.config, (), _adapter_weights(params), head_columns=0)
