@@ -38,8 +38,10 @@ Both rules run inside the compiled loop (no host sync):
                backend the default is flat (`ACCELERATOR_FORWARD_COSTS`: a small model's forward stays
                memory-bound far beyond these row counts); pass measured points for another machine or a large
                batch. A drafter that reuses the target's first k layers
-               (`Drafter.reuse_layers`) runs them on one token only, so its verification costs
-               s + (1 - s) v(gamma), s being their share of the weights.
+               (`Drafter.reuse_layers`) has run them for every position its verification reads but the
+               last drafted token when the draft stopped at its budget (a draft that stopped because every
+               row was unsure ran them one step further), so its verification costs (1 - s) v(gamma), plus
+               s when the longest draft reached the budget, s being their share of the weights.
    With d = 1 (no row stops early) this is Leviathan's fixed round, gamma c + v(gamma). Counting early stops
    matters: alpha alone describes only the rows that drafted, so at batch 4 with most rows stopping at once, a
    plan from alpha alone verified a wide forward for one or two confident rows and lost 10-13% against
@@ -146,11 +148,12 @@ class Plan:
   plain_cost: float  # a round that does not draft: one target step plus its share of the drafter's catch-up
   widths: tuple[int, ...]  # the compiled verification widths (`verify_widths`)
   verify_costs: tuple[float, ...]  # a verification forward of each width
+  refill_cost: float  # layers a drafter reuses (`Drafter.reuse_layers`) over its last draft, when a row kept it
   rows: int  # B: the rows one forward processes
   prior_alpha: float
-  memory: float
-  catch_up: int = 1  # W: plain steps the drafter follows at once (`AdaptiveDrafting.catch_up`)
-  plain_memory: float | None = None  # decay per plain step (None: `memory`)
+  memory: float  # decay of the acceptance counts per drafting round
+  plain_memory: float  # decay per plain step
+  catch_up: int  # W: plain steps the drafter follows at once (`AdaptiveDrafting.catch_up`)
 
   @property
   def gamma(self) -> int:
@@ -170,14 +173,16 @@ def make_plan(options: AdaptiveDrafting, drafter, target_params, config, gamma: 
   points = options.forward_costs or default_forward_costs()
   plain = forward_cost(points, batch)
   widths = verify_widths(gamma)
-  # Width 1 is a plain forward (no row drafted); wider ones run the reused layers on one token only.
-  verify_costs = (1.0,) + tuple(reused + (1.0 - reused) * forward_cost(points, batch * w) / plain for w in widths[1:])
+  # The layers after the reused ones over w tokens (all of them when none are reused); the reused ones run over the
+  # last drafted token only if a row kept it (`refill_cost`).
+  verify_costs = tuple((1.0 - reused) * forward_cost(points, batch * w) / plain for w in widths)
   # A plain step's share of the drafter following W of them in one forward over B x W rows.
   w = options.catch_up
   follow = drafter.plain_step_cost * forward_cost(points, batch * w) / plain / w
   return Plan(min_confidence=options.min_confidence, draft_cost=float(c), plain_cost=1.0 + follow,
-              widths=widths, verify_costs=verify_costs, rows=int(batch), prior_alpha=options.prior_alpha,
-              memory=options.memory, catch_up=int(w), plain_memory=options.plain_memory)
+              widths=widths, verify_costs=verify_costs, refill_cost=float(reused), rows=int(batch),
+              prior_alpha=options.prior_alpha, memory=options.memory, plain_memory=options.plain_memory,
+              catch_up=int(w))
 
 
 @struct.dataclass
@@ -199,10 +204,7 @@ class Acceptance:
              stopped: jax.Array, plain: bool = False) -> "Acceptance":
     """After a round: per row [B], accepted drafts, whether the round ended at a rejection, slots drafted and
     whether the row stopped drafting before the budget (live rows only; zeros in a plain step, `plain`)."""
-    if plan is None:
-      memory = 1.0
-    else:
-      memory = plan.plain_memory if plain and plan.plain_memory is not None else plan.memory
+    memory = 1.0 if plan is None else plan.plain_memory if plain else plan.memory
     total = lambda x: jnp.sum(x).astype(jnp.float32)  # noqa: E731
     accepted_sum = total(accepted)
     return Acceptance(accepted=memory * self.accepted + accepted_sum,
@@ -226,7 +228,8 @@ def expected_rounds(plan: Plan, alpha, continues):
   E = 1 + s + ... + s^gamma tokens, s = continues * alpha (Leviathan's E with s for alpha). The round costs a draft
   step while any of the B rows still drafts, and a verification over the narrowest compiled width that holds the
   longest draft: P(some row drafts >= k) = 1 - (1 - continues^k)^B. With continues = 1 this is Leviathan's fixed
-  round, gamma c + v(gamma + 1).
+  round, gamma c + v(gamma + 1). A drafter that reuses the target's first layers runs them for its last draft in
+  the verification when the longest draft reached the budget (`refill_cost`, P = P(longest >= gamma)).
   """
   gamma = plan.gamma
   gammas = jnp.arange(gamma + 1)
@@ -241,7 +244,7 @@ def expected_rounds(plan: Plan, alpha, continues):
     below_hi = some_row[hi] if hi <= gamma else 0.0
     reach = jnp.where(gammas >= lo, some_row[lo], 0.0) - jnp.where(gammas >= hi, below_hi, 0.0)
     verify = verify + reach * plan.verify_costs[i]
-  cost = jnp.where(gammas == 0, plan.plain_cost, steps * plan.draft_cost + verify)
+  cost = jnp.where(gammas == 0, plan.plain_cost, steps * plan.draft_cost + verify + plan.refill_cost * some_row)
   return tokens, cost
 
 

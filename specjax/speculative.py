@@ -190,7 +190,7 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
     def verify(c: SpecState, width: int) -> SpecState:
       """Verifies [pending, x_1..x_n] with a forward over its first `width` tokens and commits the result."""
       out = _verify_forward(params, config, verify_tokens, proposal, c.cache, s.position, width,
-                            drafter.reuse_layers, with_layers)
+                            drafter.reuse_layers, with_layers, jnp.max(draft_lengths) if drafting else None)
       # No row drafted past slot width - 1, so verification reads the first width - 1 drafts only (none in a plain
       # step: the next token is the target's own).
       drafts = proposal.tokens[:, :width - 1]
@@ -275,27 +275,33 @@ def _no_proposal(params, draft_params, drafter: Drafter, s: SpecState, key, gamm
 
 
 def _verify_forward(params, config, tokens, proposal: Proposal, cache, position, width: int, reuse_layers: int,
-                    with_layers: bool):
-  """The target over the first `width` of tokens [B, gamma+1] = [pending, x_1..x_gamma] written from `position`
-  (width 1: a plain step); outputs over those `width` positions.
+                    with_layers: bool, longest: jax.Array | None):
+  """The target over the first `width` of tokens [B, gamma+1] = [pending, x_1..x_gamma] written from `position`;
+  outputs over those `width` positions. `longest`: the longest draft a row made (None: a plain step).
 
   A drafter that ran the target's layers 0..k-1 (k = `reuse_layers`) for n steps has written their K/V for
   [pending, x_1..x_{n-1}] into `cache` (the proposal's target cache) and hands over their output
-  (`proposal.hidden`), so only x_n runs layers 0..k-1; then all tokens run layers k..L-1 (LayerSkip's
-  self-speculation). No row drafted past x_n,
-  and causal attention keeps the positions after it (whose inputs are left as zeros) out of the logits
-  that verification reads.
+  (`proposal.hidden`), so only layers k..L-1 run for all positions (LayerSkip's self-speculation), and layers
+  0..k-1 run for x_n only when a row kept it (n <= `longest`: the draft stopped at its budget). A draft that
+  stopped because every row was unsure ran one step past the longest draft, so every position verification reads
+  already has its layer k-1 output. No row drafted past x_longest, and causal attention keeps the positions after
+  it (whose inputs are left as zeros or are tokens no row kept) out of the logits that verification reads.
   """
   tokens = tokens[:, :width]
-  if width == 1 or not reuse_layers:
+  if longest is None or not reuse_layers:
     out = forward(params, tokens, cache, position, config, return_layer_hidden=with_layers)
   else:
     steps, rows = proposal.steps, jnp.arange(tokens.shape[0])
-    last = forward(params, tokens[rows, steps][:, None], cache, position + steps, config, layers=range(reuse_layers),
-                   compute_logits=False)
-    hidden = jnp.pad(proposal.hidden, ((0, 0), (0, 1), (0, 0))).astype(last.hidden.dtype).at[:, steps].set(
-        last.hidden[:, 0])[:, :width]
-    out = forward(params, None, last.cache, position, config, layers=range(reuse_layers, config.num_layers),
+    hidden = jnp.pad(proposal.hidden, ((0, 0), (0, 1), (0, 0)))[:, :width]
+
+    def last(carry):  # layers 0..k-1 for x_n, the one drafted token they did not run for
+      hidden, cache = carry
+      out = forward(params, tokens[rows, steps][:, None], cache, position + steps, config,
+                    layers=range(reuse_layers), compute_logits=False)
+      return hidden.at[:, steps].set(out.hidden[:, 0].astype(hidden.dtype)), out.cache
+
+    hidden, cache = control.run_if(steps <= longest, last, (hidden, cache))
+    out = forward(params, None, cache, position, config, layers=range(reuse_layers, config.num_layers),
                   return_layer_hidden=with_layers, hidden=hidden)
     out = out._replace(layer_hidden=[hidden] + out.layer_hidden if with_layers else None)
   if reuse_layers and with_layers:  # layer k-1's output and later: the layers before it ran on one token only

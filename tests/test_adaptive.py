@@ -64,7 +64,7 @@ def test_verify_reusing_the_draft_layers_equals_the_plain_verify(name, budget, r
 
   def run(reuse_layers):
     return speculative._verify_forward(target.params, target.config, verify_tokens, proposal, proposal.target_cache,
-                                       lengths, gamma + 1, reuse_layers, with_layers=True)
+                                       lengths, gamma + 1, reuse_layers, with_layers=True, longest=budget)
 
   reused, plain = run(drafter.reuse_layers), run(0)
   read = slice(0, budget + 1)  # no row drafted past x_budget
@@ -73,20 +73,28 @@ def test_verify_reusing_the_draft_layers_equals_the_plain_verify(name, budget, r
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(b))))
 
   assert_close(reused.logits[:, read], plain.logits[:, read])
-  # Adaptive drafting verifies only as wide as the longest draft: any width up to budget + 1 reads the same.
-  for width in range(2, budget + 2):
-    narrow = speculative._verify_forward(target.params, target.config, verify_tokens, proposal,
-                                         proposal.target_cache, lengths, width, drafter.reuse_layers,
-                                         with_layers=True)
-    assert narrow.logits.shape == plain.logits[:, :width].shape
-    assert_close(narrow.logits[:, :width], plain.logits[:, :width])
   assert_close(reused.hidden[:, read], plain.hidden[:, read])
   assert_close(reused.layer_hidden[1][:, read], plain.layer_hidden[1][:, read])
-  positions = lengths[:, None] + jnp.arange(budget + 1)[None, :]
-  for layer in range(target.config.num_layers):
-    for cached in ("k", "v"):
-      assert_close(getattr(reused.cache, cached)[layer][rows[:, None], positions],
-                   getattr(plain.cache, cached)[layer][rows[:, None], positions])
+
+  def assert_same_cache(cache, width):
+    positions = lengths[:, None] + jnp.arange(width)[None, :]
+    for layer in range(target.config.num_layers):
+      for cached in ("k", "v"):
+        assert_close(getattr(cache, cached)[layer][rows[:, None], positions],
+                     getattr(plain.cache, cached)[layer][rows[:, None], positions])
+  assert_same_cache(reused.cache, budget + 1)
+  # Adaptive drafting verifies only as wide as the longest draft (width - 1 tokens): any width up to budget + 1
+  # reads the same, from width 1 (every row unsure at its first slot) up. Up to width `budget` the draft ran a step
+  # past the longest draft and its own layer k-1 outputs serve every position; at budget + 1 layers 0..k-1 run for
+  # x_budget.
+  for width in range(1, budget + 2):
+    narrow = speculative._verify_forward(target.params, target.config, verify_tokens, proposal,
+                                         proposal.target_cache, lengths, width, drafter.reuse_layers,
+                                         with_layers=True, longest=width - 1)
+    assert narrow.logits.shape == plain.logits[:, :width].shape
+    assert_close(narrow.logits[:, :width], plain.logits[:, :width])
+    assert_close(narrow.layer_hidden[1], plain.layer_hidden[1][:, :width])
+    assert_same_cache(narrow.cache, width)
 
 
 @pytest.mark.parametrize("adaptive", [False, EAGER], ids=["fixed_gamma", "adaptive"])
@@ -113,9 +121,10 @@ def test_only_early_exits_reuse_layers(random_target):
 # ------------------------------------------------------------------------------------- the draft-length rule
 
 
-def plan(draft_cost, verify_costs, rows=1, prior_alpha=0.5, memory=0.9, gamma=4) -> Plan:
+def plan(draft_cost, verify_costs, rows=1, prior_alpha=0.5, memory=0.9, gamma=4, refill_cost=0.0) -> Plan:
   return Plan(min_confidence=0.5, draft_cost=draft_cost, plain_cost=1.0, widths=verify_widths(gamma),
-              verify_costs=tuple(verify_costs), rows=rows, prior_alpha=prior_alpha, memory=memory)
+              verify_costs=tuple(verify_costs), refill_cost=refill_cost, rows=rows, prior_alpha=prior_alpha,
+              memory=memory, plain_memory=memory, catch_up=1)
 
 
 def evidence(accepted, tested, drafted=None, stopped=0):
@@ -142,18 +151,20 @@ def test_draft_length_is_leviathans_optimum_and_falls_back_to_plain_steps():
 def test_expected_rounds_match_a_simulation_of_early_stopping_rows():
   """Rows draft each next slot with probability `continues` and have each draft accepted with probability alpha;
   the round runs a draft step while some row still drafts and verifies in the narrowest width holding the longest
-  draft. The closed form agrees with simulating exactly that, at every budget and batch size."""
+  draft, and a drafter reusing the target's first layers runs them for its last draft when the longest draft
+  reached the budget. The closed form agrees with simulating exactly that, at every budget and batch size."""
   rng = np.random.default_rng(0)
   alpha, continues, n = 0.7, 0.6, 200_000
   for rows in (1, 4):
-    p = plan(0.1, (1.0, 1.3, 2.0), rows=rows)
+    p = plan(0.1, (0.8, 1.1, 1.8), rows=rows, refill_cost=0.2)
     tokens, cost = (np.asarray(x) for x in expected_rounds(p, alpha, continues))
     for g in range(1, p.gamma + 1):
       drafted = np.minimum(rng.geometric(1 - continues, size=(n, rows)) - 1, g)  # slots each row drafts
       accepted = np.minimum(rng.geometric(1 - alpha, size=(n, rows)) - 1, drafted)  # a prefix of them
       longest = drafted.max(axis=1)
       width = np.searchsorted(np.asarray(p.widths), longest + 1)
-      round_cost = np.minimum(longest + 1, g) * p.draft_cost + np.asarray(p.verify_costs)[width]
+      round_cost = (np.minimum(longest + 1, g) * p.draft_cost + np.asarray(p.verify_costs)[width]
+                    + p.refill_cost * (longest == g))
       assert tokens[g] == pytest.approx(1 + accepted.mean(), abs=0.01)
       assert cost[g] == pytest.approx(round_cost.mean(), abs=0.01)
     assert cost[0] == p.plain_cost and tokens[0] == 1.0
@@ -227,6 +238,13 @@ def test_round_costs_follow_the_forward_costs_of_the_rows_verified(random_target
   assert without.round_costs == pytest.approx((1.0, 0.3 + 1.1, 0.6 + 1.4, 0.9 + 1.4, 1.2 + 1.4))
   assert with_reuse.round_costs[0] == 1.0 and all(a < b for a, b in zip(with_reuse.round_costs[1:],
                                                                        without.round_costs[1:]))
+  # Reusing layers 0..k-1 (share s of the weights): they run for the last draft when it reached the budget, and
+  # the rest of the forward over every position; a drafting round whose rows all stopped at once runs layers k..
+  s = with_reuse.refill_cost
+  assert 0.2 < s < 0.8 and without.refill_cost == 0.0
+  assert with_reuse.round_costs == pytest.approx([1.0] + [g * 0.3 + s + (1 - s) * v for g, v in
+                                                          zip(range(1, 5), (1.1, 1.4, 1.4, 1.4))])
+  assert with_reuse.verify_costs[0] == pytest.approx(1 - s)
   # At batch 2 the forward covers 2 w rows, over a plain step's f(2) = 1.1; f(20) extrapolates.
   at_2 = make_plan(options, no_reuse, random_target.params, random_target.config, 4, batch=2)
   assert at_2.round_costs == pytest.approx((1.0, 0.3 + 1.3 / 1.1, 0.6 + 2.4 / 1.1, 0.9 + 2.4 / 1.1, 1.2 + 2.4 / 1.1))
