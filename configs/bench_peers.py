@@ -51,6 +51,21 @@ def _hf_draft() -> str | None:
   return None
 
 
+def drafter_methods() -> list[dict]:
+  """specjax's drafters: prompt lookup, the untrained early exit after layer 24 and the shipped trained ones."""
+  return [
+      {"name": "prompt_lookup", "drafter": "prompt_lookup", "options": {}},
+      {"name": "layer_skip_24", "drafter": "layer_skip", "options": {"exit_layer": 24}},
+      {"name": "mtp_parallel", "drafter": "mtp_parallel", "options": {"path": "default"}},
+      {"name": "mtp_sequential", "drafter": "mtp_sequential", "options": {"path": "default"}},
+      # Until their checkpoints are shipped, the runner leaves these out with a log line (`needs`).
+      {"name": "draft_model", "drafter": "draft_model", "options": {"draft": f"{MODEL}-draft"},
+       "needs": ("draft_model",)},
+      {"name": "layer_skip_trained", "drafter": "layer_skip", "options": {"adapter": "default"},
+       "needs": ("exit_adapter",)},
+  ]
+
+
 def get_config(arg=None):
   if arg not in (None, "", "small"):
     raise ValueError(f"configs/bench_peers.py takes no argument or 'small', got {arg!r}")
@@ -63,15 +78,7 @@ def get_config(arg=None):
 
   methods = [
       {"name": "autoregressive"},
-      {"name": "prompt_lookup", "drafter": "prompt_lookup", "options": {}},
-      {"name": "layer_skip_24", "drafter": "layer_skip", "options": {"exit_layer": 24}},
-      {"name": "mtp_parallel", "drafter": "mtp_parallel", "options": {"path": "default"}},
-      {"name": "mtp_sequential", "drafter": "mtp_sequential", "options": {"path": "default"}},
-      # Until their checkpoints are shipped, the runner leaves these out with a log line (`needs`).
-      {"name": "draft_model", "drafter": "draft_model", "options": {"draft": f"{MODEL}-draft"},
-       "needs": ("draft_model",)},
-      {"name": "layer_skip_trained", "drafter": "layer_skip", "options": {"adapter": "default"},
-       "needs": ("exit_adapter",)},
+      *drafter_methods(),
       {"name": "hf_autoregressive", "peer": "hf_autoregressive", "options": {}},
       {"name": "hf_prompt_lookup", "peer": "hf_prompt_lookup", "options": {}},
   ]

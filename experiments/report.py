@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from typing import Any, Sequence
 
 import matplotlib
@@ -107,7 +108,7 @@ def summarize(records: Sequence[dict], methods: Sequence[str], baseline: str,
         "acceptance_per_position": None, "gamma_histogram": None}
     summary[method] = {
         "drafter": meta.get("drafter"), "family": meta.get("family", method), "options": meta.get("options", {}),
-        "gamma": gamma,
+        "gamma": gamma, "adaptive": meta.get("adaptive"),
         "tokens_per_second": tps,
         "speedup": tps / base_tps,
         "speedup_min": min(spread) if spread else None,
@@ -224,6 +225,26 @@ def acceptance_table(summary: dict[str, Any]) -> str:
     rows.append(f"| {method} | " + " | ".join(_fmt(p, ".3f") for p in per) +
                 f" | {_fmt(s.get('draft_cost_bytes'), '.3f')} | {_fmt(s.get('verify_cost_bytes'), '.3f')} |")
   return "\n".join(rows)
+
+
+def adaptive_table(summary: dict[str, Any]) -> str:
+  """Each adaptive drafter `X` beside its fixed draft lengths run as `X_g<gamma>` (configs/adaptive_vs_fixed.py):
+  speedup over the baseline, and the lowest per-category speedup, for adaptive, the best and the worst fixed gamma."""
+  methods, by_category = summary["methods"], summary["speedup_by_category"]
+  rows = ["| drafter | adaptive | best fixed γ | worst fixed γ | lowest category: adaptive | best fixed |",
+          "|---|---:|---:|---:|---:|---:|"]
+  for name, s in methods.items():
+    fixed = {n: f for n, f in methods.items()
+             if f.get("adaptive") is False and re.fullmatch(rf"{re.escape(name)}_g\d+", n)}
+    if not s.get("adaptive") or not fixed:
+      continue
+    best = max(fixed, key=lambda n: fixed[n]["speedup"])
+    worst = min(fixed, key=lambda n: fixed[n]["speedup"])
+    lowest = {n: min(by_category[n].values()) for n in (name, best)}
+    rows.append(f"| {name} | {s['speedup']:.2f}x | {fixed[best]['speedup']:.2f}x (γ {fixed[best]['gamma']}) | "
+                f"{fixed[worst]['speedup']:.2f}x (γ {fixed[worst]['gamma']}) | {lowest[name]:.2f}x | "
+                f"{lowest[best]:.2f}x |")
+  return "\n".join(rows) if len(rows) > 2 else ""
 
 
 def batch_size_table(summary: dict[str, Any]) -> str:
@@ -458,6 +479,11 @@ def write(workdir: str, results: dict[str, Any]) -> str:
   if agreement:
     lines += ["", f"Greedy agreement with {summary['baseline']} (lossless methods agree fully; peers run other "
               "kernels, so near ties can flip a token):", "", agreement]
+  adaptive = adaptive_table(summary)
+  if adaptive:
+    lines += ["", "## Adaptive against fixed draft lengths", "",
+              "Each drafter with adaptive drafting beside the same drafter drafting a fixed γ every round "
+              "(speedups over the baseline in this run):", "", adaptive]
   by_batch = batch_size_table(summary)
   if by_batch:
     lines += ["", "## Speedup by batch size", "",

@@ -17,7 +17,8 @@ from absl import flags
 from ml_collections import config_flags
 
 import specjax
-from configs import batch_sweep, compare_drafters, depth_sweep, gamma_sweep, quickstart, spec_bench as spec_bench_config
+from configs import (adaptive_vs_fixed, batch_sweep, compare_drafters, depth_sweep, gamma_sweep, quickstart,
+                     spec_bench as spec_bench_config)
 from experiments import report, run, spec_bench
 from specjax import leviathan
 from specjax.config import ModelConfig
@@ -81,6 +82,8 @@ def test_prompt_ids_use_the_chat_template_on_the_first_turn_only(smollm2):
     (depth_sweep, None, 26, 128),
     (batch_sweep, None, 24, 64),
     (batch_sweep, "small", 8, 64),
+    (adaptive_vs_fixed, None, 26, 128),
+    (adaptive_vs_fixed, "small", 13, 64),
 ])
 def test_configs_select_their_prompts(module, arg, prompts, max_new_tokens):
   config = module.get_config(arg)
@@ -127,6 +130,39 @@ def test_gamma_sweep_runs_each_drafter_at_each_gamma_up_to_its_limit(tiny_chat):
   methods = run.make_methods(config, tiny_chat)
   assert [(m.name, m.family, m.gamma) for m in methods] == [
       ("ar", "ar", 4), ("pld_g1", "pld", 1), ("pld_g3", "pld", 3), ("heads_g1", "heads", 1)]
+
+
+def test_adaptive_vs_fixed_runs_each_drafter_adaptive_and_at_every_fixed_gamma():
+  config = adaptive_vs_fixed.get_config("small")
+  methods = {m["name"]: m for m in config.methods}
+  drafters = [m["name"] for m in config.methods[1:] if m["adaptive"]]
+  assert drafters == ["prompt_lookup", "layer_skip_24", "mtp_parallel", "mtp_sequential", "draft_model",
+                      "layer_skip_trained"]
+  for name in drafters:
+    assert methods[name]["gamma"] == 4
+    for gamma in (1, 2, 3, 4):
+      fixed = methods[f"{name}_g{gamma}"]
+      assert fixed["adaptive"] is False and fixed["gamma"] == gamma
+      assert {k: v for k, v in fixed.items() if k not in ("name", "adaptive", "gamma")} == {
+          k: v for k, v in methods[name].items() if k not in ("name", "adaptive", "gamma")}
+  assert len(config.methods) == 1 + 5 * len(drafters) and config.repeats == 2
+  with pytest.raises(ValueError, match="'small'"):
+    adaptive_vs_fixed.get_config("tiny")
+
+
+def test_adaptive_table_puts_each_adaptive_drafter_beside_its_best_and_worst_fixed_gamma():
+  def method(speedup, adaptive, gamma):
+    return {"speedup": speedup, "adaptive": adaptive, "gamma": gamma}
+  summary = {"baseline": "ar", "methods": {
+      "ar": method(1.0, None, None), "pld": method(1.2, True, 4), "pld_g1": method(1.1, False, 1),
+      "pld_g2": method(1.3, False, 2), "pld_g4": method(0.9, False, 4), "heads": method(1.05, True, 4)},
+      "speedup_by_category": {"ar": {"qa": 1.0, "rag": 1.0}, "pld": {"qa": 1.4, "rag": 0.97},
+                              "pld_g1": {"qa": 1.2, "rag": 1.0}, "pld_g2": {"qa": 1.5, "rag": 0.8},
+                              "pld_g4": {"qa": 1.0, "rag": 0.8}, "heads": {"qa": 1.0, "rag": 1.1}}}
+  rows = report.adaptive_table(summary).splitlines()
+  assert rows[2:] == ["| pld | 1.20x | 1.30x (γ 2) | 0.90x (γ 4) | 0.97x | 0.80x |"]  # heads: no fixed runs
+  summary["methods"] = {n: m for n, m in summary["methods"].items() if "_g" not in n}
+  assert report.adaptive_table(summary) == ""
 
 
 def test_config_rejects_an_unknown_variant():

@@ -1,0 +1,35 @@
+r"""Adaptive drafting against every fixed draft length, per drafter, in one run.
+
+  python -m experiments.run --config=configs/adaptive_vs_fixed.py:small   # 1 prompt x 13 categories, 64 tokens
+  python -m experiments.run --config=configs/adaptive_vs_fixed.py         # 2 prompts x 13 categories, 128 tokens
+
+Each of specjax's drafters (configs/bench_peers.py's: prompt lookup, the untrained early exit after layer 24, the
+shipped MTP heads, distilled draft model and exit adapter) runs with adaptive drafting (the library default:
+per-row confidence stop, a draft length per round from the running acceptance and the measured costs, at most
+`gamma` = 4 tokens, plain steps where drafting cannot pay; named as in bench_peers) and with every fixed draft
+length 1..4 (`<drafter>_g<gamma>`: every round drafts gamma tokens), all against autoregressive decoding,
+interleaved per prompt, two repeats. results.md's "Adaptive against fixed draft lengths" table puts each
+drafter's adaptive speedup beside its best and worst fixed one. Greedy, batch 1; every output is checked token for
+token against autoregressive decoding.
+
+Time on 2 CPU cores: `:small` about 45 min (25 programs, each compiled once per prompt-length bucket).
+"""
+
+from configs import bench_peers, common
+
+GAMMAS = (1, 2, 3, 4)
+
+
+def get_config(arg=None):
+  if arg not in (None, "", "small"):
+    raise ValueError(f"configs/adaptive_vs_fixed.py takes no argument or 'small', got {arg!r}")
+  small = arg == "small"
+  config = common.spec_bench_run(per_category=1 if small else 2, max_new_tokens=64 if small else 128, repeats=2,
+                                 model=bench_peers.MODEL)
+  methods = [{"name": "autoregressive"}]
+  for method in bench_peers.drafter_methods():
+    methods.append({**method, "adaptive": True, "gamma": max(GAMMAS)})
+    methods += [{**method, "name": f"{method['name']}_g{gamma}", "adaptive": False, "gamma": gamma}
+                for gamma in GAMMAS]
+  config.methods = tuple(methods)
+  return config
