@@ -258,7 +258,10 @@ class LlamaCppPeer:
                n_threads: int, n_ctx: int):
     import llama_cpp
     self.name, self.tokenizer, self.stop_ids, self.gamma, self.n_ctx = name, tokenizer, tuple(stop_ids), gamma, n_ctx
-    self.llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, draft_model=draft, verbose=False)
+    # With a draft, llama.cpp keeps the logits of every position, but llama-cpp-python sizes that buffer from the
+    # `logits_all` argument (n_batch rows unless it is set), so a prompt longer than n_batch overflowed it.
+    self.llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, draft_model=draft, logits_all=draft is not None,
+                               verbose=False)
     self._forwards: list[Forward] = []
     evaluate = self.llm.eval
 
