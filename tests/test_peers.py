@@ -4,6 +4,7 @@ reason where it is not installed, and configs/bench_peers.py loads."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -156,6 +157,30 @@ def test_runner_times_peers_and_reports_their_agreement(tiny_chat_dir, tmp_path,
       (b, m) for b in (0, 1) for m in ("autoregressive", "hf_autoregressive")]
   table = (tmp_path / "results.md").read_text()
   assert "| hf_autoregressive |" in table and "| method | equal rows | tokens until first divergence |" in table
+
+
+def test_a_peer_that_disagrees_is_reported_not_failed(tiny_chat_dir, tmp_path, monkeypatch):
+  """llama.cpp's quantized kernels flip near ties: a peer's greedy tokens may differ from specjax's. That is its
+  agreement, not a lossless failure, and the run completes."""
+  generate = peers.HFPeer.generate
+
+  def flipped(self, prompts, max_new_tokens):  # the last token of every row changed
+    out = generate(self, prompts, max_new_tokens)
+    return dataclasses.replace(out, tokens=[row[:-1] + [row[-1] + 1] for row in out.tokens])
+  monkeypatch.setattr(peers.HFPeer, "generate", flipped)
+  config = quickstart.get_config()
+  config.model = tiny_chat_dir
+  config.max_new_tokens = 4
+  config.prompts.categories = ("qa",)
+  config.methods = ({"name": "autoregressive"},
+                    {"name": "hf_autoregressive", "peer": "hf_autoregressive", "options": {"threads": 1}})
+  results = run.run(config, str(tmp_path), name="peers")
+  summary = results["summary"]
+  assert summary["all_lossless"] is True and not summary["lossless_failures"]
+  assert summary["methods"]["hf_autoregressive"]["equal_rows"] == 0.0
+  assert 0.0 <= summary["methods"]["hf_autoregressive"]["agreement"] < 1.0
+  assert all(r["matches_baseline"] is None for r in results["records"] if r["method"] == "hf_autoregressive")
+  assert "LOSSLESS CHECK FAILED" not in (tmp_path / "results.md").read_text()
 
 
 @pytest.mark.parametrize("arg, prompts, max_new_tokens", [(None, 26, 128), ("small", 13, 64)])
