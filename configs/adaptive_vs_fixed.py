@@ -12,7 +12,10 @@ interleaved per prompt, two repeats. results.md's "Adaptive against fixed draft 
 drafter's adaptive speedup beside its best and worst fixed one. Greedy, batch 1; every output is checked token for
 token against autoregressive decoding.
 
-Time on 2 CPU cores: `:small` about 45 min (25 programs, each compiled once per prompt-length bucket).
+Time on 2 CPU cores: `:small` on its 10 categories with prompts under 128 tokens
+(`--config.prompts.categories=...`, results/adaptive_vs_fixed/) took 42 min, about 25 of them compiling the 31
+methods' programs for 3 shape buckets; the long prompts of extraction, summarization and rag add two buckets (about
+20 min more).
 """
 
 from configs import bench_peers, common
