@@ -3,8 +3,15 @@
 Both rules run inside the compiled loop (no host sync):
 
 1. Per-row early stop (Kangaroo, Liu et al. 2024; EAGLE-2, Li et al. 2024): a row stops drafting at the first
-   slot where the draft's top probability falls below `min_confidence`, and its later slots are never
-   accepted. The confidence at slot i is a function of the tokens before slot i only (never of the token
+   slot i where its joint confidence, the product of the draft's top probabilities over slots 1..i (EAGLE-2's
+   path value: about the chance that drafts 1..i are all accepted), falls below that slot's bar, and its later
+   slots are never accepted. The bars follow from the costs (`confidence_bars`): slot i is kept when the tokens
+   it is expected to add pay for its draft step and for the wider verification it needs at the rate the round
+   achieves, joint_i >= rate x (c + v(i) - v(i - 1)), rate being the plan's expected tokens per unit of cost
+   (rule 2). Where verifying one more token is nearly free and a draft step cheap (a CPU at batch 1: c = 0.01-0.2,
+   a 2-token forward costs a 1-token one), a first draft pays from a confidence of ~0.05-0.2 on; at batch 8, or
+   with a dear draft, the bar rises with the cost. `AdaptiveDrafting(min_confidence=x)` sets one bar x for every
+   slot instead. The confidence at slot i is a function of the tokens before slot i only (never of the token
    drawn there), so whether slot i is drafted is decided before x_i is drawn: every emitted token still
    follows the target (an undrafted slot is verified with q = 0, i.e. drawn from p, as the bonus token is).
 2. A draft budget per round (Leviathan et al. 2023, section 3.4, "optimal gamma", extended to rows that stop
@@ -56,6 +63,7 @@ Both rules run inside the compiled loop (no host sync):
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 
 import jax
@@ -103,7 +111,9 @@ def forward_cost(points: tuple[tuple[int, float], ...], rows: int) -> float:
 @dataclasses.dataclass(frozen=True)
 class AdaptiveDrafting:
   """Options of adaptive drafting (see the module docstring); `specjax.generate(..., adaptive=...)`."""
-  min_confidence: float = 0.5  # a row stops drafting below this top draft probability (Kangaroo: 0.6); 0: never
+  # None: per-slot bars on the joint draft confidence from the costs (`confidence_bars`); a float: one bar for every
+  # slot (0: rows never stop early; Kangaroo stops at 0.6, on the top probability of each slot alone)
+  min_confidence: float | None = None
   draft_cost: float | None = None  # c; None: the drafter's own estimate (`Drafter.draft_cost`)
   # f(n): a target forward over n rows (batch x tokens) over a 1-row one, as (n, f) points (see the docstring);
   # None: `default_forward_costs()` for the backend
@@ -116,7 +126,7 @@ class AdaptiveDrafting:
   catch_up: int = 8
 
   def __post_init__(self):
-    if not 0.0 <= self.min_confidence <= 1.0:
+    if self.min_confidence is not None and not 0.0 <= self.min_confidence <= 1.0:
       raise ValueError(f"min_confidence must be in [0, 1], got {self.min_confidence}")
     if self.draft_cost is not None and not self.draft_cost >= 0.0:
       raise ValueError(f"draft_cost must be >= 0 (a draft step's cost over a target step), got {self.draft_cost}")
@@ -143,7 +153,7 @@ class AdaptiveDrafting:
 class Plan:
   """What the compiled loop needs (static): the costs of a round's parts in plain target steps at this batch size,
   and the estimator's settings."""
-  min_confidence: float
+  min_confidence: float | None  # one bar on the joint confidence for every slot; None: from the costs
   draft_cost: float  # c: one draft step
   plain_cost: float  # a round that does not draft: one target step plus its share of the drafter's catch-up
   widths: tuple[int, ...]  # the compiled verification widths (`verify_widths`)
@@ -158,6 +168,14 @@ class Plan:
   @property
   def gamma(self) -> int:
     return self.widths[-1] - 1
+
+  @property
+  def slot_costs(self) -> tuple[float, ...]:
+    """What keeping draft slot i = 1..G adds to a round: its draft step and the verification's widening from the
+    width that holds i - 1 drafts to the one that holds i (0 within one compiled width)."""
+    width = lambda drafted: bisect.bisect_left(self.widths, drafted + 1)  # noqa: E731 (as `width_index`)
+    return tuple(self.draft_cost + self.verify_costs[width(i)] - self.verify_costs[width(i - 1)]
+                 for i in range(1, self.gamma + 1))
 
   @property
   def round_costs(self) -> tuple[float, ...]:
@@ -252,3 +270,17 @@ def draft_length(plan: Plan, acceptance: Acceptance) -> jax.Array:
   """gamma* in 0..G: the draft budget with the most expected tokens per unit of cost (0: a plain step)."""
   tokens, cost = expected_rounds(plan, acceptance.alpha(plan), acceptance.continues())
   return jnp.argmax(tokens / cost).astype(jnp.int32)
+
+
+def confidence_bars(plan: Plan, acceptance: Acceptance) -> jax.Array:
+  """[G] the joint confidence (product of the draft's top probabilities over slots 1..i) a row needs to keep slot i.
+
+  A kept slot adds about its joint confidence in tokens (the chance drafts 1..i are all accepted) and costs
+  `Plan.slot_costs[i]`; it pays when it adds tokens at least at the rate the round is expected to achieve, the
+  plan's best tokens per unit of cost (`expected_rounds`; both per row, so at batch B the slot's cost counts as
+  shared by rows that keep it alike). `plan.min_confidence` (not None) is one bar for every slot instead.
+  """
+  if plan.min_confidence is not None:
+    return jnp.full((plan.gamma,), plan.min_confidence, jnp.float32)
+  tokens, cost = expected_rounds(plan, acceptance.alpha(plan), acceptance.continues())
+  return jnp.max(tokens / cost) * jnp.asarray(plan.slot_costs, jnp.float32)

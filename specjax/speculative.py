@@ -30,7 +30,8 @@ import numpy as np
 from flax import struct
 
 from specjax import compilation, control, distributed, sharding
-from specjax.adaptive import Acceptance, AdaptiveDrafting, Plan, draft_length, make_plan, verify_widths, width_index
+from specjax.adaptive import (Acceptance, AdaptiveDrafting, Plan, confidence_bars, draft_length, make_plan,
+                              verify_widths, width_index)
 from specjax.drafters import Drafter, DraftInputs, PromptInfo, Proposal, RoundResult, keep_state
 from specjax.decoding import (Output, decode_draft_params, decode_outputs, describe_shapes, is_stop, place_on_mesh,
                               prefill, prepare_batch)
@@ -250,14 +251,14 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
   return tokens, num_generated, {"rounds": s.rounds, **dataclasses.asdict(s.counts)}
 
 
-def _draft_inputs(s: SpecState, key, budget, min_confidence: float) -> DraftInputs:
+def _draft_inputs(s: SpecState, key, budget, min_confidence) -> DraftInputs:
   return DraftInputs(sequence=s.sequence, position=s.position, target_cache=s.cache, key=key,
                      budget=jnp.asarray(budget), min_confidence=min_confidence)
 
 
 def _propose(params, draft_params, drafter: Drafter, s: SpecState, key, gamma: int, budget, plan, sampling):
   """The drafter's proposal of up to `budget` (>= 1) tokens, with lengths and steps filled in."""
-  inputs = _draft_inputs(s, key, budget, plan.min_confidence if plan else 0.0)
+  inputs = _draft_inputs(s, key, budget, confidence_bars(plan, s.acceptance) if plan else 0.0)
   proposal = drafter.propose(params, draft_params, drafter.options, s.draft_state, inputs, gamma, sampling)
   return proposal._replace(
       lengths=jnp.full(s.position.shape, gamma, jnp.int32) if proposal.lengths is None else proposal.lengths,

@@ -12,8 +12,8 @@ import pytest
 
 import specjax
 from specjax import speculative, verify
-from specjax.adaptive import (Acceptance, AdaptiveDrafting, Plan, draft_length, expected_rounds, make_plan,
-                              verify_widths)
+from specjax.adaptive import (Acceptance, AdaptiveDrafting, Plan, confidence_bars, draft_length, expected_rounds,
+                              make_plan, verify_widths)
 from specjax.decoding import prefill
 from specjax.drafters import DraftInputs, PromptInfo
 from specjax.model import init_cache
@@ -36,14 +36,9 @@ def early_exits(target):
                                scale=0.1)}
 
 
-@pytest.mark.parametrize("budget", [3, 2, 1])
-@pytest.mark.parametrize("name", ["exit", "adapter"])
-def test_verify_reusing_the_draft_layers_equals_the_plain_verify(name, budget, random_target):
-  """Ragged rows, the draft run for `budget` of gamma=3 steps: equal logits at every slot verification reads
-  (pending .. x_budget), equal layer-k features, equal K/V in the cache over those positions."""
-  target, gamma = random_target, 3
-  drafter = early_exits(target)[name]
-  assert drafter.reuse_layers == 2
+def drafting_start(target, drafter):
+  """The state a drafter proposes from after the target's prefill of 4 ragged prompts: (drafter state, sequence,
+  lengths, target cache)."""
   prompts = ragged_prompts(target.config.vocab_size)
   width = max(map(len, prompts))
   tokens = jnp.asarray([p + [0] * (width - len(p)) for p in prompts], jnp.int32)
@@ -55,8 +50,20 @@ def test_verify_reusing_the_draft_layers_equals_the_plain_verify(name, budget, r
   prompt = PromptInfo(tokens=tokens, lengths=lengths, first_token=sequence[rows, lengths], last_hidden=last_hidden,
                       features=jnp.stack([out.layer_hidden[i] for i in drafter.feature_layers], axis=2)
                       if drafter.feature_layers else None, cache_len=64)
-  state = drafter.init(target.params, drafter.params, drafter.options, prompt)
-  inputs = DraftInputs(sequence=sequence, position=lengths, target_cache=out.cache, key=jax.random.PRNGKey(0),
+  return drafter.init(target.params, drafter.params, drafter.options, prompt), sequence, lengths, out.cache
+
+
+@pytest.mark.parametrize("budget", [3, 2, 1])
+@pytest.mark.parametrize("name", ["exit", "adapter"])
+def test_verify_reusing_the_draft_layers_equals_the_plain_verify(name, budget, random_target):
+  """Ragged rows, the draft run for `budget` of gamma=3 steps: equal logits at every slot verification reads
+  (pending .. x_budget), equal layer-k features, equal K/V in the cache over those positions."""
+  target, gamma = random_target, 3
+  drafter = early_exits(target)[name]
+  assert drafter.reuse_layers == 2
+  state, sequence, lengths, cache = drafting_start(target, drafter)
+  rows = jnp.arange(4)
+  inputs = DraftInputs(sequence=sequence, position=lengths, target_cache=cache, key=jax.random.PRNGKey(0),
                        budget=jnp.asarray(budget, jnp.int32))
   proposal = drafter.propose(target.params, drafter.params, drafter.options, state, inputs, gamma, SamplingParams())
   assert int(proposal.steps) == budget
@@ -113,6 +120,43 @@ def test_reusing_the_draft_layers_decodes_the_same_tokens(name, temperature, ada
     assert reused.tokens == specjax.generate(target, prompts, max_new_tokens=16, stop_ids=[]).tokens
 
 
+@pytest.mark.parametrize("name", ["layer_skip", "mtp_parallel", "mtp_sequential"])
+def test_rows_keep_draft_slots_while_their_joint_confidence_clears_the_bars(name, random_target):
+  """Per-slot bars on the joint confidence (the product of the top draft probabilities so far) in each of the three
+  drafting loops (the shared one, parallel heads, sequential modules): a row keeps the leading slots whose joint
+  confidence is at or above the slot's bar, and what it keeps is the draft it would have made without bars."""
+  target, gamma = random_target, 4
+  drafter = {"layer_skip": specjax.make_drafter("layer_skip", target, exit_layer=2),
+             "mtp_parallel": perturbed(specjax.make_drafter("mtp_parallel", target, path=None, num_heads=gamma)),
+             "mtp_sequential": perturbed(specjax.make_drafter("mtp_sequential", target, path=None, depth=gamma))}[name]
+  state, sequence, lengths, cache = drafting_start(target, drafter)
+
+  def propose(bars):
+    inputs = DraftInputs(sequence=sequence, position=lengths, target_cache=cache, key=jax.random.PRNGKey(0),
+                         min_confidence=bars)
+    return drafter.propose(target.params, drafter.params, drafter.options, state, inputs, gamma,
+                           SamplingParams(temperature=1.0))
+
+  full = propose(0.0)
+  assert np.asarray(full.lengths).tolist() == [gamma] * 4
+  confidences = np.max(np.asarray(full.probs), axis=-1)  # [B, gamma]: q's top probability, as `confidence` reads it
+  joint = np.cumprod(confidences, axis=1)
+
+  def leading(kept):
+    return np.cumprod(kept, axis=1).sum(axis=1).tolist()
+
+  # Bars at which rows stop at different slots, and at which a slot's own confidence would keep another length
+  # than the joint one: the per-slot medians of the joint confidence, or else one bar for every slot.
+  candidates = [np.median(joint, axis=0)] + [np.full(gamma, b) for b in np.linspace(0.05, 0.6, 12)]
+  bars = next(b for b in candidates if len(set(leading(joint >= b))) > 1
+              and leading(joint >= b) != leading(confidences >= b))
+  expected = leading(joint >= bars)
+  out = propose(jnp.asarray(bars, jnp.float32))
+  assert np.asarray(out.lengths).tolist() == expected
+  for row, n in enumerate(expected):
+    assert np.asarray(out.tokens)[row, :n].tolist() == np.asarray(full.tokens)[row, :n].tolist()
+
+
 def test_only_early_exits_reuse_layers(random_target):
   assert specjax.make_drafter("layer_skip", random_target, skip_layers=[1]).reuse_layers == 0
   assert specjax.make_drafter("layer_skip", random_target, exit_layer=3).reuse_layers == 3
@@ -122,7 +166,7 @@ def test_only_early_exits_reuse_layers(random_target):
 
 
 def plan(draft_cost, verify_costs, rows=1, prior_alpha=0.5, memory=0.9, gamma=4, refill_cost=0.0) -> Plan:
-  return Plan(min_confidence=0.5, draft_cost=draft_cost, plain_cost=1.0, widths=verify_widths(gamma),
+  return Plan(min_confidence=None, draft_cost=draft_cost, plain_cost=1.0, widths=verify_widths(gamma),
               verify_costs=tuple(verify_costs), refill_cost=refill_cost, rows=rows, prior_alpha=prior_alpha,
               memory=memory, plain_memory=memory, catch_up=1)
 
@@ -146,6 +190,25 @@ def test_draft_length_is_leviathans_optimum_and_falls_back_to_plain_steps():
   alpha = (70 + 0.5) / (100 + 1)
   expected = [sum(alpha ** i for i in range(g + 1)) / c for g, c in enumerate(middle.round_costs)]
   assert int(draft_length(middle, evidence(70, 100))) == int(np.argmax(expected)) not in (0, 4)
+
+
+def test_confidence_bars_charge_each_slot_its_draft_step_and_widening_at_the_rounds_rate():
+  """Slot i's bar is the round's best expected tokens per unit of cost times what keeping slot i adds: its draft
+  step and the widening of the verification (widths 1, 2, 5 for gamma 4: slot 1 widens 1 -> 2, slot 2 2 -> 5,
+  slots 3 and 4 fit in 5)."""
+  p = plan(0.05, (1.0, 1.02, 1.2))
+  assert p.slot_costs == pytest.approx((0.05 + 0.02, 0.05 + 0.18, 0.05, 0.05))
+  seen = evidence(60, 100)
+  tokens, cost = expected_rounds(p, seen.alpha(p), seen.continues())
+  rate = float(np.max(np.asarray(tokens) / np.asarray(cost)))
+  assert rate > 1.0  # drafting pays at alpha 0.6
+  np.testing.assert_allclose(confidence_bars(p, seen), rate * np.asarray(p.slot_costs), rtol=1e-6)
+  # A first draft pays from a low confidence where a 2-token forward is nearly free and a draft step cheap ...
+  assert float(confidence_bars(p, seen)[0]) < 0.15
+  # ... and needs a confident draft where the wider forward is dear (batch 8 on a CPU: f(16) / f(8) ~ 1.37).
+  assert float(confidence_bars(plan(0.05, (1.0, 1.37, 2.7), rows=8), seen)[0]) > 0.4
+  # One bar for every slot when it is set.
+  np.testing.assert_allclose(confidence_bars(dataclasses.replace(p, min_confidence=0.3), seen), [0.3] * 4, rtol=1e-6)
 
 
 def test_expected_rounds_match_a_simulation_of_early_stopping_rows():

@@ -8,6 +8,7 @@ accepted draft, a correction from the residual, or the bonus token), so every br
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import jax
@@ -129,6 +130,15 @@ def test_speculative_sampling_with_fixed_gamma_matches_the_target_distribution(d
   samples, s = speculative_samples(target, draft, SETTINGS[1], drafter=drafter, adaptive=False)
   assert s["plain_steps"] == 0 and sum(s["proposed_per_row"]) == 3 * sum(s["rounds_per_row"])
   assert chi_square_pvalue(samples, exact_joint(target, SETTINGS[1])) > 1e-3
+
+
+def test_speculative_sampling_with_bars_from_the_costs_matches_the_target_distribution(target, draft):
+  """The default bars: per slot, from the costs and the running acceptance (they move from round to round)."""
+  costs = dataclasses.replace(ADAPTIVE, min_confidence=None)
+  samples, s = speculative_samples(target, draft, SETTINGS[0], adaptive=costs)
+  assert sum(s["accepted_per_row"]) >= 300 and sum(s["rejections_per_row"]) >= 300
+  assert len(set(s["proposed_per_row"])) >= 2  # rows stopped at different slots
+  assert chi_square_pvalue(samples, exact_joint(target, SETTINGS[0])) > 1e-3
 
 
 def test_adaptive_rounds_mix_draft_lengths(target, draft):

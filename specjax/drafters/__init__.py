@@ -11,8 +11,8 @@ skip runs the target's layers and owns nothing; an MTP head owns its head and re
   propose(target_params, params, options, state, inputs: DraftInputs, gamma, sampling) -> Proposal
       up to gamma draft tokens (gamma is static, the buffers' width) and, when sampling, their processed draft
       distributions q. A drafter may draft fewer: at most `inputs.budget` (the engine's choice this round),
-      and a row may stop early when the draft is unsure (`inputs.min_confidence`); `Proposal.lengths` says
-      how many slots each row drafted, and later slots are never accepted.
+      and a row may stop early when the draft is unsure (its joint confidence below `inputs.min_confidence`,
+      see `keeps`); `Proposal.lengths` says how many slots each row drafted, and later slots are never accepted.
   update(target_params, params, options, state, result: RoundResult) -> state
       after verification, given each row's accepted length and the target's hidden states at the verified
       positions (what MTP heads draft from). Also after rounds in which the drafter did not run
@@ -66,7 +66,8 @@ class DraftInputs:
   target_cache: KVCache  # drafters that share the target's cache (layer skip) read and write it
   key: jax.Array
   budget: jax.Array | None = None  # scalar in 1..gamma: draft at most this many tokens (None: gamma)
-  min_confidence: jax.Array | float = 0.0  # a row stops drafting at a slot whose top draft probability is below
+  # The bar on the joint confidence at each slot, [gamma] or one for all (`keeps`); 0: rows never stop early
+  min_confidence: jax.Array | float = 0.0
 
 
 class Proposal(NamedTuple):
@@ -160,10 +161,22 @@ def confidence(logits: jax.Array, q: jax.Array | None) -> jax.Array:
   return 1.0 / jnp.sum(jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)), axis=-1)
 
 
+def keeps(joint: jax.Array, inputs: DraftInputs, slot, gamma: int) -> jax.Array:
+  """Whether rows whose joint confidence at `slot` (0-based) is `joint` [B] keep it: at or above its bar.
+
+  The joint confidence at slot i is the product of the draft's top probabilities (`confidence`) over slots
+  0..i, about the chance that drafts 0..i are all accepted (EAGLE-2's path value). `inputs.min_confidence` is
+  the bar: one for every slot, or one per slot [gamma] (`specjax.adaptive.confidence_bars`).
+  """
+  bars = jnp.broadcast_to(jnp.asarray(inputs.min_confidence, jnp.float32), (gamma,))
+  return joint >= bars[slot]
+
+
 def draft_lengths(confidences: jax.Array, inputs: DraftInputs, gamma: int) -> jax.Array:
-  """[B] leading slots of confidences [B, gamma] at or above `inputs.min_confidence`, at most the budget."""
+  """[B] leading slots kept (`keeps`) from the top probabilities [B, gamma] of a whole draft, at most the budget."""
   budget = gamma if inputs.budget is None else inputs.budget
-  confident = (confidences >= inputs.min_confidence) & (jnp.arange(gamma)[None, :] < budget)
+  joint = jnp.cumprod(confidences.astype(jnp.float32), axis=1)
+  confident = keeps(joint, inputs, jnp.arange(gamma)[None, :], gamma) & (jnp.arange(gamma)[None, :] < budget)
   return jnp.sum(jnp.cumprod(confident.astype(jnp.int32), axis=1), axis=1)
 
 
@@ -197,25 +210,26 @@ def draft_tokens(step, cache, inputs: DraftInputs, gamma: int, sampling: Samplin
   buffers = (jnp.zeros((batch, gamma), jnp.int32),
              None if q is None else jnp.zeros((batch, gamma) + q.shape[1:], q.dtype),
              jnp.zeros((batch, gamma) + hidden.shape[1:], hidden.dtype) if keep_hidden else None)
-  active = sure >= inputs.min_confidence
+  active = keeps(sure, inputs, 0, gamma)
   lengths = active.astype(jnp.int32)
-  carry = (jnp.ones((), jnp.int32), cache, token, active, lengths, write(buffers, 0, token, q, hidden))
+  carry = (jnp.ones((), jnp.int32), cache, token, sure, active, lengths, write(buffers, 0, token, q, hidden))
 
   def more(carry):
-    i, _, _, active, _, _ = carry
+    i, _, _, _, active, _, _ = carry
     return (i < budget) & jnp.any(active)
 
   def one(carry):
-    i, cache, token, active, lengths, buffers = carry
+    i, cache, token, joint, active, lengths, buffers = carry
     logits, hidden, cache = step(cache, token[:, None], inputs.position + i)
     nxt, q, sure = choose(logits, keys[i])
-    active = active & (sure >= inputs.min_confidence)
-    return i + 1, cache, nxt, active, lengths + active, write(buffers, i, nxt, q, hidden)
+    joint = joint * sure
+    active = active & keeps(joint, inputs, i, gamma)
+    return i + 1, cache, nxt, joint, active, lengths + active, write(buffers, i, nxt, q, hidden)
 
   if gamma == 1:  # static: no loop at all (what a single step costs, e.g. for specjax.roofline's byte count)
-    steps, cache, _, _, lengths, (tokens, probs, hiddens) = carry
+    steps, cache, _, _, _, lengths, (tokens, probs, hiddens) = carry
   else:
-    steps, cache, _, _, lengths, (tokens, probs, hiddens) = jax.lax.while_loop(more, one, carry)
+    steps, cache, _, _, _, lengths, (tokens, probs, hiddens) = jax.lax.while_loop(more, one, carry)
   return Proposal(tokens=tokens, probs=probs, state=None, target_cache=cache, lengths=lengths, steps=steps,
                   hidden=hiddens)
 

@@ -40,7 +40,7 @@ import numpy as np
 from specjax.config import ModelConfig, rope_inv_freq
 from specjax import cpu_kernels, leviathan
 from specjax.drafters import (Drafter, DraftInputs, PromptInfo, Proposal, RoundResult, choose_tokens, confidence,
-                              draft_head)
+                              draft_head, keeps)
 from specjax.model import (ParamSpec, apply_rope, attend as causal_attend, embed, merge_heads, mlp_block,
                            project_heads, rms_norm)
 from specjax.sampling import SamplingParams
@@ -224,14 +224,16 @@ def propose(target_params, params, options: Options, state, inputs: DraftInputs,
     return (*choose(hidden, keys[step - 1]), hidden, k_all.at[m].set(k_cache), v_all.at[m].set(v_cache))
 
   token, q, sure = choose(state["hidden"], keys[0])
-  tokens, probs, active = [token], [q], sure >= inputs.min_confidence
+  tokens, probs, joint = [token], [q], sure
+  active = keeps(joint, inputs, 0, gamma)
   lengths, steps = active.astype(jnp.int32), jnp.ones((), jnp.int32)
   carry = (token, q, sure, state["hidden"], state["k"], state["v"])
   for step in range(2, gamma + 1):
     go = (step <= budget) & jnp.any(active)  # no module runs once every row has stopped
     carry = jax.lax.cond(go, functools.partial(advance, step), lambda carry: carry, carry)
     token, q, sure = carry[:3]
-    active = active & go & (sure >= inputs.min_confidence)
+    joint = joint * sure
+    active = active & go & keeps(joint, inputs, step - 1, gamma)
     lengths, steps = lengths + active, steps + go
     tokens.append(token)
     probs.append(q)
