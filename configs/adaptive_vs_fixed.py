@@ -2,6 +2,7 @@ r"""Adaptive drafting against every fixed draft length, per drafter, in one run.
 
   python -m experiments.run --config=configs/adaptive_vs_fixed.py:small   # 1 prompt x 13 categories, 64 tokens
   python -m experiments.run --config=configs/adaptive_vs_fixed.py         # 2 prompts x 13 categories, 128 tokens
+  python -m experiments.run --config=configs/adaptive_vs_fixed.py:small,g1,g2   # fixed gamma 1 and 2 only
 
 Each of specjax's drafters (configs/bench_peers.py's: prompt lookup, the untrained early exit after layer 24, the
 shipped MTP heads, distilled draft model and exit adapter) runs with adaptive drafting (the library default:
@@ -24,15 +25,20 @@ GAMMAS = (1, 2, 3, 4)
 
 
 def get_config(arg=None):
-  if arg not in (None, "", "small"):
-    raise ValueError(f"configs/adaptive_vs_fixed.py takes no argument or 'small', got {arg!r}")
-  small = arg == "small"
+  variants = {a.strip() for a in (arg or "").split(",") if a.strip()}
+  allowed = {"small"} | {f"g{gamma}" for gamma in GAMMAS}
+  if variants - allowed:
+    raise ValueError(f"configs/adaptive_vs_fixed.py takes a comma-separated subset of {', '.join(sorted(allowed))} "
+                     f"('small': 1 prompt per category and 64 tokens; 'g<gamma>': only these fixed draft lengths), "
+                     f"got {arg!r}")
+  small = "small" in variants
+  gammas = [gamma for gamma in GAMMAS if f"g{gamma}" in variants] or GAMMAS
   config = common.spec_bench_run(per_category=1 if small else 2, max_new_tokens=64 if small else 128, repeats=2,
                                  model=bench_peers.MODEL)
   methods = [{"name": "autoregressive"}]
   for method in bench_peers.drafter_methods():
     methods.append({**method, "adaptive": True, "gamma": max(GAMMAS)})
     methods += [{**method, "name": f"{method['name']}_g{gamma}", "adaptive": False, "gamma": gamma}
-                for gamma in GAMMAS]
+                for gamma in gammas]
   config.methods = tuple(methods)
   return config

@@ -2,18 +2,23 @@
 
 Both rules run inside the compiled loop (no host sync):
 
-1. Per-row early stop (Kangaroo, Liu et al. 2024; EAGLE-2, Li et al. 2024): a row stops drafting at the first
-   slot i where its joint confidence, the product of the draft's top probabilities over slots 1..i (EAGLE-2's
-   path value: about the chance that drafts 1..i are all accepted), falls below that slot's bar, and its later
-   slots are never accepted. The bars follow from the costs (`confidence_bars`): slot i is kept when the tokens
-   it is expected to add pay for its draft step and for the wider verification it needs at the rate the round
-   achieves, joint_i >= rate x (c + v(i) - v(i - 1)), rate being the plan's expected tokens per unit of cost
-   (rule 2). Where verifying one more token is nearly free and a draft step cheap (a CPU at batch 1: c = 0.01-0.2,
-   a 2-token forward costs a 1-token one), a first draft pays from a confidence of ~0.05-0.2 on; at batch 8, or
-   with a dear draft, the bar rises with the cost. `AdaptiveDrafting(min_confidence=x)` sets one bar x for every
-   slot instead. The confidence at slot i is a function of the tokens before slot i only (never of the token
-   drawn there), so whether slot i is drafted is decided before x_i is drawn: every emitted token still
-   follows the target (an undrafted slot is verified with q = 0, i.e. drawn from p, as the bonus token is).
+1. Per-row early stop (Kangaroo, Liu et al. 2024; EAGLE-2, Li et al. 2024) on a row's joint confidence at slot i,
+   the product of the draft's top probabilities over slots 1..i (EAGLE-2's path value: about the chance that
+   drafts 1..i are all accepted), against two bars per slot that follow from the costs (`confidence_bars`), rate
+   being the plan's expected tokens per unit of cost (rule 2):
+     keep slot i       joint_i >= rate x (v(i) - v(i - 1)): the tokens it is expected to add pay for the wider
+                       verification it needs (its draft step has run already);
+     draft slot i + 1  joint_i x alpha >= rate x (c + v(i + 1) - v(i)): the expected joint confidence of the
+                       next slot pays for its draft step and its widening (alpha: the running acceptance).
+   A row keeps its leading slots while both hold; later slots are never accepted. Where verifying one more
+   token is nearly free (a CPU at batch 1: a 2-token forward costs a 1-token one) every first draft is kept, and
+   a row drafts a second token only when its first is confident enough to pay for a draft step (c = 0.01-0.2)
+   and the 5-token verification; at batch 8, or with a dear draft, the bars rise with the costs.
+   `AdaptiveDrafting(min_confidence=x)` sets both bars to x at every slot instead (a row stops at the first slot
+   whose joint confidence is below x). The confidence at slot i is a function of the tokens before slot i only
+   (never of the token drawn there), so whether slot i is drafted is decided before x_i is drawn: every emitted
+   token still follows the target (an undrafted slot is verified with q = 0, i.e. drawn from p, as the bonus
+   token is).
 2. A draft budget per round (Leviathan et al. 2023, section 3.4, "optimal gamma", extended to rows that stop
    early): with alpha the running acceptance of drafted tokens and d the running chance that a row drafts its next
    slot (rule 1 stops it otherwise), a row commits E = sum_{i=0..gamma} (d alpha)^i tokens in a round with budget
@@ -46,9 +51,10 @@ Both rules run inside the compiled loop (no host sync):
                memory-bound far beyond these row counts); pass measured points for another machine or a large
                batch. A drafter that reuses the target's first k layers
                (`Drafter.reuse_layers`) has run them for every position its verification reads but the
-               last drafted token when the draft stopped at its budget (a draft that stopped because every
-               row was unsure ran them one step further), so its verification costs (1 - s) v(gamma), plus
-               s when the longest draft reached the budget, s being their share of the weights.
+               last drafted token when the longest draft kept its last step's token (a draft whose every row
+               dropped the last step's token ran them one step further), so its verification costs
+               (1 - s) v(gamma), plus s when a row drafted (the last step's token is nearly always kept), s being
+               their share of the weights.
    With d = 1 (no row stops early) this is Leviathan's fixed round, gamma c + v(gamma). Counting early stops
    matters: alpha alone describes only the rows that drafted, so at batch 4 with most rows stopping at once, a
    plan from alpha alone verified a wide forward for one or two confident rows and lost 10-13% against
@@ -112,7 +118,8 @@ def forward_cost(points: tuple[tuple[int, float], ...], rows: int) -> float:
 class AdaptiveDrafting:
   """Options of adaptive drafting (see the module docstring); `specjax.generate(..., adaptive=...)`."""
   # None: per-slot bars on the joint draft confidence from the costs (`confidence_bars`); a float: one bar for every
-  # slot (0: rows never stop early; Kangaroo stops at 0.6, on the top probability of each slot alone)
+  # slot, to keep it and to draft the next (0: rows never stop early; Kangaroo stops at 0.6, on the top probability
+  # of each slot alone)
   min_confidence: float | None = None
   draft_cost: float | None = None  # c; None: the drafter's own estimate (`Drafter.draft_cost`)
   # f(n): a target forward over n rows (batch x tokens) over a 1-row one, as (n, f) points (see the docstring);
@@ -170,12 +177,11 @@ class Plan:
     return self.widths[-1] - 1
 
   @property
-  def slot_costs(self) -> tuple[float, ...]:
-    """What keeping draft slot i = 1..G adds to a round: its draft step and the verification's widening from the
-    width that holds i - 1 drafts to the one that holds i (0 within one compiled width)."""
+  def widening_costs(self) -> tuple[float, ...]:
+    """What draft slot i = 1..G adds to a round's verification: the widening from the width that holds i - 1
+    drafts to the one that holds i (0 within one compiled width)."""
     width = lambda drafted: bisect.bisect_left(self.widths, drafted + 1)  # noqa: E731 (as `width_index`)
-    return tuple(self.draft_cost + self.verify_costs[width(i)] - self.verify_costs[width(i - 1)]
-                 for i in range(1, self.gamma + 1))
+    return tuple(self.verify_costs[width(i)] - self.verify_costs[width(i - 1)] for i in range(1, self.gamma + 1))
 
   @property
   def round_costs(self) -> tuple[float, ...]:
@@ -247,7 +253,9 @@ def expected_rounds(plan: Plan, alpha, continues):
   step while any of the B rows still drafts, and a verification over the narrowest compiled width that holds the
   longest draft: P(some row drafts >= k) = 1 - (1 - continues^k)^B. With continues = 1 this is Leviathan's fixed
   round, gamma c + v(gamma + 1). A drafter that reuses the target's first layers runs them for its last draft in
-  the verification when the longest draft reached the budget (`refill_cost`, P = P(longest >= gamma)).
+  the verification when a row drafted (`refill_cost`, P = P(longest >= 1)): the draft loop ends at the step whose
+  token the longest row kept, unless every row dropped that token at its keep bar (rare: the keep bars are 0
+  within a compiled width).
   """
   gamma = plan.gamma
   gammas = jnp.arange(gamma + 1)
@@ -262,7 +270,7 @@ def expected_rounds(plan: Plan, alpha, continues):
     below_hi = some_row[hi] if hi <= gamma else 0.0
     reach = jnp.where(gammas >= lo, some_row[lo], 0.0) - jnp.where(gammas >= hi, below_hi, 0.0)
     verify = verify + reach * plan.verify_costs[i]
-  cost = jnp.where(gammas == 0, plan.plain_cost, steps * plan.draft_cost + verify + plan.refill_cost * some_row)
+  cost = jnp.where(gammas == 0, plan.plain_cost, steps * plan.draft_cost + verify + plan.refill_cost * some_row[1])
   return tokens, cost
 
 
@@ -272,15 +280,23 @@ def draft_length(plan: Plan, acceptance: Acceptance) -> jax.Array:
   return jnp.argmax(tokens / cost).astype(jnp.int32)
 
 
-def confidence_bars(plan: Plan, acceptance: Acceptance) -> jax.Array:
-  """[G] the joint confidence (product of the draft's top probabilities over slots 1..i) a row needs to keep slot i.
+def confidence_bars(plan: Plan, acceptance: Acceptance) -> tuple[jax.Array, jax.Array]:
+  """(keep [G], go [G]): the joint confidence (the product of the draft's top probabilities over slots 1..i) a row
+  needs to keep slot i, and to draft slot i + 1 (the module docstring, rule 1; `specjax.drafters.keeps`).
 
-  A kept slot adds about its joint confidence in tokens (the chance drafts 1..i are all accepted) and costs
-  `Plan.slot_costs[i]`; it pays when it adds tokens at least at the rate the round is expected to achieve, the
-  plan's best tokens per unit of cost (`expected_rounds`; both per row, so at batch B the slot's cost counts as
-  shared by rows that keep it alike). `plan.min_confidence` (not None) is one bar for every slot instead.
+  Slot i adds about its joint confidence in tokens (the chance drafts 1..i are all accepted). Keeping it costs its
+  widening of the verification (`Plan.widening_costs`: its draft step has run); drafting slot i + 1 costs a draft
+  step and that slot's widening, for about joint_i x alpha tokens. Each pays when it adds tokens at least at the
+  rate the round is expected to achieve, the plan's best tokens per unit of cost (`expected_rounds`; both per row,
+  so at batch B a cost counts as shared by the rows that pay it alike). `plan.min_confidence` (not None) is both
+  bars at every slot instead.
   """
   if plan.min_confidence is not None:
-    return jnp.full((plan.gamma,), plan.min_confidence, jnp.float32)
-  tokens, cost = expected_rounds(plan, acceptance.alpha(plan), acceptance.continues())
-  return jnp.max(tokens / cost) * jnp.asarray(plan.slot_costs, jnp.float32)
+    bar = jnp.full((plan.gamma,), plan.min_confidence, jnp.float32)
+    return bar, bar
+  alpha = acceptance.alpha(plan)
+  tokens, cost = expected_rounds(plan, alpha, acceptance.continues())
+  rate = jnp.max(tokens / cost)
+  widening = jnp.asarray(plan.widening_costs, jnp.float32)
+  following = jnp.concatenate([widening[1:], jnp.zeros(1)])  # the widening of slot i + 1 (none past the last)
+  return rate * widening, rate * (plan.draft_cost + following) / alpha

@@ -251,14 +251,14 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
   return tokens, num_generated, {"rounds": s.rounds, **dataclasses.asdict(s.counts)}
 
 
-def _draft_inputs(s: SpecState, key, budget, min_confidence) -> DraftInputs:
+def _draft_inputs(s: SpecState, key, budget, bars=(0.0, 0.0)) -> DraftInputs:
   return DraftInputs(sequence=s.sequence, position=s.position, target_cache=s.cache, key=key,
-                     budget=jnp.asarray(budget), min_confidence=min_confidence)
+                     budget=jnp.asarray(budget), keep_bars=bars[0], go_bars=bars[1])
 
 
 def _propose(params, draft_params, drafter: Drafter, s: SpecState, key, gamma: int, budget, plan, sampling):
   """The drafter's proposal of up to `budget` (>= 1) tokens, with lengths and steps filled in."""
-  inputs = _draft_inputs(s, key, budget, confidence_bars(plan, s.acceptance) if plan else 0.0)
+  inputs = _draft_inputs(s, key, budget, confidence_bars(plan, s.acceptance) if plan else (0.0, 0.0))
   proposal = drafter.propose(params, draft_params, drafter.options, s.draft_state, inputs, gamma, sampling)
   return proposal._replace(
       lengths=jnp.full(s.position.shape, gamma, jnp.int32) if proposal.lengths is None else proposal.lengths,
@@ -267,7 +267,7 @@ def _propose(params, draft_params, drafter: Drafter, s: SpecState, key, gamma: i
 
 def _no_proposal(params, draft_params, drafter: Drafter, s: SpecState, key, gamma: int, sampling) -> Proposal:
   """What a round that does not draft passes on: zeros shaped like a proposal, the drafter's state unchanged."""
-  inputs = _draft_inputs(s, key, 1, 0.0)
+  inputs = _draft_inputs(s, key, 1)
   shapes = jax.eval_shape(lambda: drafter.propose(params, draft_params, drafter.options, s.draft_state, inputs,
                                                   gamma, sampling))
   empty = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
@@ -283,9 +283,9 @@ def _verify_forward(params, config, tokens, proposal: Proposal, cache, position,
   A drafter that ran the target's layers 0..k-1 (k = `reuse_layers`) for n steps has written their K/V for
   [pending, x_1..x_{n-1}] into `cache` (the proposal's target cache) and hands over their output
   (`proposal.hidden`), so only layers k..L-1 run for all positions (LayerSkip's self-speculation), and layers
-  0..k-1 run for x_n only when a row kept it (n <= `longest`: the draft stopped at its budget). A draft that
-  stopped because every row was unsure ran one step past the longest draft, so every position verification reads
-  already has its layer k-1 output. No row drafted past x_longest, and causal attention keeps the positions after
+  0..k-1 run for x_n only when a row kept it (n <= `longest`: the draft ended at a token a row kept: its budget, or
+  every row stopped going on). A draft whose every row dropped the last step's token ran one step past the longest
+  draft, so every position verification reads already has its layer k-1 output. No row drafted past x_longest, and causal attention keeps the positions after
   it (whose inputs are left as zeros or are tokens no row kept) out of the logits that verification reads.
   """
   tokens = tokens[:, :width]

@@ -123,38 +123,46 @@ def test_reusing_the_draft_layers_decodes_the_same_tokens(name, temperature, ada
 @pytest.mark.parametrize("name", ["layer_skip", "mtp_parallel", "mtp_sequential"])
 def test_rows_keep_draft_slots_while_their_joint_confidence_clears_the_bars(name, random_target):
   """Per-slot bars on the joint confidence (the product of the top draft probabilities so far) in each of the three
-  drafting loops (the shared one, parallel heads, sequential modules): a row keeps the leading slots whose joint
-  confidence is at or above the slot's bar, and what it keeps is the draft it would have made without bars."""
+  drafting loops (the shared one, parallel heads, sequential modules): a row keeps slot i while its joint confidence
+  is at or above the slot's keep bar and it went on from every slot before (joint at or above that slot's go bar
+  too), and what it keeps is the draft it would have made without bars."""
   target, gamma = random_target, 4
   drafter = {"layer_skip": specjax.make_drafter("layer_skip", target, exit_layer=2),
              "mtp_parallel": perturbed(specjax.make_drafter("mtp_parallel", target, path=None, num_heads=gamma)),
              "mtp_sequential": perturbed(specjax.make_drafter("mtp_sequential", target, path=None, depth=gamma))}[name]
   state, sequence, lengths, cache = drafting_start(target, drafter)
 
-  def propose(bars):
+  def propose(keep, go):
     inputs = DraftInputs(sequence=sequence, position=lengths, target_cache=cache, key=jax.random.PRNGKey(0),
-                         min_confidence=bars)
+                         keep_bars=keep, go_bars=go)
     return drafter.propose(target.params, drafter.params, drafter.options, state, inputs, gamma,
                            SamplingParams(temperature=1.0))
 
-  full = propose(0.0)
+  full = propose(0.0, 0.0)
   assert np.asarray(full.lengths).tolist() == [gamma] * 4
   confidences = np.max(np.asarray(full.probs), axis=-1)  # [B, gamma]: q's top probability, as `confidence` reads it
   joint = np.cumprod(confidences, axis=1)
 
-  def leading(kept):
-    return np.cumprod(kept, axis=1).sum(axis=1).tolist()
+  def expected(values, keep, go):
+    kept = values >= keep
+    went_on = np.concatenate([np.ones((len(values), 1), bool), (kept & (values >= go))[:, :-1]], axis=1)
+    return np.cumprod(kept & went_on, axis=1).sum(axis=1).tolist()
 
   # Bars at which rows stop at different slots, and at which a slot's own confidence would keep another length
   # than the joint one: the per-slot medians of the joint confidence, or else one bar for every slot.
   candidates = [np.median(joint, axis=0)] + [np.full(gamma, b) for b in np.linspace(0.05, 0.6, 12)]
-  bars = next(b for b in candidates if len(set(leading(joint >= b))) > 1
-              and leading(joint >= b) != leading(confidences >= b))
-  expected = leading(joint >= bars)
-  out = propose(jnp.asarray(bars, jnp.float32))
-  assert np.asarray(out.lengths).tolist() == expected
-  for row, n in enumerate(expected):
-    assert np.asarray(out.tokens)[row, :n].tolist() == np.asarray(full.tokens)[row, :n].tolist()
+  bars = next(b for b in candidates if len(set(expected(joint, b, b))) > 1
+              and expected(joint, b, b) != expected(confidences, b, b))
+  zero = np.zeros(gamma)
+  # One bar (a row stops at the first slot below it), and go bars only (a row keeps the slot where it stops).
+  cases = [(bars, bars), (zero, bars)]
+  assert expected(joint, *cases[0]) != expected(joint, *cases[1])
+  for keep, go in cases:
+    out = propose(jnp.asarray(keep, jnp.float32), jnp.asarray(go, jnp.float32))
+    lengths_kept = expected(joint, keep, go)
+    assert np.asarray(out.lengths).tolist() == lengths_kept
+    for row, n in enumerate(lengths_kept):
+      assert np.asarray(out.tokens)[row, :n].tolist() == np.asarray(full.tokens)[row, :n].tolist()
 
 
 def test_only_early_exits_reuse_layers(random_target):
@@ -192,30 +200,34 @@ def test_draft_length_is_leviathans_optimum_and_falls_back_to_plain_steps():
   assert int(draft_length(middle, evidence(70, 100))) == int(np.argmax(expected)) not in (0, 4)
 
 
-def test_confidence_bars_charge_each_slot_its_draft_step_and_widening_at_the_rounds_rate():
-  """Slot i's bar is the round's best expected tokens per unit of cost times what keeping slot i adds: its draft
-  step and the widening of the verification (widths 1, 2, 5 for gamma 4: slot 1 widens 1 -> 2, slot 2 2 -> 5,
-  slots 3 and 4 fit in 5)."""
+def test_confidence_bars_charge_each_slot_its_widening_and_the_next_its_draft_step_at_the_rounds_rate():
+  """At the round's best expected tokens per unit of cost: slot i is kept for the widening of the verification it
+  needs (widths 1, 2, 5 for gamma 4: slot 1 widens 1 -> 2, slot 2 2 -> 5, slots 3 and 4 fit in 5), and slot i + 1
+  is drafted when joint_i x alpha pays for a draft step and slot i + 1's widening."""
   p = plan(0.05, (1.0, 1.02, 1.2))
-  assert p.slot_costs == pytest.approx((0.05 + 0.02, 0.05 + 0.18, 0.05, 0.05))
+  assert p.widening_costs == pytest.approx((0.02, 0.18, 0.0, 0.0))
   seen = evidence(60, 100)
-  tokens, cost = expected_rounds(p, seen.alpha(p), seen.continues())
+  alpha = (60 + 0.5) / (100 + 1)
+  tokens, cost = expected_rounds(p, alpha, seen.continues())
   rate = float(np.max(np.asarray(tokens) / np.asarray(cost)))
   assert rate > 1.0  # drafting pays at alpha 0.6
-  np.testing.assert_allclose(confidence_bars(p, seen), rate * np.asarray(p.slot_costs), rtol=1e-6)
-  # A first draft pays from a low confidence where a 2-token forward is nearly free and a draft step cheap ...
-  assert float(confidence_bars(p, seen)[0]) < 0.15
+  keep, go = confidence_bars(p, seen)
+  np.testing.assert_allclose(keep, rate * np.asarray([0.02, 0.18, 0.0, 0.0]), rtol=1e-5)
+  np.testing.assert_allclose(go, rate * (0.05 + np.asarray([0.18, 0.0, 0.0, 0.0])) / alpha, rtol=1e-5)
+  # A first draft is kept from a low confidence where a 2-token forward is nearly free ...
+  assert float(keep[0]) < 0.05
   # ... and needs a confident draft where the wider forward is dear (batch 8 on a CPU: f(16) / f(8) ~ 1.37).
-  assert float(confidence_bars(plan(0.05, (1.0, 1.37, 2.7), rows=8), seen)[0]) > 0.4
-  # One bar for every slot when it is set.
-  np.testing.assert_allclose(confidence_bars(dataclasses.replace(p, min_confidence=0.3), seen), [0.3] * 4, rtol=1e-6)
+  assert float(confidence_bars(plan(0.05, (1.0, 1.37, 2.7), rows=8), seen)[0][0]) > 0.3
+  # Both bars x at every slot when `min_confidence` = x.
+  for bar in confidence_bars(dataclasses.replace(p, min_confidence=0.3), seen):
+    np.testing.assert_allclose(bar, [0.3] * 4, rtol=1e-6)
 
 
 def test_expected_rounds_match_a_simulation_of_early_stopping_rows():
   """Rows draft each next slot with probability `continues` and have each draft accepted with probability alpha;
   the round runs a draft step while some row still drafts and verifies in the narrowest width holding the longest
-  draft, and a drafter reusing the target's first layers runs them for its last draft when the longest draft
-  reached the budget. The closed form agrees with simulating exactly that, at every budget and batch size."""
+  draft, and a drafter reusing the target's first layers runs them for its last draft when a row drafted. The
+  closed form agrees with simulating exactly that, at every budget and batch size."""
   rng = np.random.default_rng(0)
   alpha, continues, n = 0.7, 0.6, 200_000
   for rows in (1, 4):
@@ -227,7 +239,7 @@ def test_expected_rounds_match_a_simulation_of_early_stopping_rows():
       longest = drafted.max(axis=1)
       width = np.searchsorted(np.asarray(p.widths), longest + 1)
       round_cost = (np.minimum(longest + 1, g) * p.draft_cost + np.asarray(p.verify_costs)[width]
-                    + p.refill_cost * (longest == g))
+                    + p.refill_cost * (longest >= 1))
       assert tokens[g] == pytest.approx(1 + accepted.mean(), abs=0.01)
       assert cost[g] == pytest.approx(round_cost.mean(), abs=0.01)
     assert cost[0] == p.plain_cost and tokens[0] == 1.0

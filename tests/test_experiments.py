@@ -146,8 +146,13 @@ def test_adaptive_vs_fixed_runs_each_drafter_adaptive_and_at_every_fixed_gamma()
       assert {k: v for k, v in fixed.items() if k not in ("name", "adaptive", "gamma")} == {
           k: v for k, v in methods[name].items() if k not in ("name", "adaptive", "gamma")}
   assert len(config.methods) == 1 + 5 * len(drafters) and config.repeats == 2
-  with pytest.raises(ValueError, match="'small'"):
-    adaptive_vs_fixed.get_config("tiny")
+  some = adaptive_vs_fixed.get_config("small,g1,g2")  # only the fixed draft lengths named
+  assert [m["name"] for m in some.methods[:4]] == ["autoregressive", "prompt_lookup", "prompt_lookup_g1",
+                                                   "prompt_lookup_g2"]
+  assert len(some.methods) == 1 + 3 * len(drafters)
+  for arg in ("tiny", "small,g5"):
+    with pytest.raises(ValueError, match="subset of g1, g2, g3, g4, small"):
+      adaptive_vs_fixed.get_config(arg)
 
 
 def test_adaptive_table_puts_each_adaptive_drafter_beside_its_best_and_worst_fixed_gamma():

@@ -11,8 +11,9 @@ skip runs the target's layers and owns nothing; an MTP head owns its head and re
   propose(target_params, params, options, state, inputs: DraftInputs, gamma, sampling) -> Proposal
       up to gamma draft tokens (gamma is static, the buffers' width) and, when sampling, their processed draft
       distributions q. A drafter may draft fewer: at most `inputs.budget` (the engine's choice this round),
-      and a row may stop early when the draft is unsure (its joint confidence below `inputs.min_confidence`,
-      see `keeps`); `Proposal.lengths` says how many slots each row drafted, and later slots are never accepted.
+      and a row may stop early when the draft is unsure (its joint confidence below the bars `inputs.keep_bars`
+      and `inputs.go_bars`, see `keeps`); `Proposal.lengths` says how many slots each row drafted, and later slots
+      are never accepted.
   update(target_params, params, options, state, result: RoundResult) -> state
       after verification, given each row's accepted length and the target's hidden states at the verified
       positions (what MTP heads draft from). Also after rounds in which the drafter did not run
@@ -66,8 +67,10 @@ class DraftInputs:
   target_cache: KVCache  # drafters that share the target's cache (layer skip) read and write it
   key: jax.Array
   budget: jax.Array | None = None  # scalar in 1..gamma: draft at most this many tokens (None: gamma)
-  # The bar on the joint confidence at each slot, [gamma] or one for all (`keeps`); 0: rows never stop early
-  min_confidence: jax.Array | float = 0.0
+  # Bars on a row's joint confidence at each slot, [gamma] or one for all (`keeps`; 0: rows never stop early): to keep
+  # the slot, and to draft the next one
+  keep_bars: jax.Array | float = 0.0
+  go_bars: jax.Array | float = 0.0
 
 
 class Proposal(NamedTuple):
@@ -161,23 +164,29 @@ def confidence(logits: jax.Array, q: jax.Array | None) -> jax.Array:
   return 1.0 / jnp.sum(jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)), axis=-1)
 
 
-def keeps(joint: jax.Array, inputs: DraftInputs, slot, gamma: int) -> jax.Array:
-  """Whether rows whose joint confidence at `slot` (0-based) is `joint` [B] keep it: at or above its bar.
+def keeps(joint: jax.Array, inputs: DraftInputs, slot, gamma: int) -> tuple[jax.Array, jax.Array]:
+  """(keep, go): whether rows whose joint confidence at `slot` (0-based) is `joint` keep that slot, and whether they
+  go on to draft the next one: at or above `inputs.keep_bars[slot]`, and at or above `inputs.go_bars[slot]` as well.
 
   The joint confidence at slot i is the product of the draft's top probabilities (`confidence`) over slots
-  0..i, about the chance that drafts 0..i are all accepted (EAGLE-2's path value). `inputs.min_confidence` is
-  the bar: one for every slot, or one per slot [gamma] (`specjax.adaptive.confidence_bars`).
+  0..i, about the chance that drafts 0..i are all accepted (EAGLE-2's path value). A row drafts slot i + 1 only if
+  it kept slot i and goes on from it (`specjax.adaptive.confidence_bars` derives both bars from the costs).
   """
-  bars = jnp.broadcast_to(jnp.asarray(inputs.min_confidence, jnp.float32), (gamma,))
-  return joint >= bars[slot]
+  def bar(bars):
+    return jnp.broadcast_to(jnp.asarray(bars, jnp.float32), (gamma,))[slot]
+  keep = joint >= bar(inputs.keep_bars)
+  return keep, keep & (joint >= bar(inputs.go_bars))
 
 
 def draft_lengths(confidences: jax.Array, inputs: DraftInputs, gamma: int) -> jax.Array:
-  """[B] leading slots kept (`keeps`) from the top probabilities [B, gamma] of a whole draft, at most the budget."""
+  """[B] leading slots kept (`keeps`) from the top probabilities [B, gamma] of a whole draft, at most the budget:
+  slot i counts when the row kept it and went on from every slot before it."""
   budget = gamma if inputs.budget is None else inputs.budget
   joint = jnp.cumprod(confidences.astype(jnp.float32), axis=1)
-  confident = keeps(joint, inputs, jnp.arange(gamma)[None, :], gamma) & (jnp.arange(gamma)[None, :] < budget)
-  return jnp.sum(jnp.cumprod(confident.astype(jnp.int32), axis=1), axis=1)
+  keep, go = keeps(joint, inputs, jnp.arange(gamma)[None, :], gamma)
+  went_on = jnp.concatenate([jnp.ones_like(go[:, :1]), go[:, :-1]], axis=1)
+  drafted = keep & went_on & (jnp.arange(gamma)[None, :] < budget)
+  return jnp.sum(jnp.cumprod(drafted.astype(jnp.int32), axis=1), axis=1)
 
 
 def draft_tokens(step, cache, inputs: DraftInputs, gamma: int, sampling: SamplingParams,
@@ -210,8 +219,8 @@ def draft_tokens(step, cache, inputs: DraftInputs, gamma: int, sampling: Samplin
   buffers = (jnp.zeros((batch, gamma), jnp.int32),
              None if q is None else jnp.zeros((batch, gamma) + q.shape[1:], q.dtype),
              jnp.zeros((batch, gamma) + hidden.shape[1:], hidden.dtype) if keep_hidden else None)
-  active = keeps(sure, inputs, 0, gamma)
-  lengths = active.astype(jnp.int32)
+  kept, active = keeps(sure, inputs, 0, gamma)  # active: the row drafts the next slot
+  lengths = kept.astype(jnp.int32)
   carry = (jnp.ones((), jnp.int32), cache, token, sure, active, lengths, write(buffers, 0, token, q, hidden))
 
   def more(carry):
@@ -223,8 +232,8 @@ def draft_tokens(step, cache, inputs: DraftInputs, gamma: int, sampling: Samplin
     logits, hidden, cache = step(cache, token[:, None], inputs.position + i)
     nxt, q, sure = choose(logits, keys[i])
     joint = joint * sure
-    active = active & keeps(joint, inputs, i, gamma)
-    return i + 1, cache, nxt, joint, active, lengths + active, write(buffers, i, nxt, q, hidden)
+    kept, go = keeps(joint, inputs, i, gamma)
+    return i + 1, cache, nxt, joint, active & go, lengths + (active & kept), write(buffers, i, nxt, q, hidden)
 
   if gamma == 1:  # static: no loop at all (what a single step costs, e.g. for specjax.roofline's byte count)
     steps, cache, _, _, _, lengths, (tokens, probs, hiddens) = carry

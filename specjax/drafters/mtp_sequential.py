@@ -225,16 +225,17 @@ def propose(target_params, params, options: Options, state, inputs: DraftInputs,
 
   token, q, sure = choose(state["hidden"], keys[0])
   tokens, probs, joint = [token], [q], sure
-  active = keeps(joint, inputs, 0, gamma)
-  lengths, steps = active.astype(jnp.int32), jnp.ones((), jnp.int32)
+  kept, active = keeps(joint, inputs, 0, gamma)  # active: the row drafts the next slot
+  lengths, steps = kept.astype(jnp.int32), jnp.ones((), jnp.int32)
   carry = (token, q, sure, state["hidden"], state["k"], state["v"])
   for step in range(2, gamma + 1):
     go = (step <= budget) & jnp.any(active)  # no module runs once every row has stopped
     carry = jax.lax.cond(go, functools.partial(advance, step), lambda carry: carry, carry)
     token, q, sure = carry[:3]
     joint = joint * sure
-    active = active & go & keeps(joint, inputs, step - 1, gamma)
-    lengths, steps = lengths + active, steps + go
+    kept, goes_on = keeps(joint, inputs, step - 1, gamma)
+    lengths, steps = lengths + (active & go & kept), steps + go
+    active = active & go & goes_on
     tokens.append(token)
     probs.append(q)
   state = {**state, "k": carry[4], "v": carry[5]}

@@ -3,9 +3,9 @@
 For n from the largest size down, find the latest earlier occurrence of the last n tokens in prompt +
 output and propose the gamma tokens that followed it. Known tokens only: a continuation that runs past the
 pending token repeats the pending token. With no match the pending token itself is proposed. A copied token has
-confidence 1 and a guess 0, so under a positive confidence bar (adaptive drafting) a row proposes only the tokens it
-copied, none without a match; a slot whose bar is 0 (`specjax.adaptive.confidence_bars`: no draft step to pay, and a
-verification that costs no more with it) keeps a guess too.
+confidence 1 and a guess 0, so under positive confidence bars (adaptive drafting) a row proposes only the tokens it
+copied, none without a match; a slot whose keep bar is 0 (`specjax.adaptive.confidence_bars`: a verification that
+costs no more with it) keeps a guess too, and the draft ends there.
 Proposals are deterministic, so q is one-hot and the sampling test accepts x with probability p(x).
 """
 
