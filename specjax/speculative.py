@@ -285,8 +285,9 @@ def _verify_forward(params, config, tokens, proposal: Proposal, cache, position,
   (`proposal.hidden`), so only layers k..L-1 run for all positions (LayerSkip's self-speculation), and layers
   0..k-1 run for x_n only when a row kept it (n <= `longest`: the draft ended at a token a row kept: its budget, or
   every row stopped going on). A draft whose every row dropped the last step's token ran one step past the longest
-  draft, so every position verification reads already has its layer k-1 output. No row drafted past x_longest, and causal attention keeps the positions after
-  it (whose inputs are left as zeros or are tokens no row kept) out of the logits that verification reads.
+  draft, so every position verification reads already has its layer k-1 output. No row drafted past x_longest,
+  and causal attention keeps the positions after it (whose inputs are left as zeros or are tokens no row kept) out
+  of the logits that verification reads.
   """
   tokens = tokens[:, :width]
   if longest is None or not reuse_layers:
