@@ -6,17 +6,17 @@ r"""Adaptive drafting against every fixed draft length, per drafter, in one run.
 
 Each of specjax's drafters (configs/bench_peers.py's: prompt lookup, the untrained early exit after layer 24, the
 shipped MTP heads, distilled draft model and exit adapter) runs with adaptive drafting (the library default:
-per-row confidence stop, a draft length per round from the running acceptance and the measured costs, at most
+per-row confidence bars and a draft length per round from the running acceptance and the measured costs, at most
 `gamma` = 4 tokens, plain steps where drafting cannot pay; named as in bench_peers) and with every fixed draft
-length 1..4 (`<drafter>_g<gamma>`: every round drafts gamma tokens), all against autoregressive decoding,
+length 1..4, or those named (`g<gamma>` arguments) (`<drafter>_g<gamma>`: every round drafts gamma tokens), all against autoregressive decoding,
 interleaved per prompt, two repeats. results.md's "Adaptive against fixed draft lengths" table puts each
 drafter's adaptive speedup beside its best and worst fixed one. Greedy, batch 1; every output is checked token for
 token against autoregressive decoding.
 
-Time on 2 CPU cores: `:small` on its 10 categories with prompts under 128 tokens
-(`--config.prompts.categories=...`, results/adaptive_vs_fixed/) took 42 min, about 25 of them compiling the 31
-methods' programs for 3 shape buckets; the long prompts of extraction, summarization and rag add two buckets (about
-20 min more).
+Time on 2 CPU cores: `:small` on its 10 categories with prompts under 128 tokens (`--config.prompts.categories=...`)
+took 42-46 min, most of it compiling the 31 methods' programs for the shape buckets, and `:small,g1,g2` (19 methods,
+results/adaptive_vs_fixed/) 29 min; the long prompts of extraction, summarization and rag add two buckets (about
+20 min more for all 31).
 """
 
 from configs import bench_peers, common
