@@ -8,8 +8,8 @@ Each of specjax's drafters (configs/bench_peers.py's: prompt lookup, the untrain
 shipped MTP heads, distilled draft model and exit adapter) runs with adaptive drafting (the library default:
 per-row confidence bars and a draft length per round from the running acceptance and the measured costs, at most
 `gamma` = 4 tokens, plain steps where drafting cannot pay; named as in bench_peers) and with every fixed draft
-length 1..4, or those named (`g<gamma>` arguments) (`<drafter>_g<gamma>`: every round drafts gamma tokens), all against autoregressive decoding,
-interleaved per prompt, two repeats. results.md's "Adaptive against fixed draft lengths" table puts each
+length 1..4, or the ones named as `g<gamma>` arguments (`<drafter>_g<gamma>`: every round drafts gamma tokens), all
+against autoregressive decoding, interleaved per prompt, two repeats. results.md's "Adaptive against fixed draft lengths" table puts each
 drafter's adaptive speedup beside its best and worst fixed one. Greedy, batch 1; every output is checked token for
 token against autoregressive decoding.
 
