@@ -19,18 +19,14 @@ results/adaptive_vs_fixed/) 29 min; the long prompts of extraction, summarizatio
 20 min more for all 31).
 """
 
-from configs import bench_peers, common
+from configs import bench_peers, common, compare_drafters
 
 GAMMAS = (1, 2, 3, 4)
 
 
 def get_config(arg=None):
-  variants = {a.strip() for a in (arg or "").split(",") if a.strip()}
-  allowed = {"small"} | {f"g{gamma}" for gamma in GAMMAS}
-  if variants - allowed:
-    raise ValueError(f"configs/adaptive_vs_fixed.py takes a comma-separated subset of {', '.join(sorted(allowed))} "
-                     f"('small': 1 prompt per category and 64 tokens; 'g<gamma>': only these fixed draft lengths), "
-                     f"got {arg!r}")
+  variants = compare_drafters.parse_variants(arg, "configs/adaptive_vs_fixed.py",
+                                             allowed=tuple(f"g{gamma}" for gamma in GAMMAS) + ("small",))
   small = "small" in variants
   gammas = [gamma for gamma in GAMMAS if f"g{gamma}" in variants] or GAMMAS
   config = common.spec_bench_run(per_category=1 if small else 2, max_new_tokens=64 if small else 128, repeats=2,
