@@ -28,7 +28,7 @@ from absl import app, flags
 
 import specjax
 from experiments.costs import interleaved_seconds
-from specjax import cpu_kernels
+from specjax import cpu_kernels, sampling
 from specjax.decoding import decode_params
 from specjax.model import forward, init_cache
 
@@ -47,7 +47,7 @@ def _loop(params, cache, tokens, position, calls, *, config, kernel):
     def body(i, carry):
       tokens, cache = carry
       out = forward(params, tokens, cache, position, config)
-      return jnp.argmax(out.logits, axis=-1).astype(jnp.int32), out.cache
+      return sampling.argmax(out.logits), out.cache
     return jax.lax.fori_loop(0, calls, body, (tokens, cache))
 
 

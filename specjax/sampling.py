@@ -55,8 +55,20 @@ def sample_from_probs(key: jax.Array, probs: jax.Array) -> jax.Array:
   return jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32)
 
 
+def argmax(logits: jax.Array) -> jax.Array:
+  """jnp.argmax over the last axis, as int32: the first index of the largest value (of the first NaN, if any).
+
+  Written as a max followed by a min over the indices where it is reached: XLA:CPU runs argmax's (value, index)
+  reduction as scalar code, 0.24 ms over SmolLM2's 49,152 logits (2% of a decode step on 2 cores) and 0.73 ms over
+  a 5-token verification's, against 0.02 and 0.14 ms for these two plain reductions."""
+  top = jnp.max(logits, axis=-1, keepdims=True)
+  index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+  at_top = (logits == top) | jnp.isnan(logits)  # a NaN makes top NaN, and argmax returns the first NaN
+  return jnp.min(jnp.where(at_top, index, logits.shape[-1]), axis=-1)
+
+
 def sample(key: jax.Array, logits: jax.Array, params: SamplingParams) -> jax.Array:
   """Next tokens from logits [..., V]: argmax when greedy, else a draw from `probabilities`."""
   if params.greedy:
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return argmax(logits)
   return sample_from_probs(key, probabilities(logits, params))

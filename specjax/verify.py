@@ -27,7 +27,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax.sampling import sample_from_probs
+from specjax.sampling import argmax, sample_from_probs
 
 
 def accepted_length(accept: jax.Array) -> jax.Array:
@@ -44,7 +44,7 @@ def drafted(draft_tokens: jax.Array, lengths: jax.Array | None) -> jax.Array:
 def greedy_verify(draft_tokens: jax.Array, target_logits: jax.Array,
                   lengths: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """draft_tokens [B, gamma], target_logits [B, gamma+1, V], lengths [B] -> (accepted_len [B], next_token [B])."""
-  target_tokens = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)
+  target_tokens = argmax(target_logits)
   accepted_len = accepted_length((draft_tokens == target_tokens[:, :-1]) & drafted(draft_tokens, lengths))
   next_token = jnp.take_along_axis(target_tokens, accepted_len[:, None], axis=1)[:, 0]
   return accepted_len, next_token

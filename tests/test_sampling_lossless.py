@@ -18,7 +18,7 @@ import pytest
 from scipy import stats
 
 import specjax
-from specjax import speculative, verify
+from specjax import sampling, speculative, verify
 from specjax.config import ModelConfig
 from specjax.loading import Model
 from specjax.model import init_params
@@ -206,3 +206,19 @@ def test_verify_rule_emits_p_for_one_slot():
   assert observed[4] == 0.0  # a token the target forbids is never emitted
   # Acceptance probability is sum_x min(p, q).
   assert np.mean(np.asarray(accepted)) == pytest.approx(np.minimum(p, q).sum(), abs=4e-3)
+
+
+def test_argmax_is_jnp_argmax_with_ties_infinities_and_nans():
+  rng = np.random.default_rng(0)
+  logits = rng.standard_normal((3, 5, 1000)).astype(np.float32)
+  logits[0, 0, [7, 300, 999]] = 50.0  # a tie: the first index
+  logits[0, 1, :] = -np.inf  # all -inf: index 0
+  logits[0, 2, [10, 20]] = np.inf
+  logits[1, 0, [40, 500]] = np.nan  # argmax returns the first NaN
+  logits[1, 1, 999] = 1e30  # the last index
+  logits[2] = np.round(logits[2])  # many ties
+  expected = np.asarray(jnp.argmax(jnp.asarray(logits), axis=-1))
+  got = jax.jit(sampling.argmax)(jnp.asarray(logits))
+  assert got.dtype == jnp.int32
+  np.testing.assert_array_equal(got, expected)
+  assert got[0, 0] == 7 and got[0, 1] == 0 and got[0, 2] == 10 and got[1, 0] == 40 and got[1, 1] == 999

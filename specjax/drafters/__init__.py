@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.model import KVCache
-from specjax.sampling import SamplingParams, probabilities, sample, sample_from_probs
+from specjax.sampling import SamplingParams, argmax, probabilities, sample, sample_from_probs
 
 
 @struct.dataclass
@@ -142,7 +142,7 @@ def choose_tokens(logits: jax.Array, key: jax.Array, sampling: SamplingParams, t
   verification over the full vocabulary stays lossless.
   """
   if token_map is not None and sampling.greedy:
-    return token_map[jnp.argmax(logits, axis=-1)], None
+    return token_map[argmax(logits)], None
   if token_map is not None:
     full = jnp.full(logits.shape[:-1] + (vocab_size,), -jnp.inf, logits.dtype)
     logits = full.at[..., token_map].set(logits)
