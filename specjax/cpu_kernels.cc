@@ -240,12 +240,14 @@ inline v16 SumEach(const v16* acc) {
          __builtin_shufflevector(e[0], e[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
 }
 
-// One (row, KV head): all of its H / KV query heads for all T tokens. Scores go 16 positions at a time: the
-// block's keys are read once (from memory) for all of the queries, and each query's 16 dot products are summed
-// together (SumEach). Then a vectorised softmax per query, and its weighted sum of the values.
+// One (row, KV head, chunk of tokens): all of its H / KV query heads for tokens [t_begin, t_end). Scores go 16
+// positions at a time: the block's keys are read once (from memory) for all of the queries, and each query's 16
+// dot products are summed together (SumEach). Then a vectorised softmax per query, and its weighted sum of the
+// values.
 template <typename W>
-void AttendTask(const Attention<W>& a, int64_t task, float* scores, int64_t stride) {
-  const int64_t b = task / a.KV, kh = task % a.KV, groups = a.H / a.KV, vecs = a.D / 16;
+void AttendTask(const Attention<W>& a, int64_t b, int64_t kh, int64_t t_begin, int64_t t_end, float* scores,
+                int64_t stride) {
+  const int64_t groups = a.H / a.KV, vecs = a.D / 16;
   const int64_t kv_stride = a.KV * a.D;  // floats between consecutive positions of one head
   const W* kbase = a.k + (b * a.S * a.KV + kh) * a.D;
   const W* vbase = a.v + (b * a.S * a.KV + kh) * a.D;
@@ -255,10 +257,10 @@ void AttendTask(const Attention<W>& a, int64_t task, float* scores, int64_t stri
     return visible > a.S ? a.S : (visible < 0 ? 0 : visible);
   };
   int64_t most = 0;
-  for (int64_t t = 0; t < a.T; ++t) most = visible_of(t) > most ? visible_of(t) : most;
+  for (int64_t t = t_begin; t < t_end; ++t) most = visible_of(t) > most ? visible_of(t) : most;
   for (int64_t s0 = 0; s0 < most; s0 += 16) {
     const int64_t n = most - s0 < 16 ? most - s0 : 16;
-    for (int64_t t = 0; t < a.T; ++t) {
+    for (int64_t t = t_begin; t < t_end; ++t) {
       const int64_t visible = visible_of(t);
       if (visible <= s0) continue;
       for (int64_t g = 0; g < groups; ++g) {
@@ -278,7 +280,7 @@ void AttendTask(const Attention<W>& a, int64_t task, float* scores, int64_t stri
       }
     }
   }
-  for (int64_t t = 0; t < a.T; ++t) {
+  for (int64_t t = t_begin; t < t_end; ++t) {
     const int64_t visible = visible_of(t);
     for (int64_t g = 0; g < groups; ++g) {
       float* sc = scores + (t * groups + g) * stride;
@@ -330,10 +332,20 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   a.q = q.typed_data(), a.k = k.typed_data(), a.v = v.typed_data(), a.pos = pos.typed_data();
   a.out = out->typed_data();
   a.scale = 1.f / __builtin_sqrtf(static_cast<float>(a.D));
-  ParallelFor(pool, a.B * a.KV, [&a](int64_t t0, int64_t t1) {
+  // Tasks are (row, KV head, chunk of tokens). With fewer (row, KV head) pairs than 4 per thread (SmolLM2 at batch
+  // 1: 3 KV heads on 2 cores), a verification's tokens are split over the threads too, or one thread would take
+  // two heads' queries while the other took one (16 tokens: 54 us per layer on 2 cores).
+  const int64_t threads = pool.num_threads() > 1 ? pool.num_threads() : 1;
+  const int64_t pairs = a.B * a.KV;
+  const int64_t chunks = pairs < 4 * threads ? (a.T < threads ? a.T : threads) : 1;
+  ParallelFor(pool, pairs * chunks, [&a, chunks](int64_t t0, int64_t t1) {
     const int64_t stride = (a.S + 15) / 16 * 16;  // scores of one query, whole blocks of 16
     std::unique_ptr<float[]> scores(new float[a.T * (a.H / a.KV) * stride + 16]);
-    for (int64_t task = t0; task < t1; ++task) AttendTask(a, task, scores.get(), stride);
+    for (int64_t task = t0; task < t1; ++task) {
+      const int64_t pair = task / chunks, chunk = task % chunks;
+      AttendTask(a, pair / a.KV, pair % a.KV, a.T * chunk / chunks, a.T * (chunk + 1) / chunks, scores.get(),
+                 stride);
+    }
   });
   return ffi::Error::Success();
 }

@@ -176,10 +176,10 @@ def test_turned_off_by_environment(tmp_path):
 
 
 @pytest.mark.parametrize("b,t,h,kv,s,d", [(1, 1, 9, 3, 64, 64), (2, 5, 9, 3, 128, 64), (3, 16, 4, 2, 40, 32),
-                                          (2, 3, 4, 4, 20, 16)])
+                                          (2, 3, 4, 4, 20, 16), (1, 16, 9, 3, 200, 64)])
 def test_attention_equals_xla(b, t, h, kv, s, d):
   """Positions anywhere in the cache, past its end too (such a query sees every slot), and rows of one call
-  at different positions."""
+  at different positions; with few (row, KV head) pairs a call's tokens are split over the threads."""
   from specjax.model import attend
   rng = np.random.default_rng(b * 100 + t)
   q = jnp.asarray(rng.standard_normal((b, t, h, d), np.float32))
