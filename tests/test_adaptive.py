@@ -173,10 +173,11 @@ def test_only_early_exits_reuse_layers(random_target):
 # ------------------------------------------------------------------------------------- the draft-length rule
 
 
-def plan(draft_cost, verify_costs, rows=1, prior_alpha=0.5, memory=0.9, gamma=4, refill_cost=0.0) -> Plan:
+def plan(draft_cost, verify_costs, rows=1, prior_alpha=0.5, memory=0.9, gamma=4, refill_cost=0.0,
+         optimism=0.0) -> Plan:
   return Plan(min_confidence=None, draft_cost=draft_cost, plain_cost=1.0, widths=verify_widths(gamma),
               verify_costs=tuple(verify_costs), refill_cost=refill_cost, rows=rows, prior_alpha=prior_alpha,
-              memory=memory, plain_memory=memory, catch_up=1)
+              memory=memory, plain_memory=memory, catch_up=1, optimism=optimism)
 
 
 def evidence(accepted, tested, drafted=None, stopped=0):
@@ -198,6 +199,23 @@ def test_draft_length_is_leviathans_optimum_and_falls_back_to_plain_steps():
   alpha = (70 + 0.5) / (100 + 1)
   expected = [sum(alpha ** i for i in range(g + 1)) / c for g, c in enumerate(middle.round_costs)]
   assert int(draft_length(middle, evidence(70, 100))) == int(np.argmax(expected)) not in (0, 4)
+
+
+def test_optimism_drafts_where_an_acceptance_a_few_errors_up_would_pay_and_not_where_evidence_rules_it_out():
+  """A drafter with c = 0.17 pays from alpha 0.17 on (a 2-token forward costs a 1-token one). At a running
+  acceptance of 0.14 from about ten drafts (standard error 0.11), z = 0.5 errors up pays: it drafts one token. The
+  same 0.14 from 200 drafts (error 0.02), or 0.02 from ten, does not: plain steps, as without optimism."""
+  for optimism in (0.0, 0.5):
+    p = plan(0.17, (1.0, 1.0, 1.12), optimism=optimism)
+    noisy = evidence(0.9, 9)  # alpha (0.9 + 0.5) / (9 + 1) = 0.14
+    assert float(noisy.alpha(p)) == pytest.approx(0.14)
+    assert float(noisy.alpha_error(p)) == pytest.approx(np.sqrt(0.14 * 0.86 / 10))
+    assert int(draft_length(p, noisy)) == (1 if optimism else 0)
+    assert int(draft_length(p, evidence(27.64, 200))) == 0  # alpha 0.14 again, error 0.024
+    assert int(draft_length(p, evidence(0, 24))) == 0  # alpha 0.02, error 0.028
+    assert int(draft_length(p, evidence(90, 100))) == 4  # where the estimate itself says draft, it decides alone
+  with pytest.raises(ValueError, match="optimism"):
+    AdaptiveDrafting(optimism=-1.0)
 
 
 def test_confidence_bars_charge_each_slot_its_widening_and_the_next_its_draft_step_at_the_rounds_rate():
