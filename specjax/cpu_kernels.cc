@@ -67,7 +67,7 @@ constexpr int64_t kPanel = 16 * kVecs;
 #ifndef SPECJAX_PF
 #define SPECJAX_PF 64
 #endif
-constexpr int64_t kPrefetch = SPECJAX_PF;  // panel rows (k) ahead: 8 KB (16 rows read 2-15% slower at 1-16 rows)
+constexpr int64_t kPrefetch = SPECJAX_PF;  // panel rows (k) ahead: 8 KB (2 KB ahead was 2-15% slower, 1-16 rows)
 constexpr int64_t kGroup = 8;              // rows whose accumulators stay in registers
 
 // MR rows x kPanel columns of out, over all K; wp is one panel, [K, kPanel] contiguous.
