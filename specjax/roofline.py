@@ -39,7 +39,7 @@ from specjax import cpu_kernels
 from specjax.config import ModelConfig
 from specjax.drafters import DraftInputs, Drafter
 from specjax.model import KVCache, forward
-from specjax.sampling import SamplingParams
+from specjax.sampling import SamplingParams, argmax
 
 
 def param_bytes(params) -> int:
@@ -82,11 +82,12 @@ def compiled_bytes(fn, *args, **static) -> float:
 
 
 def target_step_bytes_xla(params, cache: KVCache, config: ModelConfig, position: jax.Array) -> float:
-  """XLA's count of bytes for one 1-token target forward at `position` ([B]) over `cache`."""
+  """XLA's count of bytes for one 1-token target step at `position` ([B]) over `cache`: the forward and its greedy
+  token (as a draft step, `draft_step_bytes`, counts the drafter's choice of its token)."""
   tokens = jnp.zeros((position.shape[0], 1), jnp.int32)
 
   def step(params, tokens, cache, position, *, config):
-    return forward(params, tokens, cache, position, config).logits
+    return argmax(forward(params, tokens, cache, position, config).logits)
   return compiled_bytes(step, params, tokens, cache, position, config=config)
 
 

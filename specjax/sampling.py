@@ -55,16 +55,25 @@ def sample_from_probs(key: jax.Array, probs: jax.Array) -> jax.Array:
   return jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32)
 
 
-def argmax(logits: jax.Array) -> jax.Array:
-  """jnp.argmax over the last axis, as int32: the first index of the largest value (of the first NaN, if any).
+ARGMAX_BLOCK = 128  # `argmax` reduces blocks of this many logits with plain max reductions
 
-  Written as a max followed by a min over the indices where it is reached: XLA:CPU runs argmax's (value, index)
-  reduction as scalar code, 0.24 ms over SmolLM2's 49,152 logits (2% of a decode step on 2 cores) and 0.73 ms over
-  a 5-token verification's, against 0.02 and 0.14 ms for these two plain reductions."""
-  top = jnp.max(logits, axis=-1, keepdims=True)
-  index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-  at_top = (logits == top) | jnp.isnan(logits)  # a NaN makes top NaN, and argmax returns the first NaN
-  return jnp.min(jnp.where(at_top, index, logits.shape[-1]), axis=-1)
+
+def argmax(logits: jax.Array) -> jax.Array:
+  """jnp.argmax over the last axis, as int32: the first index of the largest value. (Logits with a NaN give an
+  index in range, not necessarily jnp.argmax's first NaN.)
+
+  XLA:CPU runs argmax's (value, index) reduction as scalar code: 0.24 ms over SmolLM2's 49,152 logits (2% of a
+  decode step on 2 cores), 0.73 ms over a 5-token verification's. Here a plain max reduction (vectorised) finds
+  each block of ARGMAX_BLOCK logits' largest value, and argmax runs over those block maxima and then within the
+  first block that holds the largest one: 0.014 and 0.045 ms."""
+  v = logits.shape[-1]
+  if v % ARGMAX_BLOCK:
+    fill = jnp.full(logits.shape[:-1] + (-v % ARGMAX_BLOCK,), -jnp.inf, logits.dtype)
+    logits = jnp.concatenate([logits, fill], axis=-1)
+  blocks = logits.reshape(logits.shape[:-1] + (-1, ARGMAX_BLOCK))
+  block = jnp.argmax(jnp.max(blocks, axis=-1), axis=-1)
+  inside = jnp.take_along_axis(blocks, block[..., None, None], axis=-2)[..., 0, :]
+  return (block * ARGMAX_BLOCK + jnp.argmax(inside, axis=-1)).astype(jnp.int32)
 
 
 def sample(key: jax.Array, logits: jax.Array, params: SamplingParams) -> jax.Array:

@@ -208,17 +208,20 @@ def test_verify_rule_emits_p_for_one_slot():
   assert np.mean(np.asarray(accepted)) == pytest.approx(np.minimum(p, q).sum(), abs=4e-3)
 
 
-def test_argmax_is_jnp_argmax_with_ties_infinities_and_nans():
-  rng = np.random.default_rng(0)
-  logits = rng.standard_normal((3, 5, 1000)).astype(np.float32)
-  logits[0, 0, [7, 300, 999]] = 50.0  # a tie: the first index
+@pytest.mark.parametrize("vocab", [1000, 49152, 77])
+def test_argmax_is_jnp_argmax_with_ties_and_infinities(vocab):
+  """Vocabularies that fill whole blocks of sampling.ARGMAX_BLOCK logits and ones that do not."""
+  rng = np.random.default_rng(vocab)
+  logits = rng.standard_normal((3, 5, vocab)).astype(np.float32)
+  logits[0, 0, [7, 30, vocab - 1]] = 50.0  # a tie: the first index
   logits[0, 1, :] = -np.inf  # all -inf: index 0
   logits[0, 2, [10, 20]] = np.inf
-  logits[1, 0, [40, 500]] = np.nan  # argmax returns the first NaN
-  logits[1, 1, 999] = 1e30  # the last index
+  logits[1, 1, vocab - 1] = 1e30  # the last index
+  logits[1, 2, vocab - 2:] = 1e30  # a tie in the last block
   logits[2] = np.round(logits[2])  # many ties
-  expected = np.asarray(jnp.argmax(jnp.asarray(logits), axis=-1))
   got = jax.jit(sampling.argmax)(jnp.asarray(logits))
   assert got.dtype == jnp.int32
-  np.testing.assert_array_equal(got, expected)
-  assert got[0, 0] == 7 and got[0, 1] == 0 and got[0, 2] == 10 and got[1, 0] == 40 and got[1, 1] == 999
+  np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(logits), axis=-1)))
+  assert (got[0, 0], got[0, 1], got[0, 2], got[1, 1], got[1, 2]) == (7, 0, 10, vocab - 1, vocab - 2)
+  logits[1, 0, [3, 40]] = np.nan  # a broken model's logits: still an index in range
+  assert 0 <= int(jax.jit(sampling.argmax)(jnp.asarray(logits))[1, 0]) < vocab
