@@ -183,7 +183,7 @@ class Plan:
   memory: float  # decay of the acceptance counts per drafting round
   plain_memory: float  # decay per plain step
   catch_up: int  # W: plain steps the drafter follows at once (`AdaptiveDrafting.catch_up`)
-  optimism: float = 0.0  # z (`AdaptiveDrafting.optimism`)
+  optimism: float  # z (`AdaptiveDrafting.optimism`)
 
   @property
   def gamma(self) -> int:

@@ -65,7 +65,7 @@ def argmax(logits: jax.Array) -> jax.Array:
   XLA:CPU runs argmax's (value, index) reduction as scalar code: 0.24 ms over SmolLM2's 49,152 logits (2% of a
   decode step on 2 cores), 0.73 ms over a 5-token verification's. Here a plain max reduction (vectorised) finds
   each block of ARGMAX_BLOCK logits' largest value, and argmax runs over those block maxima and then within the
-  first block that holds the largest one: 0.014 and 0.045 ms."""
+  first block that holds the largest one: 0.010 and 0.037 ms."""
   v = logits.shape[-1]
   if v % ARGMAX_BLOCK:
     fill = jnp.full(logits.shape[:-1] + (-v % ARGMAX_BLOCK,), -jnp.inf, logits.dtype)
