@@ -18,8 +18,10 @@
 //
 // XLA:CPU turns decode attention (per row and KV head, a handful of queries against the cache) into many tiny
 // batched matrix products that each cost more in overhead than in arithmetic: at batch 8 on SmolLM2 they took
-// half of a decode step. The kernel reads each row's cache once per KV head for all of the head's queries, and
-// only the positions a query may see.
+// half of a decode step. The kernel reads each row's cache once per KV head for up to 16 of the head's queries
+// at a time (one query per vector lane, so scores need no horizontal sums), and only the positions a query may
+// see. Each query's scores, softmax and weighted sum run in an order that does not depend on the other queries
+// of the call, so a verification's logits for a token equal a decode step's for it.
 //
 // Written with GCC/Clang vector extensions (no intrinsics): compiled with -march=native on the machine that
 // runs it.
@@ -215,104 +217,142 @@ inline v16 Exp(v16 x) {
   return p * scale;
 }
 
-// Sums each of 16 vectors: lane i of the result is the sum of the lanes of acc[kBitReversed[i]]. Four rounds
-// of pairwise shuffles and adds (a transpose as it sums) instead of 16 separate horizontal sums.
-constexpr int kBitReversed[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+inline float ScalarW(const float* p) { return *p; }
 
-inline v16 SumEach(const v16* acc) {
-  v16 c[8], d[4], e[2];
-  for (int i = 0; i < 8; ++i)
-    c[i] = __builtin_shufflevector(acc[2 * i], acc[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21,
-                                   22, 23) +
-           __builtin_shufflevector(acc[2 * i], acc[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28,
-                                   29, 30, 31);
-  for (int i = 0; i < 4; ++i)
-    d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26,
-                                   27) +
-           __builtin_shufflevector(c[2 * i], c[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30,
-                                   31);
-  for (int i = 0; i < 2; ++i)
-    e[i] = __builtin_shufflevector(d[2 * i], d[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28,
-                                   29) +
-           __builtin_shufflevector(d[2 * i], d[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30,
-                                   31);
-  return __builtin_shufflevector(e[0], e[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
-         __builtin_shufflevector(e[0], e[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+inline float ScalarW(const uint16_t* p) {
+  const uint32_t wide = static_cast<uint32_t>(*p) << 16;
+  float f;
+  std::memcpy(&f, &wide, sizeof(f));
+  return f;
 }
 
-// One (row, KV head, chunk of tokens): all of its H / KV query heads for tokens [t_begin, t_end). Scores go 16
-// positions at a time: the block's keys are read once (from memory) for all of the queries, and each query's 16
-// dot products are summed together (SumEach). Then a vectorised softmax per query, and its weighted sum of the
-// values.
+constexpr int64_t kQueryLanes = 16;    // queries per pass: query l of a pass is lane l of every vector
+constexpr int64_t kScoreRows = 8;      // cache positions whose scores accumulate together (independent chains)
+constexpr int64_t kValueQueries = 6;   // queries whose value sums share a pass over the values (6 x 4 vectors)
+
+// Scores of up to 16 queries (the lanes of qt, which holds them transposed: qt[d * 16 + l] is query l's d-th
+// value) against NP consecutive cache positions: out[j * 16 + l] = sum over d, in order, of q_l[d] k_j[d].
+template <typename W, int NP>
+void ScoreRows(const float* __restrict qt, const W* __restrict krow, int64_t kv_stride, int64_t D, float scale,
+               float* __restrict out) {
+  v16 acc[NP];
+  for (int j = 0; j < NP; ++j) acc[j] = v16{};
+  for (int64_t d = 0; d < D; ++d) {
+    const v16 qd = Load(qt + d * kQueryLanes);
+    for (int j = 0; j < NP; ++j) acc[j] += qd * ScalarW(krow + j * kv_stride + d);
+  }
+  for (int j = 0; j < NP; ++j) Store(out + j * kQueryLanes, acc[j] * scale);
+}
+
+// o_q = sum over positions s, in order, of weight_q(s) v_s / sums_q for QN queries whose weights are lanes of
+// `weights` ([position][16]), 64 dimensions (4 vectors) at a time: a value row is read once for all of them and
+// their accumulators are independent chains. Positions that all of the queries see go together, then each query
+// alone over the rest of its own: every query sums over exactly its positions, in order, as it would alone.
+template <typename W, int QN>
+void ValueRows(const float* __restrict weights, const int32_t* visible, const float* sums, const W* vbase,
+               int64_t kv_stride, int64_t D, float* const* out) {
+  const int64_t vecs = D / 16;
+  int64_t common = visible[0];
+  for (int q = 1; q < QN; ++q) common = visible[q] < common ? visible[q] : common;
+  for (int64_t j0 = 0; j0 < vecs; j0 += 4) {
+    const int64_t nv = vecs - j0 < 4 ? vecs - j0 : 4;
+    v16 acc[QN][4];
+    for (int q = 0; q < QN; ++q)
+      for (int j = 0; j < 4; ++j) acc[q][j] = v16{};
+    for (int64_t s = 0; s < common; ++s) {
+      const W* vr = vbase + s * kv_stride + 16 * j0;
+      v16 vv[4];
+      for (int j = 0; j < 4; ++j) vv[j] = j < nv ? LoadW(vr + 16 * j) : v16{};
+      for (int q = 0; q < QN; ++q) {
+        const float w = weights[s * kQueryLanes + q];
+        for (int j = 0; j < 4; ++j) acc[q][j] += w * vv[j];
+      }
+    }
+    for (int q = 0; q < QN; ++q) {
+      for (int64_t s = common; s < visible[q]; ++s) {
+        const W* vr = vbase + s * kv_stride + 16 * j0;
+        for (int j = 0; j < nv; ++j) acc[q][j] += weights[s * kQueryLanes + q] * LoadW(vr + 16 * j);
+      }
+      const float inv = visible[q] ? 1.f / sums[q] : 0.f;
+      for (int j = 0; j < nv; ++j) Store(out[q] + 16 * (j0 + j), acc[q][j] * inv);
+    }
+  }
+}
+
+// Floats of scratch one task needs: queries transposed, [D][16], and their scores, [S][16].
+inline int64_t ScratchFloats(int64_t S, int64_t D) { return (D + S) * kQueryLanes; }
+
+// One (row, KV head, chunk of tokens): all of its H / KV query heads for tokens [t_begin, t_end), 16 queries at
+// a time, one per vector lane. The keys each query sees are read for all 16 at once (ScoreRows), the softmax
+// runs across the 16 lanes, and the values are read once per kValueQueries queries (ValueRows).
 template <typename W>
-void AttendTask(const Attention<W>& a, int64_t b, int64_t kh, int64_t t_begin, int64_t t_end, float* scores,
-                int64_t stride) {
-  const int64_t groups = a.H / a.KV, vecs = a.D / 16;
-  const int64_t kv_stride = a.KV * a.D;  // floats between consecutive positions of one head
+void AttendTask(const Attention<W>& a, int64_t b, int64_t kh, int64_t t_begin, int64_t t_end, float* scratch) {
+  const int64_t groups = a.H / a.KV;
+  const int64_t kv_stride = a.KV * a.D;  // elements between consecutive positions of one head
   const W* kbase = a.k + (b * a.S * a.KV + kh) * a.D;
   const W* vbase = a.v + (b * a.S * a.KV + kh) * a.D;
-  const i16v lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   auto visible_of = [&](int64_t t) {
     const int64_t visible = static_cast<int64_t>(a.pos[b * a.T + t]) + 1;
     return visible > a.S ? a.S : (visible < 0 ? 0 : visible);
   };
-  int64_t most = 0;
-  for (int64_t t = t_begin; t < t_end; ++t) most = visible_of(t) > most ? visible_of(t) : most;
-  for (int64_t s0 = 0; s0 < most; s0 += 16) {
-    const int64_t n = most - s0 < 16 ? most - s0 : 16;
-    for (int64_t t = t_begin; t < t_end; ++t) {
-      const int64_t visible = visible_of(t);
-      if (visible <= s0) continue;
-      for (int64_t g = 0; g < groups; ++g) {
-        const float* qv = a.q + ((b * a.T + t) * a.H + kh * groups + g) * a.D;
-        v16 acc[16];
-        for (int p = 0; p < 16; ++p) {
-          v16 sum = v16{};
-          if (p < n) {
-            const W* kr = kbase + (s0 + p) * kv_stride;
-            for (int64_t j = 0; j < vecs; ++j) sum += Load(qv + 16 * j) * LoadW(kr + 16 * j);
-          }
-          acc[kBitReversed[p]] = sum;
-        }
-        const v16 dots = SumEach(acc) * a.scale;
-        const i16v seen = lanes + static_cast<int32_t>(s0) < static_cast<int32_t>(visible);
-        Store(scores + (t * groups + g) * stride + s0, Select(seen, dots, v16{} - __builtin_inff()));
+  // The task's keys and values come from memory (the weights streamed since evicted them): ask for all of them
+  // at once rather than one cache line at a time as the loops reach them.
+  int64_t seen_by_any = 0;
+  for (int64_t t = t_begin; t < t_end; ++t) seen_by_any = visible_of(t) > seen_by_any ? visible_of(t) : seen_by_any;
+  for (int64_t s = 0; s < seen_by_any; ++s)
+    for (int64_t byte = 0; byte < a.D * static_cast<int64_t>(sizeof(W)); byte += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(kbase + s * kv_stride) + byte);
+      __builtin_prefetch(reinterpret_cast<const char*>(vbase + s * kv_stride) + byte);
+    }
+  float* qt = scratch;
+  float* sc = scratch + a.D * kQueryLanes;
+  const int64_t queries = (t_end - t_begin) * groups;  // query i: token t_begin + i / groups, head i % groups
+  for (int64_t i0 = 0; i0 < queries; i0 += kQueryLanes) {
+    const int64_t nq = queries - i0 < kQueryLanes ? queries - i0 : kQueryLanes;
+    int32_t visible[kQueryLanes];
+    float* out[kQueryLanes];
+    int64_t most = 0;
+    for (int64_t l = 0; l < kQueryLanes; ++l) {
+      if (l < nq) {
+        const int64_t t = t_begin + (i0 + l) / groups, head = kh * groups + (i0 + l) % groups;
+        const float* qv = a.q + ((b * a.T + t) * a.H + head) * a.D;
+        for (int64_t d = 0; d < a.D; ++d) qt[d * kQueryLanes + l] = qv[d];
+        visible[l] = static_cast<int32_t>(visible_of(t));
+        out[l] = a.out + ((b * a.T + t) * a.H + head) * a.D;
+        most = visible[l] > most ? visible[l] : most;
+      } else {
+        for (int64_t d = 0; d < a.D; ++d) qt[d * kQueryLanes + l] = 0.f;
+        visible[l] = 0;
       }
     }
-  }
-  for (int64_t t = t_begin; t < t_end; ++t) {
-    const int64_t visible = visible_of(t);
-    for (int64_t g = 0; g < groups; ++g) {
-      float* sc = scores + (t * groups + g) * stride;
-      float* o = a.out + ((b * a.T + t) * a.H + kh * groups + g) * a.D;
-      v16 acc[kMaxHeadVecs];
-      for (int64_t j = 0; j < vecs; ++j) acc[j] = v16{};
-      if (visible == 0) {
-        for (int64_t j = 0; j < vecs; ++j) Store(o + 16 * j, acc[j]);
-        continue;
-      }
-      v16 best = v16{} - __builtin_inff();
-      for (int64_t s0 = 0; s0 < visible; s0 += 16) {
-        const v16 x = Load(sc + s0);
-        best = Select(x > best, x, best);
-      }
-      float top = best[0];
-      for (int j = 1; j < 16; ++j) top = best[j] > top ? best[j] : top;
-      v16 total = v16{};
-      for (int64_t s0 = 0; s0 < visible; s0 += 16) {
-        const i16v seen = lanes + static_cast<int32_t>(s0) < static_cast<int32_t>(visible);
-        const v16 e = Select(seen, Exp(Load(sc + s0) - top), v16{});
-        Store(sc + s0, e);
-        total += e;
-      }
-      float sum = 0.f;
-      for (int j = 0; j < 16; ++j) sum += total[j];
-      for (int64_t s = 0; s < visible; ++s) {
-        const W* vr = vbase + s * kv_stride;
-        for (int64_t j = 0; j < vecs; ++j) acc[j] += sc[s] * LoadW(vr + 16 * j);
-      }
-      const float inv = 1.f / sum;
-      for (int64_t j = 0; j < vecs; ++j) Store(o + 16 * j, acc[j] * inv);
+    for (int64_t s0 = 0; s0 < most; s0 += kScoreRows) {
+      const int64_t n = most - s0 < kScoreRows ? most - s0 : kScoreRows;
+      WithConstant<1, 2, 3, 4, 5, 6, 7, 8>(n, [&](auto rows) {
+        ScoreRows<W, decltype(rows)::value>(qt, kbase + s0 * kv_stride, kv_stride, a.D, a.scale, sc + s0 * kQueryLanes);
+      });
+    }
+    // Softmax down each lane: positions a query does not see weigh 0 (a query that sees none gets zeros).
+    i16v limit;
+    std::memcpy(&limit, visible, sizeof(limit));
+    v16 best = v16{} - __builtin_inff();
+    for (int64_t s = 0; s < most; ++s) {
+      const v16 x = Load(sc + s * kQueryLanes);
+      best = Select(limit > static_cast<int32_t>(s), Select(x > best, x, best), best);
+    }
+    best = Select(limit > 0, best, v16{});
+    v16 total = v16{};
+    for (int64_t s = 0; s < most; ++s) {
+      const v16 e = Select(limit > static_cast<int32_t>(s), Exp(Load(sc + s * kQueryLanes) - best), v16{});
+      Store(sc + s * kQueryLanes, e);
+      total += e;
+    }
+    float sums[kQueryLanes];
+    Store(sums, total);
+    for (int64_t q0 = 0; q0 < nq; q0 += kValueQueries) {
+      const int64_t n = nq - q0 < kValueQueries ? nq - q0 : kValueQueries;
+      WithConstant<1, 2, 3, 4, 5, 6>(n, [&](auto count) {
+        ValueRows<W, decltype(count)::value>(sc + q0, visible + q0, sums + q0, vbase, kv_stride, a.D, out + q0);
+      });
     }
   }
 }
@@ -339,12 +379,10 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   const int64_t pairs = a.B * a.KV;
   const int64_t chunks = pairs < 4 * threads ? (a.T < threads ? a.T : threads) : 1;
   ParallelFor(pool, pairs * chunks, [&a, chunks](int64_t t0, int64_t t1) {
-    const int64_t stride = (a.S + 15) / 16 * 16;  // scores of one query, whole blocks of 16
-    std::unique_ptr<float[]> scores(new float[a.T * (a.H / a.KV) * stride + 16]);
+    std::unique_ptr<float[]> scratch(new float[ScratchFloats(a.S, a.D)]);
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t pair = task / chunks, chunk = task % chunks;
-      AttendTask(a, pair / a.KV, pair % a.KV, a.T * chunk / chunks, a.T * (chunk + 1) / chunks, scores.get(),
-                 stride);
+      AttendTask(a, pair / a.KV, pair % a.KV, a.T * chunk / chunks, a.T * (chunk + 1) / chunks, scratch.get());
     }
   });
   return ffi::Error::Success();

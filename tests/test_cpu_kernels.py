@@ -130,6 +130,33 @@ def test_packed_parameters_give_the_same_logits():
                                  atol=1e-5)
 
 
+def test_a_verification_gives_each_token_the_logits_a_decode_step_gives_it():
+  """On the packed weights, the logits of T tokens verified in one forward equal, bit for bit, those of T decode
+  steps, and a row's equal its logits alone whatever rows share the call: no summation order depends on the
+  call's other tokens or rows. Greedy speculative decoding then picks autoregressive decoding's tokens even
+  where two logits nearly tie."""
+  from specjax.config import ModelConfig
+  from specjax.model import forward, init_cache, init_params, pack_params
+  config = ModelConfig(vocab_size=250, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=6,
+                       num_kv_heads=2, head_dim=16)
+  params = pack_params(init_params(config, jax.random.PRNGKey(1), std=0.1), config)
+  step = jax.jit(lambda t, c, p: forward(params, t, c, p, config))
+  rng = np.random.default_rng(0)
+  prompts = jnp.asarray(rng.integers(0, 250, (3, 20)), jnp.int32)
+  draft = jnp.asarray(rng.integers(0, 250, (3, 9)), jnp.int32)
+  filled = step(prompts, init_cache(config, 3, 64), jnp.zeros(3, jnp.int32)).cache
+  starts = jnp.asarray([20, 13, 17], jnp.int32)  # rows at different offsets
+  verified = np.asarray(step(draft, filled, starts).logits)
+  cache, one_by_one = filled, []
+  for t in range(9):
+    out = step(draft[:, t:t + 1], cache, starts + t)
+    cache = out.cache
+    one_by_one.append(np.asarray(out.logits[:, 0]))
+  np.testing.assert_array_equal(verified, np.stack(one_by_one, 1))
+  alone = step(draft[1:2], jax.tree.map(lambda x: x[1:2], filled), starts[1:2]).logits
+  np.testing.assert_array_equal(verified[1:2], np.asarray(alone))
+
+
 def test_a_fresh_build_compiles_into_the_cache(tmp_path):
   """What a new machine does on first use: compile the library into an empty cache and use it."""
   code = """
@@ -176,10 +203,12 @@ def test_turned_off_by_environment(tmp_path):
 
 
 @pytest.mark.parametrize("b,t,h,kv,s,d", [(1, 1, 9, 3, 64, 64), (2, 5, 9, 3, 128, 64), (3, 16, 4, 2, 40, 32),
-                                          (2, 3, 4, 4, 20, 16), (1, 16, 9, 3, 200, 64)])
+                                          (2, 3, 4, 4, 20, 16), (1, 16, 9, 3, 200, 64), (8, 5, 9, 3, 160, 64),
+                                          (1, 16, 32, 2, 50, 96)])
 def test_attention_equals_xla(b, t, h, kv, s, d):
   """Positions anywhere in the cache, past its end too (such a query sees every slot), and rows of one call
-  at different positions; with few (row, KV head) pairs a call's tokens are split over the threads."""
+  at different positions; with few (row, KV head) pairs a call's tokens are split over the threads; a task's
+  queries fill one, several or part of a pass of 16; head_dim not a multiple of 64."""
   from specjax.model import attend
   rng = np.random.default_rng(b * 100 + t)
   q = jnp.asarray(rng.standard_normal((b, t, h, d), np.float32))
