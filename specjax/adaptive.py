@@ -44,9 +44,10 @@ Both rules run inside the compiled loop (no host sync):
                holds gamma + 1 tokens: f(B w) / f(B), f(n) being a target forward over n rows (batch rows
                times tokens) in units of a 1-row one, interpolated linearly between the points of
                `forward_costs`. The default on a CPU backend (`CPU_FORWARD_COSTS`) was measured on this
-               project's 2-core XLA:CPU with specjax's CPU kernels and SmolLM2-135M: flat to 4 rows, f(5) =
-               1.12, f(40) = 3.65 (past ~5 rows each row's arithmetic adds to the weight stream), so at batch 8
-               a 5-token verification costs ~2.7 plain steps and drafting pays only at high alpha. On a GPU/TPU
+               project's 2-core XLA:CPU with specjax's CPU kernels and SmolLM2-135M: flat to 5 rows (f(5) =
+               1.06), f(8) = 1.2, f(40) = 2.8 (past ~5 rows each row's arithmetic adds to the weight stream),
+               so at batch 8 a 5-token verification costs ~2.3 plain steps and drafting pays only at high
+               alpha. On a GPU/TPU
                backend the default is flat (`ACCELERATOR_FORWARD_COSTS`: a small model's forward stays
                memory-bound far beyond these row counts); pass measured points for another machine or a large
                batch. A drafter that reuses the target's first k layers
@@ -86,12 +87,12 @@ from flax import struct
 from specjax import leviathan
 
 
-# f(n) on 2 cores of XLA:CPU with specjax.cpu_kernels, SmolLM2-135M fp32 (benchmarks/bench_verify.py, contexts
-# 100 and 200, medians of 5 interleaved rounds; 1 row 21-22 ms): about flat up to 4 rows (measured 0.92-1.07,
-# set to 1), then the arithmetic of each extra row adds to the weight stream (~0.06 per row), and rows of
-# different sequences add attention over their own caches (8 rows of 1 token: 1.3-1.6; 8 tokens of 1 row: 1.15-1.3).
-CPU_FORWARD_COSTS = ((1, 1.0), (2, 1.0), (3, 1.0), (4, 1.05), (5, 1.12), (6, 1.18), (8, 1.35), (10, 1.55),
-                     (12, 1.6), (16, 1.85), (20, 2.2), (40, 3.65))
+# f(n) on 2 cores of XLA:CPU with specjax.cpu_kernels, SmolLM2-135M fp32 (benchmarks/bench_verify.py, context
+# 100, medians of 5 interleaved rounds, two runs on 2026-12-02; 1 row 13.5-14.2 ms): flat up to 5 tokens of one
+# row (0.99-1.06), then the arithmetic of each extra row adds to the weight stream, and rows of different
+# sequences add attention over their own caches (8 rows of 1 token: 1.24-1.32; 8 tokens of 1 row: 1.05-1.16;
+# 16 tokens 1.39-1.43; 4 rows of 5 tokens 1.70-1.82, 8 rows of 5 2.74-2.99).
+CPU_FORWARD_COSTS = ((1, 1.0), (2, 1.0), (4, 1.05), (5, 1.06), (8, 1.2), (16, 1.4), (20, 1.75), (40, 2.8))
 
 # Elsewhere (GPU/TPU): a forward over up to 64 rows costs about one row's; flat past it. On one H200 with
 # SmolLM2-135M's shape, forwards over 2-64 tokens took 0.80-1.10 of a 1-token one (results/accelerator/).
