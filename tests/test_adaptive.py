@@ -234,7 +234,7 @@ def test_confidence_bars_charge_each_slot_its_widening_and_the_next_its_draft_st
   np.testing.assert_allclose(go, rate * (0.05 + np.asarray([0.18, 0.0, 0.0, 0.0])) / alpha, rtol=1e-5)
   # A first draft is kept from a low confidence where a 2-token forward is nearly free ...
   assert float(keep[0]) < 0.05
-  # ... and needs a confident draft where the wider forward is dear (batch 8 on a CPU: f(16) / f(8) ~ 1.37).
+  # ... and needs a confident draft where the wider forward is dear (here 1.37 plain steps for 2 tokens).
   assert float(confidence_bars(plan(0.05, (1.0, 1.37, 2.7), rows=8), seen)[0][0]) > 0.3
   # Both bars x at every slot when `min_confidence` = x.
   for bar in confidence_bars(dataclasses.replace(p, min_confidence=0.3), seen):
