@@ -31,6 +31,7 @@
 #include <cstring>
 #include <memory>
 #include <type_traits>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -282,6 +283,13 @@ void ValueRows(const float* __restrict weights, const int32_t* visible, const fl
 // Floats of scratch one task needs: queries transposed, [D][16], and their scores, [S][16].
 inline int64_t ScratchFloats(int64_t S, int64_t D) { return (D + S) * kQueryLanes; }
 
+// This thread's scratch, kept between calls; zeros when it grows, so every value in it is finite.
+inline float* TaskScratch(int64_t floats) {
+  thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < floats) buffer.assign(floats, 0.f);
+  return buffer.data();
+}
+
 // One (row, KV head, chunk of tokens): all of its H / KV query heads for tokens [t_begin, t_end), 16 queries at
 // a time, one per vector lane. The keys each query sees are read for all 16 at once (ScoreRows), the softmax
 // runs across the 16 lanes, and the values are read once per kValueQueries queries (ValueRows).
@@ -321,8 +329,7 @@ void AttendTask(const Attention<W>& a, int64_t b, int64_t kh, int64_t t_begin, i
         out[l] = a.out + ((b * a.T + t) * a.H + head) * a.D;
         most = visible[l] > most ? visible[l] : most;
       } else {
-        for (int64_t d = 0; d < a.D; ++d) qt[d * kQueryLanes + l] = 0.f;
-        visible[l] = 0;
+        visible[l] = 0;  // an unused lane keeps an earlier query (or the scratch's zeros): its scores are masked
       }
     }
     for (int64_t s0 = 0; s0 < most; s0 += kScoreRows) {
@@ -379,10 +386,10 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   const int64_t pairs = a.B * a.KV;
   const int64_t chunks = pairs < 4 * threads ? (a.T < threads ? a.T : threads) : 1;
   ParallelFor(pool, pairs * chunks, [&a, chunks](int64_t t0, int64_t t1) {
-    std::unique_ptr<float[]> scratch(new float[ScratchFloats(a.S, a.D)]);
+    float* scratch = TaskScratch(ScratchFloats(a.S, a.D));
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t pair = task / chunks, chunk = task % chunks;
-      AttendTask(a, pair / a.KV, pair % a.KV, a.T * chunk / chunks, a.T * (chunk + 1) / chunks, scratch.get());
+      AttendTask(a, pair / a.KV, pair % a.KV, a.T * chunk / chunks, a.T * (chunk + 1) / chunks, scratch);
     }
   });
   return ffi::Error::Success();
