@@ -47,10 +47,9 @@ Both rules run inside the compiled loop (no host sync):
                project's 2-core XLA:CPU with specjax's CPU kernels and SmolLM2-135M: flat to 5 rows (f(5) =
                1.06), f(8) = 1.2, f(40) = 2.8 (past ~5 rows each row's arithmetic adds to the weight stream),
                so at batch 8 a 5-token verification costs ~2.3 plain steps and drafting pays only at high
-               alpha. On a GPU/TPU
-               backend the default is flat (`ACCELERATOR_FORWARD_COSTS`: a small model's forward stays
-               memory-bound far beyond these row counts); pass measured points for another machine or a large
-               batch. A drafter that reuses the target's first k layers
+               alpha. On a GPU/TPU backend the default is flat (`ACCELERATOR_FORWARD_COSTS`: a small model's
+               forward stays memory-bound far beyond these row counts); pass measured points for another
+               machine or a large batch. A drafter that reuses the target's first k layers
                (`Drafter.reuse_layers`) has run them for every position its verification reads but the
                last drafted token when the longest draft kept its last step's token (a draft whose every row
                dropped the last step's token ran them one step further), so its verification costs
