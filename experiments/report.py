@@ -4,6 +4,9 @@ Per method and prompt batch, the batch's time is the median over repeats; tokens
 over batches of (new tokens / batch time), and its speedup is that divided by the autoregressive baseline's
 tokens/s from the same run. Per-category speedups use the batches of that category only. The spread of the
 speedup (min / median / max) is over (batch, repeat) pairs, each call against the baseline's interleaved call.
+Per category, `category_intervals` gives the median of those paired speedups with a distribution-free 90%
+interval from their order statistics (a binomial bound, no resampling): on a shared machine one call's time moves
+by 10-20%, so a single prompt per category cannot tell 0.95x from 1.0x, and the interval says how many pairs do.
 
 Acceptance is pooled over every call of a method from the engine's per-row counts (not a median of ratios):
 alpha = accepted / (accepted + rejections) (Leviathan's α), mean accepted = tokens committed by verification
@@ -82,6 +85,38 @@ def paired_speedups(records: Sequence[dict], method: str, baseline: str) -> list
           if r["method"] == method and (r["batch"], r["repeat"]) in base]
 
 
+def median_interval(values: Sequence[float], confidence: float = 0.9) -> tuple[float, float] | None:
+  """A distribution-free confidence interval for the median of `values`: the order statistics x_(k) and
+  x_(n+1-k) for the largest k whose coverage 1 - 2 P(Binomial(n, 1/2) < k) is at least `confidence`; None when
+  there are too few values for any (n < 5 at 0.9)."""
+  xs = sorted(values)
+  n = len(xs)
+  below, best = 0.0, None  # below: P(Binomial(n, 1/2) <= k - 1)
+  for k in range(1, n // 2 + 1):
+    below += math.comb(n, k - 1) / 2 ** n
+    if 1 - 2 * below < confidence:
+      break
+    best = k
+  return None if best is None else (float(xs[best - 1]), float(xs[n - best]))
+
+
+def category_intervals(records: Sequence[dict], method: str, baseline: str,
+                       confidence: float = 0.9) -> dict[str, dict[str, Any]]:
+  """Per category: the median of the method's paired speedups (each call against the baseline's call on the same
+  batch and repeat), their number, and `median_interval`'s interval (None below 5 pairs)."""
+  base = {(r["batch"], r["repeat"]): r["tokens_per_second"] for r in records if r["method"] == baseline}
+  pairs: dict[str, list[float]] = {}
+  for r in records:
+    if r["method"] == method and (r["batch"], r["repeat"]) in base:
+      pairs.setdefault(r["category"], []).append(r["tokens_per_second"] / base[(r["batch"], r["repeat"])])
+  out = {}
+  for category, ratios in pairs.items():
+    interval = median_interval(ratios, confidence)
+    out[category] = {"median": float(np.median(ratios)), "pairs": len(ratios), "confidence": confidence,
+                     "low": interval[0] if interval else None, "high": interval[1] if interval else None}
+  return out
+
+
 def summarize(records: Sequence[dict], methods: Sequence[str], baseline: str,
               compile_seconds: dict[str, float | None], lossless: dict[str, bool | None],
               methods_info: dict[str, dict] | None = None) -> dict[str, Any]:
@@ -93,7 +128,7 @@ def summarize(records: Sequence[dict], methods: Sequence[str], baseline: str,
   info = methods_info or {}
   base = batch_throughput(records, baseline)
   base_tps = _median(b["tokens_per_second"] for b in base.values())
-  summary, per_category = {}, {}
+  summary, per_category, intervals = {}, {}, {}
   for method in methods:
     batches = batch_throughput(records, method)
     rs = [r for r in records if r["method"] == method]
@@ -132,10 +167,13 @@ def summarize(records: Sequence[dict], methods: Sequence[str], baseline: str,
         c: _median(b["tokens_per_second"] for b in batches.values() if b["category"] == c)
         / _median(b["tokens_per_second"] for b in base.values() if b["category"] == c)
         for c in categories}
+    if method != baseline:
+      intervals[method] = category_intervals(records, method, baseline)
   failures = [{"method": r["method"], "temperature": r.get("temperature"), "batch": r["batch"],
                "repeat": r["repeat"], "question_ids": r["question_ids"]}
               for r in records if r.get("matches_baseline") is False]
   return {"baseline": baseline, "methods": summary, "speedup_by_category": per_category,
+          "category_intervals": intervals,
           "lossless_failures": failures,
           "all_lossless": None if all(v is None for v in lossless.values()) else not failures}
 
@@ -247,6 +285,35 @@ def adaptive_table(summary: dict[str, Any]) -> str:
   return "\n".join(rows) if len(rows) > 2 else ""
 
 
+def category_table(summary: dict[str, Any], floor: float = 0.95) -> str:
+  """Per category (rows) and method (columns): the median paired speedup and its interval (`category_intervals`),
+  then per method how many categories' intervals lie wholly above `floor`, contain it, or lie wholly below it.
+  Empty when no category has an interval (fewer than 5 pairs each)."""
+  intervals = summary.get("category_intervals") or {}
+  if not any(i["low"] is not None for per in intervals.values() for i in per.values()):
+    return ""
+  methods = list(intervals)
+  categories = list(dict.fromkeys(c for per in intervals.values() for c in per))
+
+  def cell(i: dict | None) -> str:
+    if i is None:
+      return "–"
+    bounds = f" ({i['low']:.2f}–{i['high']:.2f})" if i["low"] is not None else ""
+    return f"{i['median']:.2f}{bounds}"
+
+  rows = ["| category (pairs) | " + " | ".join(methods) + " |", "|---|" + "---:|" * len(methods)]
+  for c in categories:
+    pairs = max(intervals[m][c]["pairs"] for m in methods if c in intervals[m])
+    rows.append(f"| {c} ({pairs}) | " + " | ".join(cell(intervals[m].get(c)) for m in methods) + " |")
+  verdicts = []
+  for m in methods:
+    known = [i for i in intervals[m].values() if i["low"] is not None]
+    verdicts.append(f"{sum(i['low'] >= floor for i in known)} / {sum(i['low'] < floor <= i['high'] for i in known)}"
+                    f" / {sum(i['high'] < floor for i in known)}")
+  rows.append(f"| above / containing / below {floor:g}x | " + " | ".join(verdicts) + " |")
+  return "\n".join(rows)
+
+
 def batch_size_table(summary: dict[str, Any]) -> str:
   """Per method and batch size (config.batch_sizes): speedup over the baseline at that batch size, and tokens/s."""
   by_b = summary.get("by_batch_size") or {}
@@ -302,9 +369,15 @@ def plot_speedup_by_category(summary: dict[str, Any], path: str) -> None:
   width = 0.8 / len(methods)
   x = np.arange(len(categories))
   fig, ax = plt.subplots(figsize=(2 + 0.7 * len(categories) * max(1, len(methods) / 2), 3.8))
+  intervals = summary.get("category_intervals") or {}
   for i, m in enumerate(methods):
     values = [summary["speedup_by_category"][m].get(c, np.nan) for c in categories]
-    ax.bar(x + (i - (len(methods) - 1) / 2) * width, values, width, label=m)
+    at = x + (i - (len(methods) - 1) / 2) * width
+    ax.bar(at, values, width, label=m)
+    bounds = [intervals.get(m, {}).get(c) for c in categories]
+    shown = [(a, b["low"], b["high"]) for a, b in zip(at, bounds) if b is not None and b["low"] is not None]
+    if shown:  # the paired speedups' median interval (category_intervals), a line over each bar
+      ax.vlines(*zip(*shown), color="k", lw=0.8)
   ax.axhline(1.0, color="k", lw=0.8, ls="--")
   ax.set_xticks(x, categories, rotation=30, ha="right")
   ax.set_ylabel(f"speedup over {summary['baseline']}")
@@ -484,6 +557,14 @@ def write(workdir: str, results: dict[str, Any]) -> str:
     lines += ["", "## Adaptive against fixed draft lengths", "",
               "Each drafter with adaptive drafting beside the same drafter drafting a fixed γ every round "
               "(speedups over the baseline in this run):", "", adaptive]
+  by_category = category_table(summary)
+  if by_category:
+    confidence = next(i["confidence"] for per in summary["category_intervals"].values() for i in per.values())
+    lines += ["", "## Speedup by category", "",
+              f"Per category: the median of the paired speedups (each call against the baseline's interleaved call "
+              f"on the same prompts and repeat) and a distribution-free {confidence:.0%} interval for it from their "
+              "order statistics; the last row counts the categories whose interval lies above 0.95x, contains it, "
+              "or lies below it:", "", by_category]
   by_batch = batch_size_table(summary)
   if by_batch:
     lines += ["", "## Speedup by batch size", "",

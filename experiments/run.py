@@ -10,11 +10,14 @@ acceptance_vs_depth.png, alpha_by_temperature.png); prints the table.
 Timing, so that the comparison is fair on a noisy shared machine:
   * warmup: every method runs once on the first prompt batch, untimed; the compilation it needed
     (`compile_seconds` from specjax.generate) is reported as "compile s";
-  * methods are interleaved: for each prompt batch, every method runs in turn (`repeats` times), so slow
-    drifts of the machine hit all methods alike;
+  * methods are interleaved: for each prompt batch, every method runs in turn (`repeats` times, each repeat
+    starting one method later), so slow drifts of the machine hit all methods alike;
   * a timed call that compiled (a new prompt-length bucket; specjax logs "compiling ... for a new shape
     bucket" while it does) is run again and only the rerun counts;
-  * tokens/s is the median over batches, speedup is relative to the autoregressive baseline of this run.
+  * tokens/s is the median over batches, speedup is relative to the autoregressive baseline of this run;
+    per category, the paired speedups (each call against the baseline's call in the same batch and repeat) get
+    a distribution-free interval for their median (experiments/report.py), with several prompts a category
+    and repeats the only way to resolve a few percent on a shared machine.
 With temperature 0 every method's tokens are compared with the baseline's, token for token (`lossless`); a
 mismatch is logged as an error, heads results.md and results.json (`summary.lossless_failures`), and the command
 exits with status 1.
@@ -246,7 +249,11 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model: specjax.Model
                       disable=not distributed.is_main_process()):
       reference = None  # the baseline's tokens for this batch
       for repeat in range(config.repeats):
-        for method in methods:
+        # Repeat k starts at the k-th method (the baseline first in repeat 0, so every call has its reference):
+        # each method's time is taken at several places in the order, and a load that drifts over a batch's
+        # calls does not always favour the methods run first.
+        shift = repeat % len(methods)
+        for method in methods[shift:] + methods[:shift]:
           out, seconds, new_programs = call(method, batch, temperature)
           compile_call_seconds = None
           if new_programs:  # this call compiled a new shape: time a second, compiled call instead

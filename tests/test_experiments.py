@@ -17,8 +17,8 @@ from absl import flags
 from ml_collections import config_flags
 
 import specjax
-from configs import (adaptive_vs_fixed, batch_sweep, compare_drafters, depth_sweep, gamma_sweep, quickstart,
-                     spec_bench as spec_bench_config)
+from configs import (adaptive_by_category, adaptive_vs_fixed, batch_sweep, bench_peers, compare_drafters, depth_sweep,
+                     gamma_sweep, quickstart, spec_bench as spec_bench_config)
 from experiments import report, run, spec_bench
 from specjax import leviathan
 from specjax.config import ModelConfig
@@ -84,6 +84,8 @@ def test_prompt_ids_use_the_chat_template_on_the_first_turn_only(smollm2):
     (batch_sweep, "small", 8, 64),
     (adaptive_vs_fixed, None, 26, 128),
     (adaptive_vs_fixed, "small", 13, 64),
+    (adaptive_by_category, None, 52, 64),
+    (adaptive_by_category, "small", 26, 64),
 ])
 def test_configs_select_their_prompts(module, arg, prompts, max_new_tokens):
   config = module.get_config(arg)
@@ -170,6 +172,58 @@ def test_adaptive_table_puts_each_adaptive_drafter_beside_its_best_and_worst_fix
   assert report.adaptive_table(summary) == ""
 
 
+def test_adaptive_by_category_runs_every_drafter_adaptive_with_repeats():
+  config = adaptive_by_category.get_config(None)
+  assert config.repeats == 3 and not config.prompts.categories  # all 13 categories
+  drafters = [m["name"] for m in bench_peers.drafter_methods()]
+  assert [m["name"] for m in config.methods] == ["autoregressive"] + drafters
+  assert all(m["adaptive"] and m["gamma"] == 4 for m in config.methods[1:])
+  with pytest.raises(ValueError, match="subset of small"):
+    adaptive_by_category.get_config("g2")
+
+
+@pytest.mark.parametrize("n, ranks", [(4, None), (5, (1, 5)), (12, (3, 10)), (15, (4, 12)), (40, (15, 26))])
+def test_median_interval_takes_the_order_statistics_a_binomial_bound_allows(n, ranks):
+  values = list(np.random.default_rng(n).permutation(np.arange(1.0, n + 1)))  # value i is the i-th smallest
+  interval = report.median_interval(values, confidence=0.9)
+  assert interval == (None if ranks is None else tuple(float(r) for r in ranks))
+  if ranks is not None:  # the coverage of ranks k and n + 1 - k is >= 0.9, that of k + 1 and n - k below it
+    k = ranks[0]
+    below = lambda j: sum(math.comb(n, i) for i in range(j)) / 2 ** n  # P(Binomial(n, 1/2) < j)
+    assert 1 - 2 * below(k) >= 0.9 > 1 - 2 * below(k + 1)
+
+
+def test_median_interval_covers_the_median_at_its_confidence():
+  # Draws from a distribution with median 1.0: the interval misses it at most ~10% of the time (less: the
+  # order statistics' coverage is the first at or above 0.9).
+  rng = np.random.default_rng(0)
+  misses = 0
+  for _ in range(2000):
+    low, high = report.median_interval(list(rng.lognormal(0.0, 0.15, size=12)), confidence=0.9)
+    misses += not low <= 1.0 <= high
+  assert 0.02 < misses / 2000 < 0.1
+
+
+def test_category_intervals_pair_each_call_with_the_baselines_call():
+  records = [{"method": m, "batch": b, "repeat": k, "category": "qa" if b < 2 else "rag",
+              "tokens_per_second": (10.0 if m == "ar" else 10.0 * (1 + 0.1 * b + 0.01 * k)),
+              "new_tokens": 64, "target_calls": 64, "mean_accepted": 1.0, "compile_call_seconds": None}
+             for b in range(3) for k in range(3) for m in ("ar", "pld")]
+  for r in records:
+    r["seconds"] = r["new_tokens"] / r["tokens_per_second"]
+  intervals = report.category_intervals(records, "pld", "ar")
+  assert intervals["qa"]["pairs"] == 6 and intervals["qa"]["median"] == pytest.approx(1.06)
+  assert (intervals["qa"]["low"], intervals["qa"]["high"]) == pytest.approx((1.0, 1.12))  # 6 pairs: min and max
+  assert intervals["rag"]["pairs"] == 3 and intervals["rag"]["low"] is None  # too few pairs for 90%
+  summary = report.summarize(records, ["ar", "pld"], "ar", {}, {})
+  assert summary["category_intervals"] == {"pld": intervals}
+  table = report.category_table(summary).splitlines()
+  assert table[2] == "| qa (6) | 1.06 (1.00–1.12) |" and table[3] == "| rag (3) | 1.21 |"
+  assert table[-1] == "| above / containing / below 0.95x | 1 / 0 / 0 |"
+  summary["category_intervals"]["pld"].pop("qa")
+  assert report.category_table(summary) == ""  # no category with an interval
+
+
 def test_config_rejects_an_unknown_variant():
   with pytest.raises(ValueError, match="'small'"):
     spec_bench_config.get_config("huge")
@@ -233,9 +287,10 @@ def test_run_writes_results_table_and_plots(smollm2, tmp_path):
       summary["prompt_lookup"]["tokens_per_second"] / summary["autoregressive"]["tokens_per_second"])
   assert summary["prompt_lookup"]["acceptance_rate"] is not None
   assert set(saved["summary"]["speedup_by_category"]["prompt_lookup"]) == {"qa", "writing"}
-  # 2 batches x 2 repeats x 2 methods, interleaved per batch.
-  assert [(r["batch"], r["method"]) for r in saved["records"]] == [
-      (b, m) for b in (0, 1) for _ in range(2) for m in ("autoregressive", "prompt_lookup")]
+  # 2 batches x 2 repeats x 2 methods, interleaved per batch, the second repeat starting with the second method.
+  assert [(r["batch"], r["repeat"], r["method"]) for r in saved["records"]] == [
+      (b, k, m) for b in (0, 1) for k in range(2)
+      for m in (("autoregressive", "prompt_lookup") if k == 0 else ("prompt_lookup", "autoregressive"))]
   assert len(saved["outputs"]) == 4
   assert all(o["matches_baseline"] and 0 < o["new_tokens"] <= 8 for o in saved["outputs"])
   # Slots no round drafted have NaN acceptance, written as null (JSON has no NaN).
@@ -319,7 +374,9 @@ def _tiny_config(**overrides) -> ml_collections.ConfigDict:
 
 
 def test_run_reports_costs_prediction_efficiency_and_projection(tiny_chat, tmp_path):
-  results = run.run(_tiny_config(repeats=2), str(tmp_path), model=tiny_chat, name="costs")
+  config = _tiny_config(repeats=5)
+  config.costs.repeats = 3  # a tiny model's step is ~1 ms: a median of three keeps the load from flipping a sign
+  results = run.run(config, str(tmp_path), model=tiny_chat, name="costs")
   with open(tmp_path / "results.json") as f:
     saved = json.load(f)
   summary = saved["summary"]
@@ -354,6 +411,16 @@ def test_run_reports_costs_prediction_efficiency_and_projection(tiny_chat, tmp_p
   assert summary["roofline_fraction"] == pytest.approx(
       costs["target_step_bytes"] / costs["target_seconds"]["1"] / costs["read_bandwidth"])
   assert 0 < summary["roofline_fraction"] < 10  # a tiny model's step is per-call overhead, far from the roofline
+  # Five repeats of one prompt a category: five pairs each, the smallest sample with a 90% interval (min, max).
+  intervals = summary["category_intervals"]
+  assert set(intervals) == {"prompt_lookup", "exit2", "heads"}
+  for name, per in intervals.items():
+    assert set(per) == {"qa", "writing"}
+    for category, i in per.items():
+      ratios = report.paired_speedups([r for r in saved["records"] if r["category"] == category], name,
+                                      "autoregressive")
+      assert i["pairs"] == 5 and (i["low"], i["median"], i["high"]) == pytest.approx(
+          (min(ratios), np.median(ratios), max(ratios)))
 
   text = (tmp_path / "results.md").read_text()
   assert f"{summary['roofline_fraction']:.0%} of the read bandwidth measured in this run" in text
@@ -361,6 +428,8 @@ def test_run_reports_costs_prediction_efficiency_and_projection(tiny_chat, tmp_p
   assert "**Accelerator projection**" in text and "(γ·c_bytes + r_bytes)" in text
   assert "| heads | 3 |" in text and "## Acceptance per draft position" in text
   assert "Left out (shipped checkpoint missing): unshipped (exit_adapter.safetensors)" in text
+  assert "## Speedup by category" in text and "| qa (5) |" in text
+  assert "| above / containing / below 0.95x |" in text
   for plot in ("speedup.png", "speedup_by_category.png", "acceptance_per_position.png", "acceptance_vs_depth.png"):
     assert (tmp_path / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"({plot})" in text

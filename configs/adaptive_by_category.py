@@ -1,0 +1,30 @@
+r"""Every drafter with adaptive drafting against autoregressive decoding, category by category, resolved.
+
+  python -m experiments.run --config=configs/adaptive_by_category.py          # 4 prompts x 13 categories, 3 repeats
+  python -m experiments.run --config=configs/adaptive_by_category.py:small    # 2 prompts x 13 categories, 3 repeats
+
+The question it answers: does any drafter, with the library's default adaptive drafting (at most `gamma` = 4
+tokens a round, plain steps where drafting cannot pay), decode slower than autoregressive decoding on some
+Spec-Bench category? On a shared CPU one call's time moves by 10-20% between repeats, so one prompt a category
+(configs/adaptive_vs_fixed.py) cannot tell 0.95x from 1.0x. Here each category gets several prompts and repeats,
+every call is paired with the baseline's call on the same prompt and repeat (interleaved, each repeat starting
+one method later), and results.md's "Speedup by category" table gives each category's median paired speedup with
+a distribution-free 90% interval and counts, per drafter, the categories whose interval lies above 0.95x,
+contains it, or lies below it. Drafters as in configs/bench_peers.py (prompt lookup, the untrained early exit
+after layer 24, the shipped MTP heads, distilled draft model and exit adapter). Greedy, batch 1, 64 new tokens;
+every output is checked token for token against autoregressive decoding.
+
+Time on 2 CPU cores: 7 methods x 52 prompts x 3 repeats of 64 tokens, about 20 min of decoding plus compiling
+each method for the prompt-length buckets (the long prompts of summarization and rag add two).
+"""
+
+from configs import bench_peers, common, compare_drafters
+
+
+def get_config(arg=None):
+  variants = compare_drafters.parse_variants(arg, "configs/adaptive_by_category.py", allowed=("small",))
+  config = common.spec_bench_run(per_category=2 if "small" in variants else 4, max_new_tokens=64, repeats=3,
+                                 model=bench_peers.MODEL)
+  config.methods = ({"name": "autoregressive"},) + tuple(
+      {**method, "adaptive": True, "gamma": 4} for method in bench_peers.drafter_methods())
+  return config
