@@ -25,7 +25,7 @@ acceptance per position is measured at a fixed chain length).
 
 import os
 
-from configs import common
+from configs import bench_peers, common
 from specjax import layer_skip_search
 
 SKIP_SET = os.path.join(os.path.dirname(os.path.abspath(__file__)), "layer_skip_sets", "smollm2-135m.json")
@@ -50,7 +50,8 @@ def drafter_methods() -> tuple:
       best_skip_set(DEEP_SKIP_SET, "layer_skip_deep_set"),
       {"name": "layer_skip_trained_exit", "drafter": "layer_skip", "options": {"adapter": "default"},
        "needs": ("exit_adapter",)},
-      {"name": "draft_model", "drafter": "draft_model", "options": {"draft": "smollm2-135m-draft"},
+      {"name": "draft_model", "drafter": "draft_model",
+       "options": {"draft": "smollm2-135m-draft", "prompt_window": bench_peers.DRAFT_PROMPT_WINDOW},
        "needs": ("draft_model",)},
       {"name": "mtp_parallel", "drafter": "mtp_parallel", "options": {}},
       {"name": "mtp_sequential", "drafter": "mtp_sequential", "options": {}},

@@ -6,14 +6,16 @@ from __future__ import annotations
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import specjax
 from specjax import export
-from specjax.drafters import draft_head, draft_model
+from specjax.drafters import DraftInputs, PromptInfo, draft_head, draft_model
 from specjax.loading import CheckpointError, Model
 from specjax.model import init_params
+from specjax.sampling import SamplingParams
 from specjax.tokenizer import Tokenizer
 from tests.task_drafters import TASK_CONFIG, VOCAB, perturbed, ragged_prompts, train_on_task
 
@@ -21,6 +23,7 @@ from tests.task_drafters import TASK_CONFIG, VOCAB, perturbed, ragged_prompts, t
 DRAFTS = {
     "two_layers": dict(num_layers=2),
     "one_layer_truncated": dict(init_layers=[3], token_map=list(range(0, VOCAB, 2))),
+    "two_layers_window": dict(num_layers=2, prompt_window=4),  # every prompt but one longer than the window
 }
 
 
@@ -32,6 +35,44 @@ def test_greedy_distilled_draft_speculative_equals_autoregressive(name, gamma, r
   expected = specjax.generate(random_target, prompts, max_new_tokens=24, stop_ids=[])
   out = specjax.generate(random_target, prompts, max_new_tokens=24, drafter=drafter, gamma=gamma, stop_ids=[])
   assert out.tokens == expected.tokens
+
+
+def test_a_prompt_window_drafts_the_continuation_of_the_windows_tokens(random_target):
+  # With the target as its own draft, reading only the last `window` prompt tokens, the first round's proposals
+  # are the model's greedy continuation of those tokens and the pending one: what it decodes from them alone.
+  window, gamma = 5, 3
+  prompts = ragged_prompts(4)  # 14, 24, 6 and 18 tokens
+  pending = [3, 7, 11, 13]
+  width = 32
+  drafter = specjax.make_drafter("draft_model", random_target, draft=random_target, prompt_window=window)
+  tokens = np.zeros((4, width), np.int32)
+  sequence = np.zeros((4, width + gamma + 2), np.int32)
+  for row, (p, t) in enumerate(zip(prompts, pending)):
+    tokens[row, :len(p)] = p
+    sequence[row, :len(p) + 1] = p + [t]
+  lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
+  config = random_target.config
+  prompt = PromptInfo(tokens=jnp.asarray(tokens), lengths=lengths, first_token=jnp.asarray(pending, jnp.int32),
+                      last_hidden=jnp.zeros((4, config.hidden_size)), features=None, cache_len=sequence.shape[1])
+  state = draft_model.init(random_target.params, drafter.params, drafter.options, prompt)
+  assert state.offset.tolist() == [len(p) - window for p in prompts]
+  proposal = draft_model.propose(random_target.params, drafter.params, drafter.options, state, DraftInputs(
+      sequence=jnp.asarray(sequence), position=lengths, target_cache=None, key=jax.random.PRNGKey(0)), gamma,
+      SamplingParams())
+  expected = specjax.generate(random_target, [p[-window:] + [t] for p, t in zip(prompts, pending)],
+                              max_new_tokens=gamma, stop_ids=[])
+  assert proposal.tokens.tolist() == expected.tokens
+  # The whole prompt gives other drafts here (the window changes what the draft sees).
+  whole = specjax.make_drafter("draft_model", random_target, draft=random_target)
+  state = draft_model.init(random_target.params, whole.params, whole.options, prompt)
+  assert state.offset.tolist() == [0] * 4
+  full = draft_model.propose(random_target.params, whole.params, whole.options, state, DraftInputs(
+      sequence=jnp.asarray(sequence), position=lengths, target_cache=None, key=jax.random.PRNGKey(0)), gamma,
+      SamplingParams())
+  assert full.tokens.tolist() != proposal.tokens.tolist()
+  for bad in (0, 2.5, True):
+    with pytest.raises(ValueError, match="prompt_window must be an integer >= 1"):
+      specjax.make_drafter("draft_model", random_target, draft=random_target, prompt_window=bad)
 
 
 def test_fresh_draft_copies_evenly_spaced_target_layers_and_shares_the_embedding(random_target):

@@ -18,6 +18,7 @@ a standalone `Model`, which `specjax.export.save_hf` writes as an HF Llama direc
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +40,8 @@ class Options:
   config: ModelConfig  # the draft model's
   init_layers: tuple[int, ...] | None = None  # a distilled draft: the target layers it started from; None: independent
   draft_vocab: int | None = None  # V' of a truncated draft vocabulary (distilled drafts); None: the full vocabulary
+  # The draft reads only the last `prompt_window` prompt tokens (None: the whole prompt); see `init`.
+  prompt_window: int | None = None
 
   @property
   def distilled(self) -> bool:
@@ -66,37 +69,57 @@ def logits(target_params, params, options: Options, hidden):
   return draft_head.logits(model_params(target_params, params, options), params, hidden, options.config)
 
 
-def init(target_params, params, options: Options, prompt: PromptInfo):
-  cache = init_cache(options.config, prompt.tokens.shape[0], prompt.cache_len)
-  return forward(model_params(target_params, params, options), prompt.tokens, cache, jnp.zeros_like(prompt.lengths),
-                 options.config, compute_logits=False).cache
+class State(NamedTuple):
+  cache: Any  # the draft model's KV cache
+  offset: jax.Array  # [B] the target position of the draft cache's position 0 (prompt tokens left unread)
 
 
-def propose(target_params, params, options: Options, cache, inputs: DraftInputs, gamma: int,
+def init(target_params, params, options: Options, prompt: PromptInfo) -> State:
+  """Prefills the draft's cache with the prompts, or with their last `prompt_window` tokens: the draft then holds
+  target position p at p - offset (RoPE scores depend on distances only, so this is the draft reading the
+  window at its own positions). A draft model's prefill costs its share of the target's (4 of 30 layers for the
+  shipped one), which on a prompt of several hundred tokens outweighs what low-acceptance rounds recover; the
+  window bounds it (StreamingLLM-style draft caches for long contexts: TriForce, Sun et al. 2024; MagicDec)."""
+  tokens, lengths = prompt.tokens, prompt.lengths
+  window = options.prompt_window
+  offset = jnp.zeros_like(lengths)
+  if window is not None and window < tokens.shape[1]:
+    offset = jnp.maximum(lengths - window, 0)
+    tokens = jnp.take_along_axis(tokens, offset[:, None] + jnp.arange(window)[None, :], axis=1)
+  cache = init_cache(options.config, tokens.shape[0], prompt.cache_len)
+  cache = forward(model_params(target_params, params, options), tokens, cache, jnp.zeros_like(lengths),
+                  options.config, compute_logits=False).cache
+  return State(cache=cache, offset=offset)
+
+
+def propose(target_params, params, options: Options, state: State, inputs: DraftInputs, gamma: int,
             sampling: SamplingParams):
   full = model_params(target_params, params, options)
 
   def step(cache, tokens, positions):
-    out = forward(full, tokens, cache, positions, options.config, compute_logits=False)
+    out = forward(full, tokens, cache, positions - state.offset, options.config, compute_logits=False)
     return logits(target_params, params, options, out.hidden[:, -1]), out.hidden[:, -1], out.cache
 
-  proposal = draft_tokens(step, cache, inputs, gamma, sampling, params.get("token_map"), options.config.vocab_size)
-  return proposal._replace(state=proposal.target_cache, target_cache=inputs.target_cache)
+  proposal = draft_tokens(step, state.cache, inputs, gamma, sampling, params.get("token_map"),
+                          options.config.vocab_size)
+  return proposal._replace(state=state._replace(cache=proposal.target_cache), target_cache=inputs.target_cache)
 
 
-def update(target_params, params, options: Options, cache, result: RoundResult):
+def update(target_params, params, options: Options, state: State, result: RoundResult) -> State:
   """After a round that drafted the cache already holds [pending - 1, pending, x_1, ...]. After plain target
   steps (`result.drafted` False) the draft reads the tokens of those steps, each one's previous token: positions
   verify_position - 1 .. verify_position + w - 2, w being the result's width (one forward over all of them), so
   its cache stays valid below position - 1, where the next round's 2-token first step starts."""
   if result.drafted:
-    return cache
+    return state
   rows = jnp.arange(result.sequence.shape[0])
   start = result.verify_position - 1
   positions = jnp.minimum(start[:, None] + jnp.arange(result.verify_hidden.shape[1])[None, :],
-                          result.sequence.shape[1] - 1)  # slots past the cache are dropped by the write
-  return forward(model_params(target_params, params, options), result.sequence[rows[:, None], positions], cache,
-                 start, options.config, compute_logits=False).cache
+                          result.sequence.shape[1] - 1)  # slots past the sequence: dropped by the write, or
+  # (behind an offset) written past every position read so far, as any slot beyond the pending token is
+  cache = forward(model_params(target_params, params, options), result.sequence[rows[:, None], positions],
+                  state.cache, start - state.offset, options.config, compute_logits=False).cache
+  return state._replace(cache=cache)
 
 
 def cost(target, options: Options, params) -> float:
@@ -185,11 +208,22 @@ def as_model(target: Model, drafter: Drafter, name: str | None = None) -> Model:
                name=name or f"{target.name}{SHIPPED_SUFFIX}")
 
 
-def make(model, draft=None, num_layers: int | None = None, init_layers=None, token_map=None) -> Drafter:
+def make(model, draft=None, num_layers: int | None = None, init_layers=None, token_map=None,
+         prompt_window: int | None = None) -> Drafter:
   """draft: a `Model` or a name/path for `specjax.load` (an independent model with the same tokenizer); a
   distilled draft's checkpoint (`.safetensors`) or shipped name ("smollm2-135m-draft"); or "fresh", a new
   distilled draft to train, from `init_layers` (default: `num_layers`, default 4, evenly spaced target layers),
-  optionally over the draft vocabulary `token_map`."""
+  optionally over the draft vocabulary `token_map`. `prompt_window`: the draft reads only the prompt's last
+  tokens, at most this many (None: all; `init`)."""
+  drafter = _make(model, draft, num_layers, init_layers, token_map)
+  if prompt_window is None:
+    return drafter
+  if isinstance(prompt_window, bool) or not isinstance(prompt_window, (int, np.integer)) or prompt_window < 1:
+    raise ValueError(f"prompt_window must be an integer >= 1 (or None: the whole prompt), got {prompt_window!r}")
+  return dataclasses.replace(drafter, options=dataclasses.replace(drafter.options, prompt_window=int(prompt_window)))
+
+
+def _make(model, draft, num_layers, init_layers, token_map) -> Drafter:
   config = model.config
   if draft is None:
     raise ValueError("draft_model needs draft=<Model, name/path, distilled checkpoint or 'fresh'>")
