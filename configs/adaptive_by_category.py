@@ -14,8 +14,9 @@ contains it, or lies below it. Drafters as in configs/bench_peers.py (prompt loo
 after layer 24, the shipped MTP heads, distilled draft model and exit adapter). Greedy, batch 1, 64 new tokens;
 every output is checked token for token against autoregressive decoding.
 
-Time on 2 CPU cores: 7 methods x 52 prompts x 3 repeats of 64 tokens, about 20 min of decoding plus compiling
-each method for the prompt-length buckets (the long prompts of summarization and rag add two).
+Time on 2 CPU cores: 7 methods x 52 prompts x 3 repeats of 64 tokens took 33 min (results/adaptive_by_category/),
+7 min of it compiling each method for the five prompt-length buckets (46 programs, with a warm compilation cache);
+the long prompts of summarization and rag take a third of the decoding time.
 """
 
 from configs import bench_peers, common, compare_drafters
