@@ -23,7 +23,7 @@ from tests.task_drafters import TASK_CONFIG, VOCAB, perturbed, ragged_prompts, t
 DRAFTS = {
     "two_layers": dict(num_layers=2),
     "one_layer_truncated": dict(init_layers=[3], token_map=list(range(0, VOCAB, 2))),
-    "two_layers_window": dict(num_layers=2, prompt_window=4),  # every prompt but one longer than the window
+    "two_layers_window": dict(num_layers=2, prompt_window=4),  # every prompt longer than the window
 }
 
 
