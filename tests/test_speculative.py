@@ -212,7 +212,7 @@ def test_unknown_drafter_and_bad_options_are_rejected(target):
                                          "its options: ngram_sizes"),
     ("draft_model", {"path": "x", "gamma": 3}, "drafter 'draft_model' has no option 'gamma', 'path'; "
                                                "its options: draft, num_layers, init_layers, "
-                                               "token_map"),
+                                               "token_map, prompt_window"),
 ])
 def test_unknown_drafter_options_name_the_drafter_and_its_options(target, name, options, message):
   with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
