@@ -104,13 +104,11 @@ def category_intervals(records: Sequence[dict], method: str, baseline: str,
                        confidence: float = 0.9) -> dict[str, dict[str, Any]]:
   """Per category: the median of the method's paired speedups (each call against the baseline's call on the same
   batch and repeat), their number, and `median_interval`'s interval (None below 5 pairs)."""
-  base = {(r["batch"], r["repeat"]): r["tokens_per_second"] for r in records if r["method"] == baseline}
-  pairs: dict[str, list[float]] = {}
-  for r in records:
-    if r["method"] == method and (r["batch"], r["repeat"]) in base:
-      pairs.setdefault(r["category"], []).append(r["tokens_per_second"] / base[(r["batch"], r["repeat"])])
   out = {}
-  for category, ratios in pairs.items():
+  for category in dict.fromkeys(r["category"] for r in records if r["method"] == method):
+    ratios = paired_speedups([r for r in records if r["category"] == category], method, baseline)
+    if not ratios:
+      continue
     interval = median_interval(ratios, confidence)
     out[category] = {"median": float(np.median(ratios)), "pairs": len(ratios), "confidence": confidence,
                      "low": interval[0] if interval else None, "high": interval[1] if interval else None}
