@@ -86,6 +86,7 @@ def test_prompt_ids_use_the_chat_template_on_the_first_turn_only(smollm2):
     (adaptive_vs_fixed, "small", 13, 64),
     (adaptive_by_category, None, 52, 64),
     (adaptive_by_category, "small", 26, 64),
+    (adaptive_by_category, "full", 130, 64),
 ])
 def test_configs_select_their_prompts(module, arg, prompts, max_new_tokens):
   config = module.get_config(arg)
@@ -93,6 +94,13 @@ def test_configs_select_their_prompts(module, arg, prompts, max_new_tokens):
   assert config.max_new_tokens == max_new_tokens
   assert dict(config.methods[0]) == {"name": "autoregressive"}
   assert all(set(m) <= run.METHOD_KEYS for m in config.methods)
+
+
+def test_adaptive_by_category_variants_exclude_each_other():
+  with pytest.raises(ValueError, match="exclude each other"):
+    adaptive_by_category.get_config("small,full")
+  with pytest.raises(ValueError, match="comma-separated subset of small, full"):
+    adaptive_by_category.get_config("large")
 
 
 def test_compare_drafters_variants():
