@@ -16,7 +16,7 @@ import specjax
 from specjax.drafters import draft_head
 from specjax.loading import CheckpointError
 from specjax.train_drafter import train_drafter
-from tests.task_drafters import VOCAB, perturbed, progression, ragged_prompts
+from tests.task_drafters import VOCAB, assert_greedy_lossless, perturbed, progression
 
 # test id -> (drafter name, options for fresh parameters)
 MTP_DRAFTERS = {
@@ -41,11 +41,7 @@ GREEDY_GRID = [(name, gamma) for name in ("parallel", "sequential") for gamma in
 
 @pytest.mark.parametrize("name, gamma", GREEDY_GRID)
 def test_greedy_mtp_speculative_equals_autoregressive(name, gamma, random_target):
-  prompts = ragged_prompts(4)
-  expected = specjax.generate(random_target, prompts, max_new_tokens=24, stop_ids=[])
-  out = specjax.generate(random_target, prompts, max_new_tokens=24, drafter=make(name, random_target), gamma=gamma,
-                         stop_ids=[])
-  assert out.tokens == expected.tokens
+  assert_greedy_lossless(random_target, make(name, random_target), gamma)
 
 
 def test_gamma_beyond_the_heads_is_a_clear_error(random_target):
