@@ -85,18 +85,25 @@ def _timed(run: Callable[[int], Any], calls: int) -> float:
 
 
 def interleaved_seconds(runs: dict[str, Callable[[int], Any]], repeats: int, short: int = 2,
-                        long: int = 8) -> dict[str, float]:
+                        long: int = 8, min_seconds: float = 0.05, max_calls: int = 4096) -> dict[str, float]:
   """Seconds per loop iteration of each `run(calls)` (a pytree to wait for), median over `repeats` rounds.
 
-  Every run is compiled and warmed first; then each round times a long and a short loop of every run in turn.
+  Every run is compiled and warmed first, and its long loop lengthened (doubling from `long`, at most `max_calls`)
+  until it takes `min_seconds`, so that the difference a round measures stands clear of timer and scheduler noise
+  even for steps of microseconds (a tiny model, prompt lookup's search); `calls` is traced, so no length compiles
+  anew. Then each round times a long and a short loop of every run in turn.
   """
-  for run in runs.values():
+  lengths = {}
+  for name, run in runs.items():
     _timed(run, short)
-    _timed(run, long)
+    calls = long
+    while _timed(run, calls) < min_seconds and calls < max_calls:
+      calls *= 2
+    lengths[name] = calls
   deltas: dict[str, list[float]] = {name: [] for name in runs}
   for _ in range(repeats):
     for name, run in runs.items():
-      deltas[name].append((_timed(run, long) - _timed(run, short)) / (long - short))
+      deltas[name].append((_timed(run, lengths[name]) - _timed(run, short)) / (lengths[name] - short))
   return {name: statistics.median(d) for name, d in deltas.items()}
 
 

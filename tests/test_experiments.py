@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import jax
 import ml_collections
@@ -19,7 +20,7 @@ from ml_collections import config_flags
 import specjax
 from configs import (adaptive_by_category, adaptive_vs_fixed, batch_sweep, bench_peers, compare_drafters, depth_sweep,
                      gamma_sweep, quickstart, spec_bench as spec_bench_config)
-from experiments import report, run, spec_bench
+from experiments import costs, report, run, spec_bench
 from specjax import leviathan
 from specjax.config import ModelConfig
 from specjax.loading import Model
@@ -188,6 +189,23 @@ def test_adaptive_by_category_runs_every_drafter_adaptive_with_repeats():
   assert all(m["adaptive"] and m["gamma"] == 4 for m in config.methods[1:])
   with pytest.raises(ValueError, match="subset of small"):
     adaptive_by_category.get_config("g2")
+
+
+def test_interleaved_seconds_lengthens_the_loops_of_tiny_steps():
+  """A 20 us step behind 2 ms of per-call overhead: an 8-call loop would measure mostly noise, so the long loop
+  grows until it takes 50 ms, and the per-step time comes out right."""
+  calls_seen = []
+
+  def run(calls):
+    calls_seen.append(calls)
+    time.sleep(0.002 + 2e-5 * calls)
+    return np.zeros(())
+
+  seconds = costs.interleaved_seconds({"tiny": run}, repeats=3)
+  assert max(calls_seen) == 4096 and calls_seen.count(4096) == 3 + 1
+  assert seconds["tiny"] == pytest.approx(2e-5, rel=0.3)
+  slow = costs.interleaved_seconds({"slow": lambda calls: time.sleep(0.01 * calls)}, repeats=1)
+  assert slow["slow"] == pytest.approx(0.01, rel=0.3)
 
 
 @pytest.mark.parametrize("n, ranks", [(4, None), (5, (1, 5)), (12, (3, 10)), (15, (4, 12)), (40, (15, 26))])
