@@ -10,7 +10,9 @@ by 10-20%, so a single prompt per category cannot tell 0.95x from 1.0x, and the 
 
 Acceptance is pooled over every call of a method from the engine's per-row counts (not a median of ratios):
 alpha = accepted / (accepted + rejections) (Leviathan's α), mean accepted = tokens committed by verification
-rounds / rounds (bonus included), acceptance per position k = rounds whose drafts 1..k were all accepted / rounds.
+rounds / rounds (bonus included), acceptance per position k = rounds whose drafts 1..k were all accepted / rounds
+that drafted k tokens or more (every round at a fixed γ; adaptive drafting drafts later positions only in the
+rounds confident enough to reach them, so its figures need not fall with k).
 With costs (experiments/costs.py), `add_costs` puts Leviathan's prediction, the efficiency and the accelerator
 projection beside them (formulas in its docstring and in results.md).
 
@@ -216,7 +218,7 @@ def lossless_banner(summary: dict[str, Any]) -> str:
 
 
 def _fmt(x, spec: str) -> str:
-  if x is None:
+  if x is None or (isinstance(x, float) and math.isnan(x)):
     return "–"
   if isinstance(x, bool):
     return "yes" if x else "NO"
@@ -249,7 +251,8 @@ def markdown_table(summary: dict[str, Any]) -> str:
 
 
 def acceptance_table(summary: dict[str, Any]) -> str:
-  """Acceptance per draft position: the share of rounds whose first k drafts were all accepted."""
+  """Acceptance per draft position: of the rounds that drafted k tokens or more, the share whose first k drafts were
+  all accepted ("–" where no round drafted k)."""
   drafted = {m: s for m, s in summary["methods"].items() if s.get("acceptance_per_position")}
   if not drafted:
     return ""
@@ -392,7 +395,8 @@ def _save(fig, path: str) -> None:
 
 
 def plot_acceptance_per_position(summary: dict[str, Any], path: str) -> bool:
-  """Share of rounds whose first k drafts were all accepted, per drafted method (layer skip beside MTP)."""
+  """Per drafted method (layer skip beside MTP): of the rounds that drafted k tokens or more, the share whose
+  first k drafts were all accepted."""
   drafted = {m: s["acceptance_per_position"] for m, s in summary["methods"].items() if s.get("acceptance_per_position")}
   if not drafted:
     return False
@@ -401,7 +405,7 @@ def plot_acceptance_per_position(summary: dict[str, Any], path: str) -> bool:
     ax.plot(np.arange(1, len(per) + 1), per, marker="o", label=method)
   ax.set_xlabel("draft position k")
   ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-  ax.set_ylabel("rounds with drafts 1..k accepted")
+  ax.set_ylabel("drafts 1..k accepted / rounds drafting k")
   ax.set_ylim(0, 1)
   ax.legend(fontsize="small")
   _save(fig, path)
@@ -434,12 +438,15 @@ def plot_mean_accepted_vs_gamma(summary: dict[str, Any], path: str) -> bool:
 
 def plot_acceptance_vs_depth(summary: dict[str, Any], path: str) -> bool:
   """Left: layer skip's alpha against its exit layer. Right: MTP's acceptance per head depth k, i.e. the share of
-  rounds whose drafts 1..k were accepted over those whose drafts 1..k-1 were (head k given heads < k right)."""
+  rounds whose drafts 1..k were accepted over those whose drafts 1..k-1 were (head k given heads < k right), for
+  the MTP methods drafting a fixed γ (under adaptive drafting the per-position figures have different
+  denominators, so their ratio is not this conditional)."""
   exits = sorted((s["options"]["exit_layer"], s["alpha"]) for s in summary["methods"].values()
                  if s.get("drafter") == "layer_skip" and "exit_layer" in (s.get("options") or {})
                  and s.get("alpha") is not None and not (s.get("options") or {}).get("adapter"))
   heads = {m: s["acceptance_per_position"] for m, s in summary["methods"].items()
-           if (s.get("drafter") or "").startswith("mtp") and s.get("acceptance_per_position")}
+           if (s.get("drafter") or "").startswith("mtp") and s.get("acceptance_per_position")
+           and not s.get("adaptive")}
   if len(exits) < 2 and not heads:
     return False
   fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
@@ -571,7 +578,10 @@ def write(workdir: str, results: dict[str, Any]) -> str:
   per_position = acceptance_table(summary)
   if per_position:
     lines += ["", "## Acceptance per draft position", "",
-              "Share of rounds whose drafts 1..k were all accepted (pooled over every call):", "", per_position]
+              "Of the rounds that drafted k tokens or more, the share whose drafts 1..k were all accepted (pooled "
+              "over every call; every round at a fixed γ, only the rounds confident enough to reach k under adaptive "
+              "drafting); c and r (bytes): a draft step's and a verification's bytes read over a 1-token target step's "
+              "(the accelerator projection's costs):", "", per_position]
   lines += [""] + [f"![{name[:-4]}]({name})" for name in written]
   with open(os.path.join(workdir, "results.md"), "w") as f:
     f.write("\n".join(lines) + "\n")
