@@ -31,7 +31,9 @@ not installed is left out with a printed reason.
 
 Adaptive drafting (`config.adaptive`, or a method's own `"adaptive"` key; default True as in
 `specjax.generate`): `gamma` is then the most drafts per round, and the summary adds `gamma_histogram` (rounds by
-the draft length used, index 0 a plain target step); with False every round drafts `gamma` tokens.
+the draft length used, index 0 a plain target step); with False every round drafts `gamma` tokens. A dict of
+`specjax.AdaptiveDrafting` options instead of True, e.g. `"adaptive": {"optimism": 0.25}`, drafts adaptively with
+those options (results.json keeps them under the method's `adaptive`); an unknown option is an error.
 
 Costs (`config.costs`, experiments/costs.py): after decoding, every drafter's draft cost c and verification cost
 r are measured in compiled loops, interleaved, on a cache of the prompts' typical size, with the bytes each step
@@ -91,7 +93,8 @@ class Method:
   family: str = ""  # the config's method name (a gamma sweep runs one family at several gammas)
   options: dict = dataclasses.field(default_factory=dict)  # make_drafter options, for the report
   peer: Any = None  # from peers.make: another implementation, which decodes instead of specjax
-  adaptive: bool = False  # adaptive drafting (specjax/adaptive.py); False: every round drafts `gamma` tokens
+  # adaptive drafting (specjax/adaptive.py): True (the defaults) or its options; False: every round drafts `gamma`
+  adaptive: bool | specjax.AdaptiveDrafting = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,8 +148,8 @@ def make_methods(config: ml_collections.ConfigDict, model: specjax.Model) -> lis
         continue
       methods.append(Method(spec["name"], None, gamma, spec["name"], options, peer=peer))
       continue
+    adaptive = adaptive_drafting(spec.get("adaptive", config.get("adaptive", True)), spec["name"])  # default: True
     drafter = specjax.make_drafter(spec["drafter"], model, **options) if spec.get("drafter") else None
-    adaptive = bool(spec.get("adaptive", config.get("adaptive", True)))  # the library default
     if drafter is None or not gammas:
       methods.append(Method(spec["name"], drafter, int(spec.get("gamma", config.gamma)), spec["name"], options,
                             adaptive=adaptive))
@@ -158,6 +161,23 @@ def make_methods(config: ml_collections.ConfigDict, model: specjax.Model) -> lis
         continue
       methods.append(Method(f"{spec['name']}_g{gamma}", drafter, gamma, spec["name"], options, adaptive=adaptive))
   return methods
+
+
+def adaptive_drafting(value: Any, method: str) -> bool | specjax.AdaptiveDrafting:
+  """A method's `"adaptive"` (or `config.adaptive`): True or False, or a dict of `specjax.AdaptiveDrafting` options,
+  which it returns built (their values checked there)."""
+  if isinstance(value, bool):
+    return value
+  if isinstance(value, ml_collections.ConfigDict):
+    value = value.to_dict()
+  if not isinstance(value, dict):
+    raise ValueError(f"method {method!r}: 'adaptive' is True, False or a dict of specjax.AdaptiveDrafting options, "
+                     f"got {value!r}")
+  known = [field.name for field in dataclasses.fields(specjax.AdaptiveDrafting)]
+  unknown = sorted(set(value) - set(known))
+  if unknown:
+    raise ValueError(f"method {method!r}: unknown adaptive drafting option(s) {unknown}; options: {known}")
+  return specjax.AdaptiveDrafting(**value)
 
 
 def unshipped_checkpoints(specs: Sequence[dict], model: specjax.Model) -> dict[str, list[str]]:
@@ -342,7 +362,12 @@ def _record(method: Method, batch: PromptBatch, repeat: int, temperature: float,
 def _method_info(methods: Sequence[Method]) -> dict[str, dict[str, Any]]:
   return {m.name: {"drafter": m.drafter.name if m.drafter is not None else None, "family": m.family or m.name,
                    "options": m.options, "gamma": m.gamma if m.drafter is not None else None,
-                   "adaptive": m.adaptive if m.drafter is not None else None} for m in methods}
+                   "adaptive": _adaptive_info(m.adaptive) if m.drafter is not None else None} for m in methods}
+
+
+def _adaptive_info(adaptive: bool | specjax.AdaptiveDrafting) -> bool | dict[str, Any]:
+  """For results.json: True or False, or the options of adaptive drafting (a dict, which reads as true)."""
+  return dataclasses.asdict(adaptive) if isinstance(adaptive, specjax.AdaptiveDrafting) else adaptive
 
 
 def _measure_costs(config: ml_collections.ConfigDict, model: specjax.Model, methods: Sequence[Method],

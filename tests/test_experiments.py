@@ -18,8 +18,8 @@ from absl import flags
 from ml_collections import config_flags
 
 import specjax
-from configs import (adaptive_by_category, adaptive_vs_fixed, batch_sweep, bench_peers, compare_drafters, depth_sweep,
-                     gamma_sweep, quickstart, spec_bench as spec_bench_config)
+from configs import (adaptive_by_category, adaptive_optimism, adaptive_vs_fixed, batch_sweep, bench_peers,
+                     compare_drafters, depth_sweep, gamma_sweep, quickstart, spec_bench as spec_bench_config)
 from experiments import costs, report, run, spec_bench
 from specjax import leviathan
 from specjax.config import ModelConfig
@@ -88,6 +88,8 @@ def test_prompt_ids_use_the_chat_template_on_the_first_turn_only(smollm2):
     (adaptive_by_category, None, 52, 64),
     (adaptive_by_category, "small", 26, 64),
     (adaptive_by_category, "full", 130, 64),
+    (adaptive_optimism, None, 56, 64),
+    (adaptive_optimism, "small", 14, 64),
 ])
 def test_configs_select_their_prompts(module, arg, prompts, max_new_tokens):
   config = module.get_config(arg)
@@ -95,6 +97,15 @@ def test_configs_select_their_prompts(module, arg, prompts, max_new_tokens):
   assert config.max_new_tokens == max_new_tokens
   assert dict(config.methods[0]) == {"name": "autoregressive"}
   assert all(set(m) <= run.METHOD_KEYS for m in config.methods)
+
+
+def test_adaptive_optimism_runs_each_drafter_at_each_optimism():
+  config = adaptive_optimism.get_config()
+  drafters = {m["name"]: m for m in bench_peers.drafter_methods()}
+  for name in adaptive_optimism.DRAFTERS:
+    runs = [m for m in config.methods if m["name"].startswith(f"{name}_z")]
+    assert [m["adaptive"]["optimism"] for m in runs] == list(adaptive_optimism.OPTIMISMS)
+    assert all(m["drafter"] == drafters[name]["drafter"] and m["options"] == drafters[name]["options"] for m in runs)
 
 
 def test_adaptive_by_category_variants_exclude_each_other():
@@ -268,6 +279,29 @@ def test_make_methods_puts_the_baseline_first_and_honours_only(smollm2):
   assert [m.name for m in methods] == ["ar", "pld"]
   assert methods[0].drafter is None and methods[1].drafter.name == "prompt_lookup"
   assert methods[1].gamma == config.gamma
+
+
+def test_make_methods_builds_adaptive_drafting_from_a_methods_options(smollm2):
+  config = _config(methods=({"name": "ar"}, {"name": "pld", "drafter": "prompt_lookup"},
+                            {"name": "pld_careful", "drafter": "prompt_lookup", "adaptive": {"optimism": 0.25}},
+                            {"name": "pld_fixed", "drafter": "prompt_lookup", "adaptive": False}))
+  methods = {m.name: m for m in run.make_methods(config, smollm2)}
+  assert methods["pld"].adaptive is True and methods["pld_fixed"].adaptive is False
+  assert methods["pld_careful"].adaptive == specjax.AdaptiveDrafting(optimism=0.25)
+  info = run._method_info(list(methods.values()))
+  assert info["pld_careful"]["adaptive"]["optimism"] == 0.25 and info["pld"]["adaptive"] is True
+  json.dumps(info)  # results.json holds the options
+
+
+@pytest.mark.parametrize("adaptive, message", [
+    ({"optimsm": 0.25}, r"unknown adaptive drafting option\(s\) \['optimsm'\]"),
+    ({"optimism": -1.0}, "optimism must be >= 0"),
+    ("yes", "'adaptive' is True, False or a dict"),
+])
+def test_make_methods_rejects_bad_adaptive_options(adaptive, message):
+  config = _config(methods=({"name": "ar"}, {"name": "pld", "drafter": "prompt_lookup", "adaptive": adaptive}))
+  with pytest.raises(ValueError, match=message):
+    run.make_methods(config, model=None)  # fails before building the drafter
 
 
 @pytest.mark.parametrize("methods, only, message", [

@@ -1,0 +1,39 @@
+r"""How much optimism adaptive drafting should have: the trained drafters at several `AdaptiveDrafting.optimism` values.
+
+  python -m experiments.run --config=configs/adaptive_optimism.py          # 8 prompts x 7 categories, 3 repeats
+  python -m experiments.run --config=configs/adaptive_optimism.py:small    # 2 prompts x 7 categories, 3 repeats
+
+Where the running acceptance says a plain step, adaptive drafting drafts anyway while an acceptance `optimism` (z)
+standard errors above it says drafting pays (specjax/adaptive.py). Its acceptance counts decay by `memory` = 0.9 a
+round, so they never hold more than about ten drafts, and the standard error never falls below about
+sqrt(alpha (1 - alpha) / 11): at alpha 0.1 the bonus is z x 0.09, and the prior (0.5, worth one draft) adds 0.04 more.
+A drafter that accepts half of what it needs to break even still drafts in a share of rounds: on translation
+(results/adaptive_by_category-full/) the exit adapter (alpha 0.08, break-even 0.17) drafted in 27% of rounds and
+the draft model (alpha 0.11) in 53%, and both read 0.94-0.96x. Less optimism drafts less there, and holds a paying
+drafter in plain steps longer after a dip where drafting pays little.
+
+Methods: autoregressive decoding, and the two drafters whose acceptance lies near their break-even (the distilled
+draft model and the trained exit adapter; prompt lookup and the MTP heads draft in every round, the untrained early
+exit in none, so the optimism does not change them), each at optimism 0.5 (the default), 0.25 and 0, named
+`<drafter>_z<optimism>`. Categories: the ones where they read lowest in that run (translation, extraction, coding,
+writing, humanities) and two where drafting pays (roleplay, qa). Greedy, batch 1, 64 new tokens, every call paired
+with the baseline's (results.md, "Speedup by category"), every output checked token for token.
+"""
+
+from configs import bench_peers, common, compare_drafters
+
+OPTIMISMS = (0.5, 0.25, 0.0)
+DRAFTERS = ("draft_model", "layer_skip_trained")
+CATEGORIES = ("writing", "roleplay", "coding", "extraction", "humanities", "translation", "qa")
+
+
+def get_config(arg=None):
+  variants = compare_drafters.parse_variants(arg, "configs/adaptive_optimism.py", allowed=("small",))
+  config = common.spec_bench_run(per_category=2 if "small" in variants else 8, max_new_tokens=64, repeats=3,
+                                 model=bench_peers.MODEL)
+  config.prompts.categories = CATEGORIES
+  drafters = {m["name"]: m for m in bench_peers.drafter_methods()}
+  config.methods = ({"name": "autoregressive"},) + tuple(
+      {**drafters[name], "name": f"{name}_z{z:g}", "adaptive": {"optimism": z}, "gamma": 4}
+      for name in DRAFTERS for z in OPTIMISMS)
+  return config
