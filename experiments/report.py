@@ -257,13 +257,20 @@ def acceptance_table(summary: dict[str, Any]) -> str:
   if not drafted:
     return ""
   width = max(len(s["acceptance_per_position"]) for s in drafted.values())
-  rows = ["| method | " + " | ".join(f"k={k + 1}" for k in range(width)) + " | c (bytes) | r (bytes) |",
-          "|---|" + "---:|" * (width + 2)]
+  costs = _has_bytes_costs(summary)  # the c and r (bytes) columns only where the run measured them
+  rows = ["| method | " + " | ".join(f"k={k + 1}" for k in range(width)) + " |" +
+          (" c (bytes) | r (bytes) |" if costs else ""),
+          "|---|" + "---:|" * (width + (2 if costs else 0))]
   for method, s in drafted.items():
     per = s["acceptance_per_position"] + [None] * (width - len(s["acceptance_per_position"]))
-    rows.append(f"| {method} | " + " | ".join(_fmt(p, ".3f") for p in per) +
-                f" | {_fmt(s.get('draft_cost_bytes'), '.3f')} | {_fmt(s.get('verify_cost_bytes'), '.3f')} |")
+    rows.append(f"| {method} | " + " | ".join(_fmt(p, ".3f") for p in per) + " |" +
+                (f" {_fmt(s.get('draft_cost_bytes'), '.3f')} | {_fmt(s.get('verify_cost_bytes'), '.3f')} |"
+                 if costs else ""))
   return "\n".join(rows)
+
+
+def _has_bytes_costs(summary: dict[str, Any]) -> bool:
+  return any(s.get("draft_cost_bytes") is not None for s in summary["methods"].values())
 
 
 def adaptive_table(summary: dict[str, Any]) -> str:
@@ -580,8 +587,9 @@ def write(workdir: str, results: dict[str, Any]) -> str:
     lines += ["", "## Acceptance per draft position", "",
               "Of the rounds that drafted k tokens or more, the share whose drafts 1..k were all accepted (pooled "
               "over every call; every round at a fixed γ, only the rounds confident enough to reach k under adaptive "
-              "drafting); c and r (bytes): a draft step's and a verification's bytes read over a 1-token target step's "
-              "(the accelerator projection's costs):", "", per_position]
+              "drafting)" + ("; c and r (bytes): a draft step's and a verification's bytes read over a 1-token "
+                             "target step's (the accelerator projection's costs)" if _has_bytes_costs(summary) else "") +
+              ":", "", per_position]
   lines += [""] + [f"![{name[:-4]}]({name})" for name in written]
   with open(os.path.join(workdir, "results.md"), "w") as f:
     f.write("\n".join(lines) + "\n")

@@ -177,6 +177,18 @@ def test_adaptive_vs_fixed_runs_each_drafter_adaptive_and_at_every_fixed_gamma()
       adaptive_vs_fixed.get_config(arg)
 
 
+def test_acceptance_table_shows_bytes_costs_only_when_the_run_measured_them():
+  methods = {"autoregressive": {"acceptance_per_position": None},
+             "pld": {"acceptance_per_position": [0.5, 0.25]}, "heads": {"acceptance_per_position": [0.4]}}
+  table = report.acceptance_table({"methods": methods})
+  assert table.splitlines()[0] == "| method | k=1 | k=2 |" and "bytes" not in table
+  assert "| heads | 0.400 | – |" in table
+  methods["heads"].update(draft_cost_bytes=0.05, verify_cost_bytes=1.01)
+  table = report.acceptance_table({"methods": methods})
+  assert table.splitlines()[0] == "| method | k=1 | k=2 | c (bytes) | r (bytes) |"
+  assert "| heads | 0.400 | – | 0.050 | 1.010 |" in table and "| pld | 0.500 | 0.250 | – | – |" in table
+
+
 def test_adaptive_table_puts_each_adaptive_drafter_beside_its_best_and_worst_fixed_gamma():
   def method(speedup, adaptive, gamma):
     return {"speedup": speedup, "adaptive": adaptive, "gamma": gamma}
