@@ -18,8 +18,9 @@ from absl import flags
 from ml_collections import config_flags
 
 import specjax
-from configs import (adaptive_by_category, adaptive_optimism, adaptive_vs_fixed, batch_sweep, bench_peers,
-                     compare_drafters, depth_sweep, gamma_sweep, quickstart, spec_bench as spec_bench_config)
+from configs import (adaptive_by_category, adaptive_optimism, adaptive_shadow, adaptive_vs_fixed, batch_sweep,
+                     bench_peers, compare_drafters, depth_sweep, gamma_sweep, quickstart,
+                     spec_bench as spec_bench_config)
 from experiments import costs, report, run, spec_bench
 from specjax import leviathan
 from specjax.config import ModelConfig
@@ -90,6 +91,8 @@ def test_prompt_ids_use_the_chat_template_on_the_first_turn_only(smollm2):
     (adaptive_by_category, "full", 130, 64),
     (adaptive_optimism, None, 56, 64),
     (adaptive_optimism, "small", 14, 64),
+    (adaptive_shadow, None, 56, 64),
+    (adaptive_shadow, "small", 14, 64),
 ])
 def test_configs_select_their_prompts(module, arg, prompts, max_new_tokens):
   config = module.get_config(arg)
@@ -105,6 +108,15 @@ def test_adaptive_optimism_runs_each_drafter_at_each_optimism():
   for name in adaptive_optimism.DRAFTERS:
     runs = [m for m in config.methods if m["name"].startswith(f"{name}_z")]
     assert [m["adaptive"]["optimism"] for m in runs] == list(adaptive_optimism.OPTIMISMS)
+    assert all(m["drafter"] == drafters[name]["drafter"] and m["options"] == drafters[name]["options"] for m in runs)
+
+
+def test_adaptive_shadow_runs_each_drafter_with_and_without_scored_plain_steps():
+  config = adaptive_shadow.get_config()
+  drafters = {m["name"]: m for m in bench_peers.drafter_methods()}
+  for name in adaptive_shadow.DRAFTERS:
+    runs = [m for m in config.methods if m["name"] in (name, f"{name}_no_shadow")]
+    assert [m["adaptive"] for m in runs] == [{"shadow": True}, {"shadow": False}]
     assert all(m["drafter"] == drafters[name]["drafter"] and m["options"] == drafters[name]["options"] for m in runs)
 
 

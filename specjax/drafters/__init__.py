@@ -21,6 +21,15 @@ skip runs the target's layers and owns nothing; an MTP head owns its head and re
       adaptive drafting, several plain steps at once (`AdaptiveDrafting.catch_up`), as one result over their
       positions, before the drafter proposes again.
 
+A drafter that keeps its own state over plain steps may also define `follow` (`Drafter.follow`): `update` after
+plain steps that also returns its first-slot logits at each followed step, what a one-token draft made at that
+step's pending position would have been drawn from. Adaptive drafting scores them against the tokens the target
+produced there (`AdaptiveDrafting.shadow`), so plain steps bring evidence of the acceptance without drafting:
+
+  follow(target_params, params, options, state, result: RoundResult) -> Followed
+      result as for `update` after plain steps (`result.drafted` False); logits [B, w, V'] for steps 0..w-1,
+      step i predicting the token after position result.verify_position + i.
+
 A drafter that runs the target's own first k layers on [pending, x_1, ...] (`reuse_layers = k`, early exit)
 writes the target's K/V for those layers as it drafts and hands over their output (`Proposal.hidden`), so
 verification runs layers 0..k-1 only for the token the draft did not process (LayerSkip's cache reuse).
@@ -45,7 +54,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.model import KVCache
-from specjax.sampling import SamplingParams, argmax, probabilities, sample, sample_from_probs
+from specjax.sampling import SamplingParams, argmax, probabilities, sample_from_probs
 
 
 @struct.dataclass
@@ -100,6 +109,14 @@ class RoundResult:
   drafted: bool = struct.field(pytree_node=False, default=True)
 
 
+class Followed(NamedTuple):
+  """What `Drafter.follow` returns: the state after following plain steps, and the draft's first-slot logits at
+  each of them."""
+  state: Any
+  logits: jax.Array  # [B, w, V'] step i: a one-token draft at position verify_position + i
+  token_map: jax.Array | None  # [V'] draft index -> token id (None: the full vocabulary)
+
+
 @dataclasses.dataclass(frozen=True)
 class Drafter:
   """A drafter; everything but `params` is static (hashable), so equal drafters share one compilation."""
@@ -119,6 +136,10 @@ class Drafter:
   # Following one plain target step (its `update` over one token) over a target step; adaptive drafting amortises it
   # over `AdaptiveDrafting.catch_up` steps followed at once
   plain_step_cost: float = 0.0
+  # `update` after plain steps that also scores them (see above; None: the drafter does not score them), and what
+  # scoring adds to following them (its output head over the followed positions), over a target step
+  follow: Callable | None = None
+  score_cost: float = 0.0
 
   def static(self) -> "Drafter":
     return dataclasses.replace(self, params=None, param_specs=None)
@@ -141,15 +162,19 @@ def choose_tokens(logits: jax.Array, key: jax.Array, sampling: SamplingParams, t
   With a truncated draft vocabulary (`token_map` [V']: draft index -> token id), q is zero outside it, so
   verification over the full vocabulary stays lossless.
   """
-  if token_map is not None and sampling.greedy:
-    return token_map[argmax(logits)], None
+  if sampling.greedy:
+    return (argmax(logits) if token_map is None else token_map[argmax(logits)]), None
+  q = draft_probabilities(logits, sampling, token_map, vocab_size)
+  return sample_from_probs(key, q), q
+
+
+def draft_probabilities(logits: jax.Array, sampling: SamplingParams, token_map: jax.Array | None = None,
+                        vocab_size: int | None = None) -> jax.Array:
+  """q [..., V] of draft logits [..., V'] (sampling): zero outside a truncated draft vocabulary `token_map`."""
   if token_map is not None:
     full = jnp.full(logits.shape[:-1] + (vocab_size,), -jnp.inf, logits.dtype)
     logits = full.at[..., token_map].set(logits)
-  if sampling.greedy:
-    return sample(key, logits, sampling), None
-  q = probabilities(logits, sampling)
-  return sample_from_probs(key, q), q
+  return probabilities(logits, sampling)
 
 
 def confidence(logits: jax.Array, q: jax.Array | None) -> jax.Array:
