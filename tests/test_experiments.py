@@ -201,6 +201,26 @@ def test_acceptance_table_shows_bytes_costs_only_when_the_run_measured_them():
   assert "| heads | 0.400 | – | 0.050 | 1.010 |" in table and "| pld | 0.500 | 0.250 | – | – |" in table
 
 
+def test_adaptive_rounds_pool_plain_steps_and_their_scored_acceptance_over_calls():
+  def record(method, batch, plain, shadow_tested=None, shadow_alpha=None):
+    return {"method": method, "batch": batch, "repeat": 0, "category": "qa", "seconds": 1.0, "new_tokens": 20,
+            "tokens_per_second": 20.0, "target_calls": 11, "mean_accepted": 1.5, "compile_call_seconds": None,
+            "plain_steps": plain, "shadow_tested": shadow_tested, "shadow_alpha": shadow_alpha,
+            "rounds_per_row": [10], "accepted_per_row": [5], "rejections_per_row": [3], "new_tokens_per_row": [20],
+            "acceptance_per_position": [0.5], "proposed_per_position": [8],
+            "gamma_histogram": None if plain is None else [plain, 10 - plain]}
+  records = [record("ar", 0, None), record("ar", 1, None), record("dm", 0, 4, 8, 0.25), record("dm", 1, 2, 0, None),
+             record("dm_no_shadow", 0, 6), record("dm_no_shadow", 1, 8)]
+  records[0]["rounds_per_row"] = records[1]["rounds_per_row"] = None
+  info = {"ar": {}, "dm": {"gamma": 1, "adaptive": {"shadow": True}}, "dm_no_shadow": {"gamma": 1, "adaptive": True}}
+  summary = report.summarize(records, ["ar", "dm", "dm_no_shadow"], "ar", {}, {}, info)
+  dm, blind = summary["methods"]["dm"], summary["methods"]["dm_no_shadow"]
+  assert dm["plain_share"] == pytest.approx(6 / 20) and dm["shadow_tested"] == 8 and dm["shadow_alpha"] == 0.25
+  assert blind["plain_share"] == pytest.approx(14 / 20) and blind["shadow_tested"] == 0 and blind["shadow_alpha"] is None
+  assert report.adaptive_rounds_table(summary).splitlines()[2:] == [
+      "| dm | 30% | 0.625 | 0.250 | 8 |", "| dm_no_shadow | 70% | 0.625 | – | 0 |"]
+
+
 def test_adaptive_table_puts_each_adaptive_drafter_beside_its_best_and_worst_fixed_gamma():
   def method(speedup, adaptive, gamma):
     return {"speedup": speedup, "adaptive": adaptive, "gamma": gamma}
