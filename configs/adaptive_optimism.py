@@ -31,11 +31,7 @@ CATEGORIES = ("writing", "roleplay", "coding", "extraction", "humanities", "tran
 
 def get_config(arg=None):
   variants = compare_drafters.parse_variants(arg, "configs/adaptive_optimism.py", allowed=("small",))
-  config = common.spec_bench_run(per_category=2 if "small" in variants else 8, max_new_tokens=64, repeats=3,
-                                 model=bench_peers.MODEL)
-  config.prompts.categories = CATEGORIES
   drafters = {m["name"]: m for m in bench_peers.drafter_methods()}
-  config.methods = ({"name": "autoregressive"},) + tuple(
-      {**drafters[name], "name": f"{name}_z{z:g}", "adaptive": {"optimism": z}, "gamma": 4}
-      for name in DRAFTERS for z in OPTIMISMS)
-  return config
+  return common.adaptive_variants(2 if "small" in variants else 8, CATEGORIES, bench_peers.MODEL,
+                                  {name: drafters[name] for name in DRAFTERS},
+                                  {f"_z{z:g}": {"optimism": z} for z in OPTIMISMS})

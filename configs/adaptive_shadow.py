@@ -29,12 +29,7 @@ CATEGORIES = adaptive_optimism.CATEGORIES
 
 def get_config(arg=None):
   variants = compare_drafters.parse_variants(arg, "configs/adaptive_shadow.py", allowed=("small",))
-  config = common.spec_bench_run(per_category=2 if "small" in variants else 8, max_new_tokens=64, repeats=3,
-                                 model=bench_peers.MODEL)
-  config.prompts.categories = CATEGORIES
   drafters = {m["name"]: m for m in bench_peers.drafter_methods()}
-  config.methods = ({"name": "autoregressive"},) + tuple(
-      {**drafters[name], "name": name if shadow else f"{name}_no_shadow", "adaptive": {"shadow": shadow},
-       "gamma": 4}
-      for name in DRAFTERS for shadow in (True, False))
-  return config
+  return common.adaptive_variants(2 if "small" in variants else 8, CATEGORIES, bench_peers.MODEL,
+                                  {name: drafters[name] for name in DRAFTERS},
+                                  {"": {"shadow": True}, "_no_shadow": {"shadow": False}})

@@ -46,3 +46,16 @@ def costs(repeats: int) -> ml_collections.ConfigDict:
       "repeats": repeats,  # interleaved rounds; the median counts
       "count_bytes": True,  # bytes per step for the accelerator projection (specjax/roofline.py)
   })
+
+
+def adaptive_variants(per_category: int, categories: tuple[str, ...], model: str, drafters: dict[str, dict],
+                      variants: dict[str, dict]) -> ml_collections.ConfigDict:
+  """A Spec-Bench run (greedy, batch 1, 64 new tokens, 3 repeats) of autoregressive decoding and each of `drafters`
+  (methods by name, as configs/bench_peers.py gives them) under each of `variants` ({suffix: AdaptiveDrafting
+  options}; a method is named <drafter><suffix>), at a static maximum gamma of 4."""
+  config = spec_bench_run(per_category=per_category, max_new_tokens=64, repeats=3, model=model)
+  config.prompts.categories = categories
+  config.methods = ({"name": "autoregressive"},) + tuple(
+      {**method, "name": f"{name}{suffix}", "adaptive": dict(options), "gamma": 4}
+      for name, method in drafters.items() for suffix, options in variants.items())
+  return config
