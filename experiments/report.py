@@ -270,15 +270,13 @@ def acceptance_table(summary: dict[str, Any]) -> str:
   if not drafted:
     return ""
   width = max(len(s["acceptance_per_position"]) for s in drafted.values())
-  costs = _has_bytes_costs(summary)  # the c and r (bytes) columns only where the run measured them
-  rows = ["| method | " + " | ".join(f"k={k + 1}" for k in range(width)) + " |" +
-          (" c (bytes) | r (bytes) |" if costs else ""),
-          "|---|" + "---:|" * (width + (2 if costs else 0))]
-  for method, s in drafted.items():
-    per = s["acceptance_per_position"] + [None] * (width - len(s["acceptance_per_position"]))
-    rows.append(f"| {method} | " + " | ".join(_fmt(p, ".3f") for p in per) + " |" +
-                (f" {_fmt(s.get('draft_cost_bytes'), '.3f')} | {_fmt(s.get('verify_cost_bytes'), '.3f')} |"
-                 if costs else ""))
+  # (header, cell of a method's summary) per column; the c and r (bytes) columns only where the run measured them
+  columns = [(f"k={k + 1}", lambda s, k=k: (s["acceptance_per_position"] + [None] * width)[k]) for k in range(width)]
+  if _has_bytes_costs(summary):
+    columns += [("c (bytes)", lambda s: s.get("draft_cost_bytes")), ("r (bytes)", lambda s: s.get("verify_cost_bytes"))]
+  rows = ["| method | " + " | ".join(header for header, _ in columns) + " |", "|---|" + "---:|" * len(columns)]
+  rows += [f"| {method} | " + " | ".join(_fmt(cell(s), ".3f") for _, cell in columns) + " |"
+           for method, s in drafted.items()]
   return "\n".join(rows)
 
 
