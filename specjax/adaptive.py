@@ -91,8 +91,8 @@ Both rules run inside the compiled loop (no host sync):
    step at W = 8), which the plan charges to plain steps. configs/adaptive_shadow.py (results/adaptive_shadow/):
    the exit adapter took plain steps in 21% of rounds on writing and 9% on coding, against 42% and 27% without, and
    translation (no trained drafter pays there) was unchanged; the mean speedups moved within the run's spread
-   (draft model 1.05x against 1.04x, exit adapter 1.00x both, sequential MTP 1.18x against 1.16x). Prompt lookup and plain layer skip keep no state and follow
-   nothing: their plain steps bring no evidence.
+   (draft model 1.05x against 1.04x, exit adapter 1.00x both, sequential MTP 1.18x against 1.16x). Prompt lookup
+   and plain layer skip keep no state and follow nothing: their plain steps bring no evidence.
 """
 
 from __future__ import annotations
