@@ -33,11 +33,11 @@ from specjax import compilation, control, distributed, sharding
 from specjax.adaptive import (Acceptance, AdaptiveDrafting, Plan, confidence_bars, draft_length, make_plan,
                               verify_widths, width_index)
 from specjax.drafters import (Drafter, DraftInputs, Followed, PromptInfo, Proposal, RoundResult, confidence,
-                              draft_probabilities, keep_state)
+                              draft_probabilities, greedy_draft, keep_state)
 from specjax.decoding import (Output, decode_draft_params, decode_outputs, describe_shapes, is_stop, place_on_mesh,
                               prefill, prepare_batch)
 from specjax.model import KVCache, forward, init_cache
-from specjax.sampling import SamplingParams, argmax, probabilities, sample
+from specjax.sampling import SamplingParams, probabilities, sample
 from specjax.verify import greedy_verify, speculative_verify
 
 
@@ -287,8 +287,7 @@ def shadow_evidence(plan: Plan, acceptance: Acceptance, counts: Counts, followed
   rows = jnp.arange(sequence.shape[0])[:, None]
   x = sequence[rows, jnp.minimum(start[:, None] + 1 + jnp.arange(steps)[None, :], sequence.shape[1] - 1)]
   if sampling.greedy:
-    token_map = followed.token_map
-    draft = argmax(followed.logits) if token_map is None else token_map[argmax(followed.logits)]
+    draft = greedy_draft(followed.logits, followed.token_map)
     accepted, sure = (draft == x).astype(jnp.float32), confidence(followed.logits, None)
   else:
     q = draft_probabilities(followed.logits, sampling, followed.token_map, vocab_size)

@@ -163,9 +163,15 @@ def choose_tokens(logits: jax.Array, key: jax.Array, sampling: SamplingParams, t
   verification over the full vocabulary stays lossless.
   """
   if sampling.greedy:
-    return (argmax(logits) if token_map is None else token_map[argmax(logits)]), None
+    return greedy_draft(logits, token_map), None
   q = draft_probabilities(logits, sampling, token_map, vocab_size)
   return sample_from_probs(key, q), q
+
+
+def greedy_draft(logits: jax.Array, token_map: jax.Array | None = None) -> jax.Array:
+  """The greedy draft tokens [...] of draft logits [..., V'] (over `token_map` when truncated)."""
+  index = argmax(logits)
+  return index if token_map is None else token_map[index]
 
 
 def draft_probabilities(logits: jax.Array, sampling: SamplingParams, token_map: jax.Array | None = None,
