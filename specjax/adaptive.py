@@ -86,7 +86,9 @@ Both rules run inside the compiled loop (no host sync):
    produced (greedy: a match; sampling: min(1, q(x) / p(x)), p(x) of the drawn token kept per step, whose mean is
    the acceptance probability sum_y min(p(y), q(y))) and counts them as rounds with a budget of one
    (`specjax.speculative.shadow_evidence`), so the estimate stays current through plain steps and the optimism's
-   tries shrink where the evidence rules drafting out. Scoring costs the drafter's output head over the W followed
+   tries shrink where the evidence rules drafting out. The steps are scored when the drafter follows them: every W
+   plain steps, and before a round the estimate would have drafted, which then chooses again with their scores
+   (drafting first and scoring after, the plain steps' decay alone brought a drafter that cannot pay back to a try). Scoring costs the drafter's output head over the W followed
    positions (`Drafter.score_cost`: 3.5% of a target step for the shipped drafters' 8,192-token heads, 0.4% a plain
    step at W = 8), which the plan charges to plain steps. configs/adaptive_shadow.py (results/adaptive_shadow/):
    the exit adapter took plain steps in 21% of rounds on writing and 9% on coding, against 42% and 27% without, and
