@@ -265,8 +265,11 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
       # draft, follow them first (the round would before drafting) and choose again with their scores: without
       # this, a drafter that cannot pay drafted whenever the plain steps' decay (`plain_memory`) lifted the estimate,
       # and learned only afterwards what the steps it had followed said.
-      s = control.run_if((budget > 0) & (s.plain.count > 0), catch_up, s)
-      budget = draft_length(plan, s.acceptance)
+      def rethink(carry):
+        s = catch_up(carry[0])
+        return s, draft_length(plan, s.acceptance)
+
+      s, budget = control.run_if((budget > 0) & (s.plain.count > 0), rethink, (s, budget))
     # One branch per kind of round, so a plain step runs neither the drafter nor a choice of verify width
     # (`control.run_if`, not `jax.lax.cond`: the round's cache is updated in place, not copied).
     s = control.run_if(budget > 0, lambda s: round_(s, budget, drafting=True), s)
