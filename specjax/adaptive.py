@@ -88,9 +88,10 @@ Both rules run inside the compiled loop (no host sync):
    (`specjax.speculative.shadow_evidence`), so the estimate stays current through plain steps and the optimism's
    tries shrink where the evidence rules drafting out. The steps are scored when the drafter follows them: every W
    plain steps, and before a round the estimate would have drafted, which then chooses again with their scores
-   (drafting first and scoring after, the plain steps' decay alone brought a drafter that cannot pay back to a try). Scoring costs the drafter's output head over the W followed
-   positions (`Drafter.score_cost`: 3.5% of a target step for the shipped drafters' 8,192-token heads, 0.4% a plain
-   step at W = 8), which the plan charges to plain steps. configs/adaptive_shadow.py (results/adaptive_shadow/):
+   (drafting first and scoring after, the plain steps' decay alone brought a drafter that cannot pay back to a
+   try). Scoring costs the drafter's output head over the W followed positions (`Drafter.score_cost`: 3.5% of a
+   target step for the shipped drafters' 8,192-token heads, 0.4% a plain step at W = 8), which the plan charges to
+   plain steps. configs/adaptive_shadow.py (results/adaptive_shadow/):
    the exit adapter took plain steps in 21% of rounds on writing and 9% on coding, against 42% and 27% without, and
    translation (no trained drafter pays there) was unchanged; the mean speedups moved within the run's spread
    (draft model 1.05x against 1.04x, exit adapter 1.00x both, sequential MTP 1.18x against 1.16x). Prompt lookup
