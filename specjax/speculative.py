@@ -194,8 +194,6 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
   def round_(s: SpecState, budget, drafting: bool) -> SpecState:
     """One round: draft up to `budget` tokens and verify them, or (drafting=False) a plain target step."""
     key, draft_key, verify_key = jax.random.split(s.key, 3)
-    if drafting and s.plain is not None:  # the drafter first follows the plain steps since it last drafted
-      s = control.run_if(s.plain.count > 0, catch_up, s)
     proposal = (_propose(params, draft_params, drafter, s, draft_key, gamma, budget, plan, sampling) if drafting
                 else _no_proposal(params, draft_params, drafter, s, draft_key, gamma, sampling))
     live = ~s.done
@@ -260,16 +258,16 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
     if plan is None:
       return round_(s, gamma, drafting=True)
     budget = draft_length(plan, s.acceptance)  # 0: a plain target step
-    if plan.shadow and s.plain is not None:
-      # The plain steps kept since the drafter last followed are evidence the choice has not seen yet. Where it says
-      # draft, follow them first (the round would before drafting) and choose again with their scores: without
-      # this, a drafter that cannot pay drafted whenever the plain steps' decay (`plain_memory`) lifted the estimate,
+    if s.plain is not None:
+      # Before a round drafts, the drafter follows the plain steps kept since it last followed. Scored
+      # (`plan.shadow`), they are evidence the choice has not seen yet, so it is made again with them: choosing
+      # once, a drafter that cannot pay drafted whenever the plain steps' decay (`plain_memory`) lifted the estimate,
       # and learned only afterwards what the steps it had followed said.
-      def rethink(carry):
+      def follow_first(carry):
         s = catch_up(carry[0])
-        return s, draft_length(plan, s.acceptance)
+        return s, draft_length(plan, s.acceptance) if plan.shadow else carry[1]
 
-      s, budget = control.run_if((budget > 0) & (s.plain.count > 0), rethink, (s, budget))
+      s, budget = control.run_if((budget > 0) & (s.plain.count > 0), follow_first, (s, budget))
     # One branch per kind of round, so a plain step runs neither the drafter nor a choice of verify width
     # (`control.run_if`, not `jax.lax.cond`: the round's cache is updated in place, not copied).
     s = control.run_if(budget > 0, lambda s: round_(s, budget, drafting=True), s)
