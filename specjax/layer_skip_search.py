@@ -73,11 +73,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import specjax
+from specjax import ops
 from specjax.config import ModelConfig
 from specjax.leviathan import alpha_from_stats, draft_cost, expected_tokens_per_round, predicted_speedup
 from specjax.drafters.layer_skip import draft_layers
-from specjax.drafters.mtp_sequential import attend, qkv
-from specjax.model import embed, forward, init_cache, lm_head, mlp_block
+from specjax.drafters.mtp_sequential import qkv
+from specjax.model import embed, forward, init_cache, lm_head, merge_heads, mlp_block
 from specjax.speculative import merge_stats
 
 SkipSet = tuple[int, ...]
@@ -422,12 +423,12 @@ def teacher_forced_draft_logits(params, tokens, target_keys, target_values, keep
   """
   b, t = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
-  earlier = jnp.broadcast_to(jnp.arange(t)[None, None, :] < jnp.arange(t)[None, :, None], (b, t, t))
   h = embed(params, tokens)
   for i, layer in enumerate(params["layers"]):
     q, k, v = qkv(layer, h, positions, config)
-    out = attend(q, target_keys[i], target_values[i], earlier, config, k[:, :, None], v[:, :, None])
-    x = h + jnp.einsum("btnh,nhd->btd", out, layer["wo"])
+    out = ops.attention(q, target_keys[i], target_values[i], positions - 1, extra_keys=k[:, :, None],
+                        extra_values=v[:, :, None])  # the target's K/V before t, its own at t
+    x = h + merge_heads(out, layer["wo"])
     x = x + mlp_block(layer, x, config)
     h = jnp.where(keep[i] > 0, x, h)
   return lm_head(params, h, config)

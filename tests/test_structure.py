@@ -1,5 +1,6 @@
 """Arrows point down: the library imports neither experiments nor benchmarks, and no two of its modules import
-each other (directly or through a longer cycle)."""
+each other (directly or through a longer cycle); the model and the drafters reach platform kernels only through
+specjax.ops."""
 
 from __future__ import annotations
 
@@ -8,6 +9,18 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 OUTSIDE = ("experiments", "benchmarks")
+BACKENDS = "specjax.backends"
+
+
+def imports(path: pathlib.Path) -> set[str]:
+  """Every module an import statement in the file names (also in functions): `from a import b` names a and a.b."""
+  targets = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      targets |= {alias.name for alias in node.names}
+    elif isinstance(node, ast.ImportFrom) and node.module:
+      targets |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+  return targets
 
 
 def library_imports(root: pathlib.Path = ROOT) -> dict[str, set[str]]:
@@ -20,13 +33,7 @@ def library_imports(root: pathlib.Path = ROOT) -> dict[str, set[str]]:
   for module, path in modules.items():
     if path.name == "__init__.py":
       continue
-    targets = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-      if isinstance(node, ast.Import):
-        targets |= {alias.name for alias in node.names}
-      elif isinstance(node, ast.ImportFrom) and node.module:
-        targets |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
-    graph[module] = {t for t in targets if t != module and (
+    graph[module] = {t for t in imports(path) if t != module and (
         (t in modules and modules[t].name != "__init__.py") or t.split(".")[0] in OUTSIDE)}
   return graph
 
@@ -59,12 +66,28 @@ def test_no_two_library_modules_import_each_other():
   assert not cycles(library_imports())
 
 
+def backend_imports(root: pathlib.Path = ROOT) -> dict[str, list[str]]:
+  """The model's and the drafters' imports of specjax.backends (they call specjax.ops, which chooses a kernel by
+  the platform a program is compiled for)."""
+  paths = [root / "specjax" / "model.py", *sorted((root / "specjax" / "drafters").glob("*.py"))]
+  found = {str(p.relative_to(root)): sorted(t for t in imports(p) if t == BACKENDS or t.startswith(BACKENDS + "."))
+           for p in paths if p.exists()}
+  return {p: ts for p, ts in found.items() if ts}
+
+
+def test_the_model_and_the_drafters_reach_the_kernels_only_through_ops():
+  assert (ROOT / "specjax" / "model.py").exists()
+  assert not backend_imports()
+
+
 def test_the_checks_see_a_cycle_and_an_upward_import(tmp_path):
   package = tmp_path / "specjax"
   package.mkdir()
   (package / "__init__.py").write_text("from specjax import a\n")
   (package / "a.py").write_text("from specjax import b\n")
   (package / "b.py").write_text("def f():\n  import specjax.a\n  from experiments import run\n")
+  (package / "model.py").write_text("def f():\n  from specjax import backends\n")
   graph = library_imports(tmp_path)
   assert cycles(graph) == [["specjax.a", "specjax.b", "specjax.a"]]
   assert "experiments" in graph["specjax.b"]
+  assert backend_imports(tmp_path) == {"specjax/model.py": ["specjax.backends"]}
