@@ -128,17 +128,24 @@ def merge_heads(out: jax.Array, w: jax.Array) -> jax.Array:
   return ops.matmul(out.reshape(*out.shape[:-2], -1), w.reshape(-1, w.shape[-1]))
 
 
-def attention_block(layer: Params, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-                    positions: jax.Array, inv_freq: jax.Array, config: ModelConfig):
-  """Pre-norm grouped-query self-attention over the cache. Returns (residual update, k_cache, v_cache)."""
+def qkv(layer: Params, x: jax.Array, positions: jax.Array, config: ModelConfig):
+  """Queries [B, T, H, hd] and keys/values [B, T, KV, hd] of a layer's attention over the residual stream x
+  [B, T, D] at `positions` [B, T], RoPE applied: the target's layers, the MTP modules' blocks and the exit adapter."""
   h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
   if "wqkv" in layer:  # laid out for decoding (backends.cpu.pack_layer): one product for the three
     heads = (config.num_heads, config.num_kv_heads, config.num_kv_heads)
-    qkv = jnp.split(ops.matmul(h, layer["wqkv"]), np.cumsum(heads[:2]) * config.head_dim, axis=-1)
-    q, k, v = (a.reshape(*h.shape[:-1], n, config.head_dim) for a, n in zip(qkv, heads))
+    parts = jnp.split(ops.matmul(h, layer["wqkv"]), np.cumsum(heads[:2]) * config.head_dim, axis=-1)
+    q, k, v = (a.reshape(*h.shape[:-1], n, config.head_dim) for a, n in zip(parts, heads))
   else:
     q, k, v = project_heads(h, layer["wq"]), project_heads(h, layer["wk"]), project_heads(h, layer["wv"])
-  q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+  inv_freq = jnp.asarray(rope_inv_freq(config), jnp.float32)
+  return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+
+def attention_block(layer: Params, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
+                    config: ModelConfig):
+  """Pre-norm grouped-query self-attention over the cache. Returns (residual update, k_cache, v_cache)."""
+  q, k, v = qkv(layer, x, positions, config)
   k_cache = _write(k_cache, k, positions)
   v_cache = _write(v_cache, v, positions)
   out = ops.attention(q, k_cache, v_cache, positions)
@@ -185,12 +192,11 @@ def forward(params: Params, tokens: jax.Array | None, cache: KVCache, positions:
   x = embed(params, tokens) if hidden is None else hidden
   t = x.shape[1]
   pos = positions[:, None].astype(jnp.int32) + jnp.arange(t, dtype=jnp.int32)[None, :]
-  inv_freq = jnp.asarray(rope_inv_freq(config), jnp.float32)
   k_all, v_all = list(cache.k), list(cache.v)
   layer_hidden = []
   for i in (range(config.num_layers) if layers is None else layers):
     layer = params["layers"][i]
-    attn, k_all[i], v_all[i] = attention_block(layer, x, k_all[i], v_all[i], pos, inv_freq, config)
+    attn, k_all[i], v_all[i] = attention_block(layer, x, k_all[i], v_all[i], pos, config)
     x = x + attn
     x = x + mlp_block(layer, x, config)
     if return_layer_hidden:

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax import layer_skip_search as lss
+from experiments import layer_skip_search as lss
+from experiments.layer_skip_search import Evaluation
 from specjax import leviathan
-from specjax.layer_skip_search import Evaluation
+from specjax.drafters.layer_skip import load_skip_set
 
 
 def planted(optimum, num_layers):
@@ -118,7 +119,7 @@ def test_proxy_search_returns_a_valid_skip_set(proxy_record, tiny):
 def test_saved_skip_set_round_trips_into_make_drafter(proxy_record, tiny, tmp_path):
   path = str(tmp_path / "sets" / "tiny.json")
   lss.save_skip_set(path, proxy_record)
-  options = lss.load_skip_set(path, model=tiny)
+  options = load_skip_set(path, model=tiny)
   assert options == proxy_record["options"]
   drafter = specjax.make_drafter("layer_skip", tiny, **options)
   prompt = [[5, 9, 2, 7, 5, 9, 2, 7, 1]]
@@ -132,9 +133,9 @@ def test_saved_skip_set_round_trips_into_make_drafter(proxy_record, tiny, tmp_pa
 def test_load_skip_set_rejects_another_model(tmp_path, tiny):
   path = str(tmp_path / "other.json")
   lss.save_skip_set(path, {"drafter": "layer_skip", "options": {"skip_layers": [7]}, "num_layers": 30})
-  assert lss.load_skip_set(path) == {"skip_layers": [7]}
+  assert load_skip_set(path) == {"skip_layers": [7]}
   with pytest.raises(ValueError, match="30-layer"):
-    lss.load_skip_set(path, model=tiny)
+    load_skip_set(path, model=tiny)
 
 
 def test_save_is_atomic(tmp_path, monkeypatch):
@@ -221,7 +222,7 @@ def test_deep_search_record_round_trips_into_make_drafter(tiny, tmp_path):
   assert record["proxy_speedup"] == pytest.approx(leviathan.predicted_speedup(record["alpha"], 3, record["draft_cost"]))
   path = str(tmp_path / "deep.json")
   lss.save_skip_set(path, record)
-  drafter = specjax.make_drafter("layer_skip", tiny, **lss.load_skip_set(path, model=tiny))
+  drafter = specjax.make_drafter("layer_skip", tiny, **load_skip_set(path, model=tiny))
   assert set(drafter.options.layers) | set(best["skip_layers"]) == {0, 1, 2}
 
 

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax import leviathan
-from specjax.config import ModelConfig, rope_inv_freq
+from specjax.config import ModelConfig
 from specjax.drafters import Drafter, DraftInputs, Followed, PromptInfo, RoundResult, draft_head, draft_tokens
 from specjax.loading import CheckpointError
 from specjax.model import attention_block, forward, mlp_block, param_shapes
@@ -79,8 +79,7 @@ def adapter(params, options: Options, hidden: jax.Array, k_cache: jax.Array, v_c
   """g [B, T, D] from h [B, T, D] at positions [B, T], attending to cache slots <= each position after writing
   this call's K/V there. Returns (g, k_cache, v_cache); callers that only fill the cache drop g (XLA prunes it)."""
   config = options.config
-  inv_freq = jnp.asarray(rope_inv_freq(config), jnp.float32)
-  attn, k_cache, v_cache = attention_block(params, hidden, k_cache, v_cache, positions, inv_freq, config)
+  attn, k_cache, v_cache = attention_block(params, hidden, k_cache, v_cache, positions, config)
   g = hidden + attn
   if options.mlp:
     g = g + mlp_block(params, g, config)

@@ -36,11 +36,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from specjax.config import ModelConfig, rope_inv_freq
+from specjax.config import ModelConfig
 from specjax import leviathan, ops
 from specjax.drafters import (Drafter, DraftInputs, Followed, PromptInfo, Proposal, RoundResult, choose_tokens,
                               confidence, draft_head, keeps)
-from specjax.model import ParamSpec, apply_rope, embed, merge_heads, mlp_block, project_heads, rms_norm
+from specjax.model import ParamSpec, embed, merge_heads, mlp_block, qkv, rms_norm
 from specjax.sampling import SamplingParams
 
 NAME = "mtp_sequential"
@@ -113,15 +113,6 @@ def module_input(mp, token_emb: jax.Array, hidden: jax.Array, config: ModelConfi
   eps = config.rms_norm_eps
   both = jnp.concatenate([rms_norm(token_emb, mp["emb_norm"], eps), rms_norm(hidden, mp["hidden_norm"], eps)], -1)
   return ops.matmul(both, mp["fc"])
-
-
-def qkv(mp, x: jax.Array, positions: jax.Array, config: ModelConfig):
-  """Queries [B, T, H, hd] and keys/values [B, T, KV, hd] of the block's attention, RoPE applied."""
-  inv_freq = jnp.asarray(rope_inv_freq(config), jnp.float32)
-  h = rms_norm(x, mp["attn_norm"], config.rms_norm_eps)
-  q = apply_rope(project_heads(h, mp["wq"]), positions, inv_freq)
-  k = apply_rope(project_heads(h, mp["wk"]), positions, inv_freq)
-  return q, k, project_heads(h, mp["wv"])
 
 
 def finish(mp, x, attn_out, config: ModelConfig) -> jax.Array:
