@@ -355,7 +355,6 @@ def _record(method: Method, batch: PromptBatch, repeat: int, temperature: float,
       "accepted_per_row": stats.get("accepted_per_row"), "rejections_per_row": stats.get("rejections_per_row"),
       "proposed_per_row": stats.get("proposed_per_row"), "proposed_per_position": stats.get("proposed_per_position"),
       "gamma_histogram": stats.get("gamma_histogram"), "plain_steps": stats.get("plain_steps"),
-      "shadow_tested": stats.get("shadow_tested"), "shadow_alpha": stats.get("shadow_alpha"),
       "compile_call_seconds": compile_call_seconds,
       "matches_baseline": matches, "agreement": agreement}
 

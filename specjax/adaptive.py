@@ -60,8 +60,7 @@ Both rules run inside the compiled loop (no host sync):
    plan from alpha alone verified a wide forward for one or two confident rows and lost 10-13% against
    autoregressive decoding. alpha is accepted / tested drafts and d is drafted / (drafted + stopped) slots over
    past rounds, all counts decayed by `memory` each drafting round and started from priors (`prior_alpha` worth
-   one tested draft; d = 1 worth one slot), so they follow the text. A plain step drafts nothing (for the evidence
-   the steps a drafter follows still bring, see `shadow` below) and ages
+   one tested draft; d = 1 worth one slot), so they follow the text. A plain step drafts nothing and ages
    the counts by `plain_memory` only, so after a long run of plain steps they drift back to the priors and a
    drafter that pays under the priors is tried again. A try costs a draft step even when every row is unsure at
    its first slot; aged by `memory` in plain steps too, the estimate of d returned above c / alpha within about
@@ -80,22 +79,6 @@ Both rules run inside the compiled loop (no host sync):
    plain steps on translation (the exit adapter 72%, 80%, 86% of rounds) without a speedup there (0.97x at all
    three), and lost where drafting pays (the exit adapter on qa 1.03x, 0.99x, 0.96x; the draft model on humanities
    1.10x, 1.11x, 0.99x); over all 168 pairs z = 0.5 read best or level (draft model 1.04x, 1.03x, 1.00x).
-   Plain steps need not be blind. A drafter that keeps its own state follows them anyway (the catch-up above), and
-   its `Drafter.follow` also returns its first-slot logits at each followed step: what a one-token draft made there
-   would have been drawn from. With `shadow` (the default) the loop scores them against the tokens the target
-   produced (greedy: a match; sampling: min(1, q(x) / p(x)), p(x) of the drawn token kept per step, whose mean is
-   the acceptance probability sum_y min(p(y), q(y))) and counts them as rounds with a budget of one
-   (`specjax.speculative.shadow_evidence`), so the estimate stays current through plain steps and the optimism's
-   tries shrink where the evidence rules drafting out. The steps are scored when the drafter follows them: every W
-   plain steps, and before a round the estimate would have drafted, which then chooses again with their scores
-   (drafting first and scoring after, the plain steps' decay alone brought a drafter that cannot pay back to a
-   try). Scoring costs the drafter's output head over the W followed positions (`Drafter.score_cost`: 3.5% of a
-   target step for the shipped drafters' 8,192-token heads, 0.4% a plain step at W = 8), which the plan charges to
-   plain steps. configs/adaptive_shadow.py (results/adaptive_shadow/):
-   the exit adapter took plain steps in 21% of rounds on writing and 9% on coding, against 42% and 27% without, and
-   translation (no trained drafter pays there) was unchanged; the mean speedups moved within the run's spread
-   (draft model 1.05x against 1.04x, exit adapter 1.00x both, sequential MTP 1.18x against 1.16x). Prompt lookup
-   and plain layer skip keep no state and follow nothing: their plain steps bring no evidence.
 """
 
 from __future__ import annotations
@@ -165,9 +148,6 @@ class AdaptiveDrafting:
   # W: a drafter that keeps its own cache follows plain steps W at a time (one update over W positions), and before
   # it drafts again (`specjax.speculative.PlainSteps`); 1: after every plain step
   catch_up: int = 8
-  # Score a drafter's first-slot predictions over the plain steps it follows (`Drafter.follow`) as evidence of its
-  # acceptance, so plain steps keep the estimate current without drafting (False: plain steps bring no evidence)
-  shadow: bool = True
 
   def __post_init__(self):
     if self.min_confidence is not None and not 0.0 <= self.min_confidence <= 1.0:
@@ -193,8 +173,6 @@ class AdaptiveDrafting:
     if not isinstance(self.catch_up, int) or isinstance(self.catch_up, bool) or self.catch_up < 1:
       raise ValueError(f"catch_up must be a positive integer (plain steps a drafter follows at once), got "
                        f"{self.catch_up!r}")
-    if not isinstance(self.shadow, bool):
-      raise ValueError(f"shadow must be True or False, got {self.shadow!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,7 +191,6 @@ class Plan:
   plain_memory: float  # decay per plain step
   catch_up: int  # W: plain steps the drafter follows at once (`AdaptiveDrafting.catch_up`)
   optimism: float  # z (`AdaptiveDrafting.optimism`)
-  shadow: bool  # plain steps the drafter follows are scored as evidence (`AdaptiveDrafting.shadow`)
 
   @property
   def gamma(self) -> int:
@@ -243,16 +220,13 @@ def make_plan(options: AdaptiveDrafting, drafter, target_params, config, gamma: 
   # The layers after the reused ones over w tokens (all of them when none are reused); the reused ones run over the
   # last drafted token only if a row kept it (`refill_cost`).
   verify_costs = tuple((1.0 - reused) * forward_cost(points, batch * w) / plain for w in widths)
-  # A plain step's share of the drafter following W of them in one forward over B x W rows (scoring them too: its
-  # output head over those rows).
+  # A plain step's share of the drafter following W of them in one forward over B x W rows.
   w = options.catch_up
-  shadow = options.shadow and drafter.follow is not None
-  follow = ((drafter.plain_step_cost + (drafter.score_cost if shadow else 0.0))
-            * forward_cost(points, batch * w) / plain / w)
+  follow = drafter.plain_step_cost * forward_cost(points, batch * w) / plain / w
   return Plan(min_confidence=options.min_confidence, draft_cost=float(c), plain_cost=1.0 + follow,
               widths=widths, verify_costs=verify_costs, refill_cost=float(reused), rows=int(batch),
               prior_alpha=options.prior_alpha, memory=options.memory, plain_memory=options.plain_memory,
-              catch_up=int(w), optimism=float(options.optimism), shadow=shadow)
+              catch_up=int(w), optimism=float(options.optimism))
 
 
 @struct.dataclass

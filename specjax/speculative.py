@@ -32,8 +32,7 @@ from flax import struct
 from specjax import compilation, control, distributed, sharding
 from specjax.adaptive import (Acceptance, AdaptiveDrafting, Plan, confidence_bars, draft_length, make_plan,
                               verify_widths, width_index)
-from specjax.drafters import (Drafter, DraftInputs, Followed, PromptInfo, Proposal, RoundResult, confidence,
-                              draft_probabilities, greedy_draft, keep_state)
+from specjax.drafters import Drafter, DraftInputs, PromptInfo, Proposal, RoundResult, keep_state
 from specjax.decoding import (Output, decode_draft_params, decode_outputs, describe_shapes, is_stop, place_on_mesh,
                               prefill, prepare_batch)
 from specjax.model import KVCache, forward, init_cache
@@ -53,16 +52,12 @@ class Counts:
   width_rounds: jax.Array  # [gamma + 1] rounds by the longest draft a row made (0: a 1-token target step)
   plain_steps: jax.Array  # scalar: rounds that did not draft at all (adaptive drafting's fallback)
   draft_steps: jax.Array  # scalar: draft steps run
-  # Plain steps scored (`AdaptiveDrafting.shadow`): one-token drafts the drafter would have kept there, and their
-  # acceptance (greedy: matches; sampling: the sum of min(1, q(x) / p(x)))
-  shadow_tested: jax.Array  # scalar
-  shadow_accepted: jax.Array  # scalar float32
 
   @classmethod
   def zero(cls, batch: int, gamma: int):
     zeros = functools.partial(jnp.zeros, dtype=jnp.int32)
     return cls(zeros(batch), zeros(batch), zeros(batch), zeros(batch), zeros(gamma), zeros(gamma), zeros(gamma + 1),
-               zeros(()), zeros(()), zeros(()), jnp.zeros((), jnp.float32))
+               zeros(()), zeros(()))
 
   def add(self, live, lengths, accepted, rejected, drafted, draft_steps) -> "Counts":
     """One round: live [B] rows, lengths [B] drafted, accepted [B], rejected [B] (ended at a rejection)."""
@@ -73,8 +68,7 @@ class Counts:
         proposed_at=self.proposed_at + jnp.sum(slots < lengths[:, None], axis=0),
         accepted_at=self.accepted_at + jnp.sum(slots < accepted[:, None], axis=0),
         width_rounds=self.width_rounds.at[jnp.max(lengths)].add(1), plain_steps=self.plain_steps + ~drafted,
-        draft_steps=self.draft_steps + jnp.where(drafted, draft_steps, 0), shadow_tested=self.shadow_tested,
-        shadow_accepted=self.shadow_accepted)
+        draft_steps=self.draft_steps + jnp.where(drafted, draft_steps, 0))
 
 
 @struct.dataclass
@@ -89,27 +83,21 @@ class PlainSteps:
   """
   hidden: jax.Array  # [B, W, D] the target's hidden states at positions start + i
   features: jax.Array | None  # [B, W, F, D] after each of `Drafter.feature_layers` (or None)
-  # [B, W] p(x) of the token each step drew (sampling with `Plan.shadow`, for the evidence; else None)
-  token_prob: jax.Array | None
   start: jax.Array  # [B] the pending position at the first kept step
   count: jax.Array  # scalar: steps kept
 
   @classmethod
-  def empty(cls, batch: int, window: int, hidden_size: int, num_features: int, dtype, token_probs: bool = False):
+  def empty(cls, batch: int, window: int, hidden_size: int, num_features: int, dtype):
     return cls(hidden=jnp.zeros((batch, window, hidden_size), dtype),
                features=jnp.zeros((batch, window, num_features, hidden_size), dtype) if num_features else None,
-               token_prob=jnp.zeros((batch, window), jnp.float32) if token_probs else None,
                start=jnp.zeros((batch,), jnp.int32), count=jnp.zeros((), jnp.int32))
 
-  def add(self, hidden: jax.Array, features: jax.Array | None, position: jax.Array,
-          token_prob: jax.Array | None = None) -> "PlainSteps":
-    """One more plain step over the pending tokens at `position` [B]: hidden [B, D], features [B, F, D], and p(x)
-    [B] of the token it drew (kept where `token_prob` is)."""
+  def add(self, hidden: jax.Array, features: jax.Array | None, position: jax.Array) -> "PlainSteps":
+    """One more plain step over the pending tokens at `position` [B]: hidden [B, D], features [B, F, D]."""
     i = self.count
     return PlainSteps(hidden=self.hidden.at[:, i].set(hidden.astype(self.hidden.dtype)),
                       features=None if features is None else self.features.at[:, i].set(
                           features.astype(self.features.dtype)),
-                      token_prob=None if self.token_prob is None else self.token_prob.at[:, i].set(token_prob),
                       start=jnp.where(i == 0, position, self.start), count=i + 1)
 
 
@@ -168,25 +156,19 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
       cache=sharding.constrain_cache(out.cache, cache_sharding),
       draft_state=drafter.init(params, draft_params, drafter.options, prompt), key=key,
       rounds=jnp.zeros((), jnp.int32), acceptance=Acceptance.zero(), counts=Counts.zero(batch, gamma),
-      plain=(PlainSteps.empty(batch, plan.catch_up, config.hidden_size, len(drafter.feature_layers), last_hidden.dtype,
-                              token_probs=plan.shadow and not sampling.greedy)
+      plain=(PlainSteps.empty(batch, plan.catch_up, config.hidden_size, len(drafter.feature_layers), last_hidden.dtype)
              if plan is not None and drafter.update is not keep_state else None))
 
   def catch_up(s: SpecState) -> SpecState:
     """The drafter follows the kept plain steps in one `update` over W positions from `start`: a row committed
     the tokens after the first `committed` of them (fewer than W when it finished, or when the steps are caught up
-    before W of them). With `plan.shadow` it scores them too (`shadow_evidence`)."""
+    before W of them)."""
     p = s.plain
     committed = s.position - p.start
     result = RoundResult(sequence=s.sequence, position=s.position, accepted=jnp.maximum(committed - 1, 0),
                          verify_hidden=p.hidden, features=p.features, verify_position=p.start, drafted=False)
-    s = s.replace(plain=p.replace(count=jnp.zeros_like(p.count)))
-    if not plan.shadow:
-      return s.replace(draft_state=drafter.update(params, draft_params, drafter.options, s.draft_state, result))
-    followed = drafter.follow(params, draft_params, drafter.options, s.draft_state, result)
-    acceptance, counts = shadow_evidence(plan, s.acceptance, s.counts, followed, s.sequence, p.start, committed,
-                                         p.token_prob, sampling, config.vocab_size)
-    return s.replace(draft_state=followed.state, acceptance=acceptance, counts=counts)
+    return s.replace(plain=p.replace(count=jnp.zeros_like(p.count)),
+                     draft_state=drafter.update(params, draft_params, drafter.options, s.draft_state, result))
 
   def cond(s: SpecState):
     return ~jnp.all(s.done)
@@ -229,8 +211,7 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
                              features=features, verify_position=s.position, drafted=drafting)
         draft_state = drafter.update(params, draft_params, drafter.options, draft_state, result)
       else:  # a plain step: kept for the drafter to follow later (`catch_up`)
-        plain = plain.add(out.hidden[:, 0], None if features is None else features[:, 0], s.position,
-                          None if plain.token_prob is None else p[rows, 0, next_token])
+        plain = plain.add(out.hidden[:, 0], None if features is None else features[:, 0], s.position)
       return SpecState(
           sequence=sequence, position=position, done=done, cache=sharding.constrain_cache(out.cache, cache_sharding),
           draft_state=draft_state, key=key, rounds=s.rounds + 1,
@@ -258,16 +239,8 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
     if plan is None:
       return round_(s, gamma, drafting=True)
     budget = draft_length(plan, s.acceptance)  # 0: a plain target step
-    if s.plain is not None:
-      # Before a round drafts, the drafter follows the plain steps kept since it last followed. Scored
-      # (`plan.shadow`), they are evidence the choice has not seen yet, so it is made again with them: choosing
-      # once, a drafter that cannot pay drafted whenever the plain steps' decay (`plain_memory`) lifted the estimate,
-      # and learned only afterwards what the steps it had followed said.
-      def follow_first(carry):
-        s = catch_up(carry[0])
-        return s, draft_length(plan, s.acceptance) if plan.shadow else carry[1]
-
-      s, budget = control.run_if((budget > 0) & (s.plain.count > 0), follow_first, (s, budget))
+    if s.plain is not None:  # before a round drafts, the drafter follows the plain steps kept since it last followed
+      s = control.run_if((budget > 0) & (s.plain.count > 0), catch_up, s)
     # One branch per kind of round, so a plain step runs neither the drafter nor a choice of verify width
     # (`control.run_if`, not `jax.lax.cond`: the round's cache is updated in place, not copied).
     s = control.run_if(budget > 0, lambda s: round_(s, budget, drafting=True), s)
@@ -277,37 +250,6 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
   num_generated = s.position - lengths + 1
   tokens = jnp.take_along_axis(s.sequence, lengths[:, None] + jnp.arange(max_new_tokens)[None, :], axis=1)
   return tokens, num_generated, {"rounds": s.rounds, **dataclasses.asdict(s.counts)}
-
-
-def shadow_evidence(plan: Plan, acceptance: Acceptance, counts: Counts, followed: Followed, sequence, start,
-                    committed, token_prob, sampling: SamplingParams, vocab_size: int) -> tuple[Acceptance, Counts]:
-  """Scores the plain steps a drafter followed as one-token drafts it did not make (`AdaptiveDrafting.shadow`).
-
-  Step i of a row (i < `committed`: the steps it took) drew x, the token after position start + i, from the
-  target's p; the drafter's first-slot logits there (`followed.logits[:, i]`) give the draft it would have made.
-  Greedy, the draft is accepted iff it is x; sampling, its acceptance probability sum_y min(p(y), q(y)) is
-  estimated without bias by min(1, q(x) / p(x)) (x ~ p). As in a drafting round with a budget of one, a row keeps
-  the draft where its confidence clears the keep bar of slot 1 (`confidence_bars`; else it counts as stopped),
-  and kept drafts count as tested. The evidence is added without decay: the plain steps aged the counts already.
-  """
-  steps = followed.logits.shape[1]
-  taken = jnp.arange(steps)[None, :] < committed[:, None]  # [B, W]
-  rows = jnp.arange(sequence.shape[0])[:, None]
-  x = sequence[rows, jnp.minimum(start[:, None] + 1 + jnp.arange(steps)[None, :], sequence.shape[1] - 1)]
-  if sampling.greedy:
-    draft = greedy_draft(followed.logits, followed.token_map)
-    accepted, sure = (draft == x).astype(jnp.float32), confidence(followed.logits, None)
-  else:
-    q = draft_probabilities(followed.logits, sampling, followed.token_map, vocab_size)
-    q_x = jnp.take_along_axis(q, x[..., None], axis=-1)[..., 0]
-    accepted, sure = jnp.minimum(1.0, q_x / jnp.maximum(token_prob, 1e-30)), confidence(followed.logits, q)
-  keep_bar = confidence_bars(plan, acceptance)[0][0]
-  kept = taken & (sure >= keep_bar)
-  accepted = jnp.where(kept, accepted, 0.0)
-  acceptance = acceptance.update(None, accepted, jnp.where(kept, 1.0, 0.0) - accepted, kept, taken & ~kept)
-  counts = counts.replace(shadow_tested=counts.shadow_tested + jnp.sum(kept),
-                          shadow_accepted=counts.shadow_accepted + jnp.sum(accepted))
-  return acceptance, counts
 
 
 def _draft_inputs(s: SpecState, key, budget, bars=(0.0, 0.0)) -> DraftInputs:
@@ -460,9 +402,6 @@ def summarize(stats, num_generated, seconds: float, forwards_per_step: int = 1, 
       # Rounds by the gamma actually used: the longest draft a row made (index 0: a 1-token target step).
       "gamma_histogram": stats["width_rounds"].tolist(),
       "plain_steps": int(stats["plain_steps"]),  # rounds in which adaptive drafting did not draft at all
-      # Plain steps scored as one-token drafts (`AdaptiveDrafting.shadow`), and their acceptance
-      "shadow_tested": int(stats["shadow_tested"]),
-      "shadow_alpha": _ratio(float(stats["shadow_accepted"]), int(stats["shadow_tested"])),
       "new_tokens_per_row": num_generated.tolist(),
       "rounds_per_row": stats["live_rounds"].tolist(),
       "proposed_per_row": stats["proposed"].tolist(),

@@ -15,7 +15,7 @@ from specjax import speculative, verify
 from specjax.adaptive import (Acceptance, AdaptiveDrafting, Plan, confidence_bars, draft_length, expected_rounds,
                               make_plan, verify_widths)
 from specjax.decoding import prefill
-from specjax.drafters import DraftInputs, Followed, PromptInfo, RoundResult, draft_probabilities
+from specjax.drafters import DraftInputs, PromptInfo
 from specjax.loading import Model
 from specjax.model import forward, init_cache, init_params
 from specjax.sampling import SamplingParams
@@ -178,7 +178,7 @@ def plan(draft_cost, verify_costs, rows=1, prior_alpha=0.5, memory=0.9, gamma=4,
          optimism=0.0) -> Plan:
   return Plan(min_confidence=None, draft_cost=draft_cost, plain_cost=1.0, widths=verify_widths(gamma),
               verify_costs=tuple(verify_costs), refill_cost=refill_cost, rows=rows, prior_alpha=prior_alpha,
-              memory=memory, plain_memory=memory, catch_up=1, optimism=optimism, shadow=False)
+              memory=memory, plain_memory=memory, catch_up=1, optimism=optimism)
 
 
 def evidence(accepted, tested, drafted=None, stopped=0):
@@ -348,23 +348,20 @@ def test_round_costs_follow_the_forward_costs_of_the_rows_verified(random_target
 
 
 def test_a_plain_step_pays_its_share_of_the_drafters_catch_up(random_target):
-  """A draft model as large as the target follows plain steps with its layers over W tokens at once, and scores them
-  with its output head (`shadow`): a plain step costs 1 + (follow + score) f(B W) / f(B) / W."""
+  """A draft model as large as the target follows plain steps with its layers over W tokens at once: a plain step
+  costs 1 + follow f(B W) / f(B) / W."""
   draft = specjax.make_drafter("draft_model", random_target, draft=random_target)
   assert draft.draft_cost == pytest.approx(1.0, abs=0.02)
   assert 0.3 < draft.plain_step_cost < draft.draft_cost  # the layers without the output head
-  assert draft.plain_step_cost + draft.score_cost == pytest.approx(draft.draft_cost, abs=0.02)  # and the head
   points = ((1, 1.0), (4, 1.0), (8, 1.6))
   for window, batch, expected in [(1, 1, 1.0), (4, 1, 1.0 / 4), (8, 1, 1.6 / 8), (4, 2, 1.6 / 4)]:
-    for shadow in (False, True):
-      options = AdaptiveDrafting(forward_costs=points, catch_up=window, shadow=shadow)
-      p = make_plan(options, draft, random_target.params, random_target.config, 4, batch=batch)
-      assert p.catch_up == window and p.shadow == shadow
-      follow = draft.plain_step_cost + (draft.score_cost if shadow else 0.0)
-      assert p.plain_cost == pytest.approx(1.0 + follow * expected)
-  lookup = specjax.make_drafter("prompt_lookup", random_target)  # nothing to follow, nothing to score
+    options = AdaptiveDrafting(forward_costs=points, catch_up=window)
+    p = make_plan(options, draft, random_target.params, random_target.config, 4, batch=batch)
+    assert p.catch_up == window
+    assert p.plain_cost == pytest.approx(1.0 + draft.plain_step_cost * expected)
+  lookup = specjax.make_drafter("prompt_lookup", random_target)  # nothing to follow
   lookup_plan = make_plan(AdaptiveDrafting(), lookup, random_target.params, random_target.config, 4)
-  assert lookup_plan.plain_cost == 1.0 and not lookup_plan.shadow
+  assert lookup_plan.plain_cost == 1.0
 
 
 def test_the_default_costs_draft_at_batch_1_and_not_at_batch_8(random_target):
@@ -414,100 +411,3 @@ def test_speculative_verify_draws_an_undrafted_slot_from_p():
   assert np.all(np.asarray(accepted) <= 1)
   observed = np.bincount(np.asarray(next_token)[np.asarray(accepted) == 1], minlength=vocab) / n
   np.testing.assert_allclose(observed, [0.4, 0.3, 0.2, 0.1, 0.0], atol=0.01)
-
-
-# ------------------------------------------------------------------------------- evidence from plain steps
-
-
-def followers(target):
-  """Drafters that score the plain steps they follow, fresh and perturbed (drafts wrong in varied ways); the
-  trained kinds over a truncated draft vocabulary."""
-  token_map = np.arange(target.config.vocab_size)[::-1][:20]
-  draft = Model(target.config.replace(num_layers=2), init_params(target.config.replace(num_layers=2),
-                                                                 jax.random.PRNGKey(5), std=0.3), None, "tiny-draft")
-  return {
-      "draft_model": specjax.make_drafter("draft_model", target, draft=draft),
-      "distilled_draft": perturbed(specjax.make_drafter("draft_model", target, draft="fresh", num_layers=2,
-                                                        token_map=token_map), seed=2, scale=0.1),
-      "exit_adapter": perturbed(specjax.make_drafter("layer_skip", target, adapter="fresh", exit_layer=2,
-                                                     token_map=token_map), seed=3, scale=0.1),
-      "mtp_parallel": perturbed(specjax.make_drafter("mtp_parallel", target, path=None, num_heads=2,
-                                                     token_map=token_map), seed=4, scale=0.1),
-      "mtp_sequential": perturbed(specjax.make_drafter("mtp_sequential", target, path=None, depth=2,
-                                                       token_map=token_map), seed=6, scale=0.1),
-  }
-
-
-@pytest.mark.parametrize("name", ["draft_model", "distilled_draft", "exit_adapter", "mtp_parallel", "mtp_sequential"])
-def test_following_plain_steps_scores_each_with_the_draft_made_there(name, random_target):
-  """`follow` over w = 4 plain steps from pending positions L (ragged rows) gives, at step i, the draft
-  distribution a one-token proposal at position L + i gives (the drafter started there from a prompt of L + i
-  tokens)."""
-  target, steps = random_target, 4
-  drafter = followers(target)[name]
-  assert drafter.follow is not None and 0.0 < drafter.score_cost < 0.5
-  lengths = jnp.asarray([5, 9], jnp.int32)
-  rows = jnp.arange(2)
-  tokens = jnp.asarray(np.random.RandomState(0).randint(0, target.config.vocab_size, (2, 9 + steps + 1)), jnp.int32)
-  out = forward(target.params, tokens, init_cache(target.config, 2, 64), jnp.zeros_like(lengths), target.config,
-                compute_logits=False, return_layer_hidden=True)
-  features = (jnp.stack([out.layer_hidden[i] for i in drafter.feature_layers], axis=2) if drafter.feature_layers
-              else None)
-  sequence = jnp.zeros((2, 64), jnp.int32).at[:, :tokens.shape[1]].set(tokens)
-  sampling = SamplingParams(temperature=1.0)
-
-  def start(n):
-    """The drafter's state, and the target's cache, after a prefill of the first L + n tokens."""
-    width = 9 + n
-    prompt = PromptInfo(tokens=tokens[:, :width], lengths=lengths + n, first_token=tokens[rows, lengths + n],
-                        last_hidden=out.hidden[rows, lengths + n - 1],
-                        features=None if features is None else features[:, :width], cache_len=64)
-    cache = forward(target.params, tokens[:, :width], init_cache(target.config, 2, 64), jnp.zeros_like(lengths),
-                    target.config, compute_logits=False).cache
-    return drafter.init(target.params, drafter.params, drafter.options, prompt), cache
-
-  at = lengths[:, None] + jnp.arange(steps)[None, :]
-  result = RoundResult(sequence=sequence, position=lengths + steps, accepted=jnp.full((2,), steps - 1),
-                       verify_hidden=out.hidden[rows[:, None], at],
-                       features=None if features is None else features[rows[:, None], at], verify_position=lengths,
-                       drafted=False)
-  followed = drafter.follow(target.params, drafter.params, drafter.options, start(0)[0], result)
-  assert followed.logits.shape[:2] == (2, steps)
-  scored = draft_probabilities(followed.logits, sampling, followed.token_map, target.config.vocab_size)
-  for i in range(steps):
-    state, cache = start(i)
-    inputs = DraftInputs(sequence=sequence, position=lengths + i, target_cache=cache, key=jax.random.PRNGKey(i),
-                         budget=jnp.asarray(1, jnp.int32))
-    proposal = drafter.propose(target.params, drafter.params, drafter.options, state, inputs, 1, sampling)
-    np.testing.assert_allclose(scored[:, i], proposal.probs[:, 0], atol=1e-5, err_msg=f"step {i}")
-  # What `update` leaves is the state `follow` returns (the drafter proposes from it after catching up).
-  updated = drafter.update(target.params, drafter.params, drafter.options, start(0)[0], result)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), updated, followed.state)
-
-
-def test_scored_plain_steps_count_as_one_token_rounds():
-  """Three plain steps from position 1 drew tokens 2, 3, 0; the draft there is sure of 2, sure of 1, unsure. With a
-  bar of 0.5 the unsure step counts as a row that stopped; the two kept drafts as tested, one accepted (greedy) or
-  accepted with probability min(1, q(x) / p(x)) (sampling). Steps a row did not take count for nothing."""
-  p = dataclasses.replace(plan(0.1, (1.0, 1.0, 1.0)), min_confidence=0.5)
-  sure = lambda token: jnp.zeros(4).at[token].set(5.0)  # noqa: E731 (softmax ~0.98 on the token)
-  followed = Followed(state=(), logits=jnp.stack([sure(2), sure(1), jnp.zeros(4)])[None], token_map=None)
-  sequence = jnp.asarray([[1, 1, 2, 3, 0, 0]], jnp.int32)
-  counts = speculative.Counts.zero(1, 4)
-
-  def score(committed, sampling=SamplingParams(), token_prob=None):
-    return speculative.shadow_evidence(p, Acceptance.zero(), counts, followed, sequence, jnp.asarray([1]),
-                                       jnp.asarray([committed]), token_prob, sampling, 4)
-
-  acceptance, c = score(3)
-  assert [float(x) for x in (acceptance.accepted, acceptance.tested, acceptance.drafted, acceptance.stopped)] == \
-      [1.0, 2.0, 2.0, 1.0]
-  assert int(c.shadow_tested) == 2 and float(c.shadow_accepted) == 1.0
-  acceptance, c = score(2)  # the row finished after two steps
-  assert float(acceptance.stopped) == 0.0 and float(acceptance.tested) == 2.0
-  q = jax.nn.softmax(followed.logits[0], axis=-1)
-  token_prob = jnp.asarray([[0.5, 0.01, 0.3]])  # p(x) of the drawn tokens 2, 3, 0
-  acceptance, c = score(3, SamplingParams(temperature=1.0), token_prob)
-  expected = min(1.0, float(q[0, 2]) / 0.5) + min(1.0, float(q[1, 3]) / 0.01)
-  assert float(acceptance.accepted) == pytest.approx(expected, rel=1e-5)
-  assert float(acceptance.tested) == 2.0 and float(c.shadow_accepted) == pytest.approx(expected, rel=1e-5)

@@ -21,15 +21,6 @@ skip runs the target's layers and owns nothing; an MTP head owns its head and re
       adaptive drafting, several plain steps at once (`AdaptiveDrafting.catch_up`), as one result over their
       positions, before the drafter proposes again.
 
-A drafter that keeps its own state over plain steps may also define `follow` (`Drafter.follow`): `update` after
-plain steps that also returns its first-slot logits at each followed step, what a one-token draft made at that
-step's pending position would have been drawn from. Adaptive drafting scores them against the tokens the target
-produced there (`AdaptiveDrafting.shadow`), so plain steps bring evidence of the acceptance without drafting:
-
-  follow(target_params, params, options, state, result: RoundResult) -> Followed
-      result as for `update` after plain steps (`result.drafted` False); logits [B, w, V'] for steps 0..w-1,
-      step i predicting the token after position result.verify_position + i.
-
 A drafter that runs the target's own first k layers on [pending, x_1, ...] (`reuse_layers = k`, early exit)
 writes the target's K/V for those layers as it drafts and hands over their output (`Proposal.hidden`), so
 verification runs layers 0..k-1 only for the token the draft did not process (LayerSkip's cache reuse).
@@ -109,14 +100,6 @@ class RoundResult:
   drafted: bool = struct.field(pytree_node=False, default=True)
 
 
-class Followed(NamedTuple):
-  """What `Drafter.follow` returns: the state after following plain steps, and the draft's first-slot logits at
-  each of them."""
-  state: Any
-  logits: jax.Array  # [B, w, V'] step i: a one-token draft at position verify_position + i
-  token_map: jax.Array | None  # [V'] draft index -> token id (None: the full vocabulary)
-
-
 @dataclasses.dataclass(frozen=True)
 class Drafter:
   """A drafter; everything but `params` is static (hashable), so equal drafters share one compilation."""
@@ -136,10 +119,6 @@ class Drafter:
   # Following one plain target step (its `update` over one token) over a target step; adaptive drafting amortises it
   # over `AdaptiveDrafting.catch_up` steps followed at once
   plain_step_cost: float = 0.0
-  # `update` after plain steps that also scores them (see above; None: the drafter does not score them), and what
-  # scoring adds to following them (its output head over the followed positions), over a target step
-  follow: Callable | None = None
-  score_cost: float = 0.0
 
   def static(self) -> "Drafter":
     return dataclasses.replace(self, params=None, param_specs=None)

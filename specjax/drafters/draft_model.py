@@ -26,7 +26,7 @@ import numpy as np
 
 from specjax import leviathan
 from specjax.config import ModelConfig
-from specjax.drafters import Drafter, DraftInputs, Followed, PromptInfo, RoundResult, draft_head, draft_tokens
+from specjax.drafters import Drafter, DraftInputs, PromptInfo, RoundResult, draft_head, draft_tokens
 from specjax.loading import EMBEDDED_MODELS, CheckpointError, Model, load
 from specjax.model import forward, init_cache, param_shapes
 from specjax.sampling import SamplingParams
@@ -107,27 +107,19 @@ def propose(target_params, params, options: Options, state: State, inputs: Draft
 
 def update(target_params, params, options: Options, state: State, result: RoundResult) -> State:
   """After a round that drafted the cache already holds [pending - 1, pending, x_1, ...]. After plain target
-  steps (`result.drafted` False) the draft reads their tokens (`follow`; XLA drops the logits `update` does not
-  use)."""
+  steps (`result.drafted` False) the draft reads the tokens of those steps, each one's previous token: positions
+  verify_position - 1 .. verify_position + w - 2, w being the result's width (one forward over all of them), so
+  its cache stays valid below position - 1, where the next round's 2-token first step starts."""
   if result.drafted:
     return state
-  return follow(target_params, params, options, state, result).state
-
-
-def follow(target_params, params, options: Options, state: State, result: RoundResult) -> Followed:
-  """After w plain target steps the draft reads their tokens and the one before them, positions
-  verify_position - 1 .. verify_position + w - 1 (one forward over all of them), so its cache stays valid below
-  the new pending position (the next round's 2-token first step rewrites position - 1 as it is). Its hidden state
-  at verify_position + i gives step i's first-slot logits."""
   rows = jnp.arange(result.sequence.shape[0])
   start = result.verify_position - 1
-  positions = jnp.minimum(start[:, None] + jnp.arange(result.verify_hidden.shape[1] + 1)[None, :],
+  positions = jnp.minimum(start[:, None] + jnp.arange(result.verify_hidden.shape[1])[None, :],
                           result.sequence.shape[1] - 1)  # slots past the sequence: dropped by the write, or
   # (behind an offset) written past every position read so far, as any slot beyond the pending token is
-  out = forward(model_params(target_params, params, options), result.sequence[rows[:, None], positions],
-                state.cache, start - state.offset, options.config, compute_logits=False)
-  return Followed(state=state._replace(cache=out.cache),
-                  logits=logits(target_params, params, options, out.hidden[:, 1:]), token_map=params.get("token_map"))
+  cache = forward(model_params(target_params, params, options), result.sequence[rows[:, None], positions],
+                  state.cache, start - state.offset, options.config, compute_logits=False).cache
+  return state._replace(cache=cache)
 
 
 def cost(target, options: Options, params) -> float:
@@ -142,15 +134,6 @@ def cost(target, options: Options, params) -> float:
 def follow_cost(target, params) -> float:
   """`update` after a plain step: the draft's layers over one token (no output head)."""
   return leviathan.draft_cost(target.params, target.config, (), {"layers": params["layers"]}, head_columns=0)
-
-
-def score_cost(target, options: Options, params) -> float:
-  """What `follow` adds to `update` after plain steps: the draft's output head (its own, or the target's columns of
-  the draft vocabulary)."""
-  if not options.distilled:
-    return leviathan.draft_cost(target.params, target.config, (), {"head": params.get("lm_head", params["embed"])},
-                                head_columns=0) - leviathan.draft_cost(target.params, target.config, (), None, 0)
-  return leviathan.head_cost(target.params, target.config, options.draft_vocab)
 
 
 def loss(target_params, params, options: Options, batch):
@@ -265,14 +248,12 @@ def _make(model, draft, num_layers, init_layers, token_map) -> Drafter:
     options = Options(config=draft.config)
     return Drafter(name=NAME, init=init, propose=propose, update=update, options=options, params=draft.params,
                    param_specs=param_shapes(draft.config), loss=loss, draft_cost=cost(model, options, draft.params),
-                   plain_step_cost=follow_cost(model, draft.params), follow=follow,
-                   score_cost=score_cost(model, options, draft.params))
+                   plain_step_cost=follow_cost(model, draft.params))
   if options.draft_vocab is not None:
     params["head"] = draft_head.head_columns(model.params, config, params["token_map"])
   return Drafter(name=NAME, init=init, propose=propose, update=update, options=options, params=params,
                  param_specs=param_specs(options), loss=loss, draft_cost=cost(model, options, params),
-                 plain_step_cost=follow_cost(model, params), follow=follow,
-                 score_cost=score_cost(model, options, params))
+                 plain_step_cost=follow_cost(model, params))
 
 
 def _check_vocabulary(model, draft) -> None:

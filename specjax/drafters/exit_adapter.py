@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from specjax import leviathan
 from specjax.config import ModelConfig, rope_inv_freq
-from specjax.drafters import Drafter, DraftInputs, Followed, PromptInfo, RoundResult, draft_head, draft_tokens
+from specjax.drafters import Drafter, DraftInputs, PromptInfo, RoundResult, draft_head, draft_tokens
 from specjax.loading import CheckpointError
 from specjax.model import attention_block, forward, mlp_block, param_shapes
 from specjax.sampling import SamplingParams
@@ -120,20 +120,12 @@ def propose(target_params, params, options: Options, state, inputs: DraftInputs,
 
 
 def update(target_params, params, options: Options, state, result: RoundResult):
-  # The verification forward gave true layer-k features at the verified positions: they replace the drafts' K/V
-  # (`follow`; XLA drops the logits `update` does not use).
-  return follow(target_params, params, options, state, result).state
-
-
-def follow(target_params, params, options: Options, state, result: RoundResult) -> Followed:
-  """The adapter over the true layer-k features at the verified (or followed) positions, writing their K/V; its
-  output at verify_position + i gives step i's first-slot logits."""
+  # The verification forward gave true layer-k features at the verified positions: they replace the drafts' K/V.
   width = result.features.shape[1]
   positions = result.verify_position[:, None] + jnp.arange(width)[None, :]
-  g, k, v = adapter(params, options, result.features[:, :, 0].astype(state["k"].dtype), state["k"], state["v"],
+  _, k, v = adapter(params, options, result.features[:, :, 0].astype(state["k"].dtype), state["k"], state["v"],
                     positions)
-  return Followed(state={"k": k, "v": v}, logits=draft_head.logits(target_params, params, g, options.config),
-                  token_map=params.get("token_map"))
+  return {"k": k, "v": v}
 
 
 def loss(target_params, params, options: Options, batch):
@@ -195,8 +187,7 @@ def make(model, adapter: str, exit_layer: int | None = None, mlp: bool | None = 
   return Drafter(name=NAME, init=init, propose=propose, update=update, options=options, params=params,
                  param_specs=param_specs(options), loss=loss, feature_layers=(options.exit_layer - 1,),
                  reuse_layers=options.exit_layer, draft_cost=cost(model, options, params),
-                 plain_step_cost=follow_cost(model, params), follow=follow,
-                 score_cost=leviathan.head_cost(model.params, config, options.draft_vocab))
+                 plain_step_cost=follow_cost(model, params))
 
 
 def _adapter_weights(params) -> dict:

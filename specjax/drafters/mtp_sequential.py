@@ -39,7 +39,7 @@ import numpy as np
 
 from specjax.config import ModelConfig, rope_inv_freq
 from specjax import cpu_kernels, leviathan
-from specjax.drafters import (Drafter, DraftInputs, Followed, PromptInfo, Proposal, RoundResult, choose_tokens,
+from specjax.drafters import (Drafter, DraftInputs, PromptInfo, Proposal, RoundResult, choose_tokens,
                               confidence, draft_head, keeps)
 from specjax.model import (ParamSpec, apply_rope, attend as causal_attend, embed, merge_heads, mlp_block,
                            project_heads, rms_norm)
@@ -245,25 +245,13 @@ def propose(target_params, params, options: Options, state, inputs: DraftInputs,
 
 def update(target_params, params, options: Options, state, result: RoundResult):
   # The verified positions p..p+gamma now have true target features; the token after each is committed
-  # up to p + accepted + 1 (later slots are stale and get overwritten before they are read). (`follow`; XLA drops
-  # the logits `update` does not use.)
-  return follow(target_params, params, options, state, result).state
-
-
-def follow(target_params, params, options: Options, state, result: RoundResult) -> Followed:
-  """Every module over the verified (or followed) positions with true inputs; module 1's output before them (the
-  state's) and at verify_position + i - 1 give step i's first-slot logits (a draft at position p starts from
-  module 1 at p - 1, which read the token at p)."""
+  # up to p + accepted + 1 (later slots are stale and get overwritten before they are read).
   b, width = result.verify_hidden.shape[:2]
   rows = jnp.arange(b)
   positions = result.verify_position[:, None] + jnp.arange(width)[None, :]
   next_tokens = result.sequence[rows[:, None], jnp.minimum(positions + 1, result.sequence.shape[1] - 1)]
-  before = state["hidden"]
   state, first = _run_true(target_params, params, options, state, next_tokens, result.features, positions)
-  drafts_from = jnp.concatenate([before[:, None].astype(first.dtype), first[:, :-1]], axis=1)
-  return Followed(state={**state, "hidden": first[rows, result.accepted]},
-                  logits=draft_head.logits(target_params, params, drafts_from, options.config),
-                  token_map=params.get("token_map"))
+  return {**state, "hidden": first[rows, result.accepted]}
 
 
 def loss(target_params, params, options: Options, batch):
@@ -371,8 +359,7 @@ def make(model, path: str | None = "default", depth: int = 4, recurrent: bool = 
   return Drafter(name=NAME, init=init, propose=propose, update=update, options=options, params=params,
                  param_specs=param_specs(options), loss=loss, feature_layers=options.feature_layers,
                  max_gamma=None if options.recurrent else options.depth, draft_cost=cost(model, options, params),
-                 plain_step_cost=follow_cost(model, params), follow=follow,
-                 score_cost=leviathan.head_cost(model.params, config, options.draft_vocab))
+                 plain_step_cost=follow_cost(model, params))
 
 
 def cost(model, options: Options, params) -> float:
