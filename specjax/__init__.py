@@ -8,8 +8,8 @@ Public API:
   make_mesh(data, model) -> jax.sharding.Mesh  (pass as generate(..., mesh=mesh))
   generate(model, prompts, *, max_new_tokens, temperature, top_k, top_p, seed, drafter, gamma, adaptive, mesh,
            max_len, stop_ids) -> Output
-  AdaptiveDrafting(min_confidence, draft_cost, forward_costs, prior_alpha, memory, plain_memory, catch_up,
-                   optimism)  (generate(..., adaptive=...))
+  AdaptiveDrafting(min_confidence, draft_cost, forward_costs, prior_alpha, memory, plain_memory, optimism)
+                   (generate(..., adaptive=...))
 """
 
 from specjax.adaptive import AdaptiveDrafting

@@ -29,8 +29,8 @@ Both rules run inside the compiled loop (no host sync):
        gamma* = argmax_{0 <= gamma <= G} E(gamma) / cost(gamma),
 
    G being the static maximum (`generate`'s `gamma`). gamma = 0 is a plain target step (one token, cost 1
-   plus its share of the drafter following it: a drafter with its own cache, e.g. a draft model, reads plain
-   steps `catch_up` = W at a time, one forward over W tokens, `Drafter.plain_step_cost` f(B W) / f(B) / W):
+   plus the drafter following it: a drafter with its own cache, e.g. a draft model, reads the step's token,
+   `Drafter.plain_step_cost`):
    where drafting cannot pay, decoding falls back to autoregressive steps at nearly their cost. Verification
    runs over the narrowest compiled width that holds the longest draft any row made plus the pending token
    (`verify_widths`: 1, 2 and G + 1, chosen inside the compiled loop), so a one-token draft pays for a 2-token
@@ -145,9 +145,6 @@ class AdaptiveDrafting:
   # z: where the running acceptance says a plain step, draft anyway while an acceptance z standard errors above it
   # says drafting pays (optimism under uncertainty; 0: trust the running estimate)
   optimism: float = 0.5
-  # W: a drafter that keeps its own cache follows plain steps W at a time (one update over W positions), and before
-  # it drafts again (`specjax.speculative.PlainSteps`); 1: after every plain step
-  catch_up: int = 8
 
   def __post_init__(self):
     if self.min_confidence is not None and not 0.0 <= self.min_confidence <= 1.0:
@@ -170,9 +167,6 @@ class AdaptiveDrafting:
       raise ValueError(f"plain_memory must be in [0, 1), got {self.plain_memory}")
     if not self.optimism >= 0.0:
       raise ValueError(f"optimism must be >= 0 (standard errors above the running acceptance), got {self.optimism}")
-    if not isinstance(self.catch_up, int) or isinstance(self.catch_up, bool) or self.catch_up < 1:
-      raise ValueError(f"catch_up must be a positive integer (plain steps a drafter follows at once), got "
-                       f"{self.catch_up!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +175,7 @@ class Plan:
   and the estimator's settings."""
   min_confidence: float | None  # one bar on the joint confidence for every slot; None: from the costs
   draft_cost: float  # c: one draft step
-  plain_cost: float  # a round that does not draft: one target step plus its share of the drafter's catch-up
+  plain_cost: float  # a round that does not draft: one target step plus the drafter following it
   widths: tuple[int, ...]  # the compiled verification widths (`verify_widths`)
   verify_costs: tuple[float, ...]  # a verification forward of each width
   refill_cost: float  # layers a drafter reuses (`Drafter.reuse_layers`) over its last draft, when a row kept it
@@ -189,7 +183,6 @@ class Plan:
   prior_alpha: float
   memory: float  # decay of the acceptance counts per drafting round
   plain_memory: float  # decay per plain step
-  catch_up: int  # W: plain steps the drafter follows at once (`AdaptiveDrafting.catch_up`)
   optimism: float  # z (`AdaptiveDrafting.optimism`)
 
   @property
@@ -220,13 +213,10 @@ def make_plan(options: AdaptiveDrafting, drafter, target_params, config, gamma: 
   # The layers after the reused ones over w tokens (all of them when none are reused); the reused ones run over the
   # last drafted token only if a row kept it (`refill_cost`).
   verify_costs = tuple((1.0 - reused) * forward_cost(points, batch * w) / plain for w in widths)
-  # A plain step's share of the drafter following W of them in one forward over B x W rows.
-  w = options.catch_up
-  follow = drafter.plain_step_cost * forward_cost(points, batch * w) / plain / w
-  return Plan(min_confidence=options.min_confidence, draft_cost=float(c), plain_cost=1.0 + follow,
+  return Plan(min_confidence=options.min_confidence, draft_cost=float(c), plain_cost=1.0 + drafter.plain_step_cost,
               widths=widths, verify_costs=verify_costs, refill_cost=float(reused), rows=int(batch),
               prior_alpha=options.prior_alpha, memory=options.memory, plain_memory=options.plain_memory,
-              catch_up=int(w), optimism=float(options.optimism))
+              optimism=float(options.optimism))
 
 
 @struct.dataclass

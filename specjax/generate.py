@@ -91,7 +91,7 @@ def generate(model: Model, prompts: Sequence[str | Sequence[int]], *, max_new_to
     gamma: the most draft tokens a speculative round proposes (every round's, with adaptive=False).
     adaptive: adaptive drafting (specjax/adaptive.py): True (the defaults), False, or a
       `specjax.AdaptiveDrafting(min_confidence=, draft_cost=, forward_costs=, prior_alpha=, memory=,
-      plain_memory=, catch_up=, optimism=)`. Each round drafts the length that the running acceptance and the costs
+      plain_memory=, optimism=)`. Each round drafts the length that the running acceptance and the costs
       make pay (none: a plain target step, unless the acceptance's uncertainty leaves room for drafting to pay), and
       a row stops drafting at a slot where the draft is unsure. Lossless either way.
     mesh: a `jax.sharding.Mesh` from `specjax.sharding.make_mesh` to run sharded (rows over "data", heads /

@@ -3,8 +3,7 @@
 One round, for every row at once:
   1. the drafter proposes up to gamma tokens x_1..x_gamma (and their draft distributions q when sampling);
      with adaptive drafting (specjax/adaptive.py) the round drafts the length that pays, none at all (a plain
-     target step) where drafting cannot pay, and a row stops early where the draft is unsure; a drafter with its
-     own cache follows plain steps several at once (`PlainSteps`);
+     target step) where drafting cannot pay, and a row stops early where the draft is unsure;
   2. the target scores [pending, x_1..x_gamma] in ONE forward at the row's own position (a causal mask makes
      that gamma+1 next-token predictions), or only the pending token when no row drafted; a drafter that ran
      the target's own first k layers hands over their output, and only layers k..L-1 run for all positions;
@@ -32,7 +31,7 @@ from flax import struct
 from specjax import compilation, control, distributed, sharding
 from specjax.adaptive import (Acceptance, AdaptiveDrafting, Plan, confidence_bars, draft_length, make_plan,
                               verify_widths, width_index)
-from specjax.drafters import Drafter, DraftInputs, PromptInfo, Proposal, RoundResult, keep_state
+from specjax.drafters import Drafter, DraftInputs, PromptInfo, Proposal, RoundResult
 from specjax.decoding import (Output, decode_draft_params, decode_outputs, describe_shapes, is_stop, place_on_mesh,
                               prefill, prepare_batch)
 from specjax.model import KVCache, forward, init_cache
@@ -72,36 +71,6 @@ class Counts:
 
 
 @struct.dataclass
-class PlainSteps:
-  """Plain target steps (rounds that did not draft) the drafter has not followed yet.
-
-  A drafter that keeps its own cache (a draft model, an exit adapter, MTP modules) would pay its `update` after
-  every plain step. Instead the loop keeps the target's outputs of up to W = `AdaptiveDrafting.catch_up` plain
-  steps here and hands them to `update` at once, as one result over W positions (`catch_up` below): when W
-  steps are kept, and before the next round that drafts. W consecutive plain steps of a row commit the tokens
-  after positions start..start+W-1, as a round whose W - 1 drafts were all accepted would.
-  """
-  hidden: jax.Array  # [B, W, D] the target's hidden states at positions start + i
-  features: jax.Array | None  # [B, W, F, D] after each of `Drafter.feature_layers` (or None)
-  start: jax.Array  # [B] the pending position at the first kept step
-  count: jax.Array  # scalar: steps kept
-
-  @classmethod
-  def empty(cls, batch: int, window: int, hidden_size: int, num_features: int, dtype):
-    return cls(hidden=jnp.zeros((batch, window, hidden_size), dtype),
-               features=jnp.zeros((batch, window, num_features, hidden_size), dtype) if num_features else None,
-               start=jnp.zeros((batch,), jnp.int32), count=jnp.zeros((), jnp.int32))
-
-  def add(self, hidden: jax.Array, features: jax.Array | None, position: jax.Array) -> "PlainSteps":
-    """One more plain step over the pending tokens at `position` [B]: hidden [B, D], features [B, F, D]."""
-    i = self.count
-    return PlainSteps(hidden=self.hidden.at[:, i].set(hidden.astype(self.hidden.dtype)),
-                      features=None if features is None else self.features.at[:, i].set(
-                          features.astype(self.features.dtype)),
-                      start=jnp.where(i == 0, position, self.start), count=i + 1)
-
-
-@struct.dataclass
 class SpecState:
   sequence: jax.Array  # [B, L] tokens by position: prompt, committed output; pending at `position`
   position: jax.Array  # [B] position of the pending token (the last committed one)
@@ -112,7 +81,6 @@ class SpecState:
   rounds: jax.Array  # scalar
   acceptance: Acceptance  # running acceptance, for the draft length of the next round
   counts: Counts
-  plain: PlainSteps | None  # plain steps the drafter has not followed yet (None: it follows every round)
 
 
 def _commit(state: SpecState, draft_tokens, accepted_len, next_token, lengths, max_new_tokens, stop_ids):
@@ -155,20 +123,7 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
       sequence=sequence, position=lengths, done=is_stop(first, stop_ids) | (max_new_tokens == 1),
       cache=sharding.constrain_cache(out.cache, cache_sharding),
       draft_state=drafter.init(params, draft_params, drafter.options, prompt), key=key,
-      rounds=jnp.zeros((), jnp.int32), acceptance=Acceptance.zero(), counts=Counts.zero(batch, gamma),
-      plain=(PlainSteps.empty(batch, plan.catch_up, config.hidden_size, len(drafter.feature_layers), last_hidden.dtype)
-             if plan is not None and drafter.update is not keep_state else None))
-
-  def catch_up(s: SpecState) -> SpecState:
-    """The drafter follows the kept plain steps in one `update` over W positions from `start`: a row committed
-    the tokens after the first `committed` of them (fewer than W when it finished, or when the steps are caught up
-    before W of them)."""
-    p = s.plain
-    committed = s.position - p.start
-    result = RoundResult(sequence=s.sequence, position=s.position, accepted=jnp.maximum(committed - 1, 0),
-                         verify_hidden=p.hidden, features=p.features, verify_position=p.start, drafted=False)
-    return s.replace(plain=p.replace(count=jnp.zeros_like(p.count)),
-                     draft_state=drafter.update(params, draft_params, drafter.options, s.draft_state, result))
+      rounds=jnp.zeros((), jnp.int32), acceptance=Acceptance.zero(), counts=Counts.zero(batch, gamma))
 
   def cond(s: SpecState):
     return ~jnp.all(s.done)
@@ -204,30 +159,22 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
       accepted, rejected = jnp.where(live, accepted_len, 0), live & (accepted_len < draft_lengths)
       # The drafter's update sees the `width` verified positions only (a plain round: the pending one): the
       # sequential MTP module runs its block over every position it is handed.
-      features = _features(out, drafter.feature_layers)
-      draft_state, plain = c.draft_state, c.plain
-      if drafting or plain is None:
-        result = RoundResult(sequence=sequence, position=position, accepted=accepted, verify_hidden=out.hidden,
-                             features=features, verify_position=s.position, drafted=drafting)
-        draft_state = drafter.update(params, draft_params, drafter.options, draft_state, result)
-      else:  # a plain step: kept for the drafter to follow later (`catch_up`)
-        plain = plain.add(out.hidden[:, 0], None if features is None else features[:, 0], s.position)
+      result = RoundResult(sequence=sequence, position=position, accepted=accepted, verify_hidden=out.hidden,
+                           features=_features(out, drafter.feature_layers), verify_position=s.position,
+                           drafted=drafting)
+      draft_state = drafter.update(params, draft_params, drafter.options, c.draft_state, result)
       return SpecState(
           sequence=sequence, position=position, done=done, cache=sharding.constrain_cache(out.cache, cache_sharding),
           draft_state=draft_state, key=key, rounds=s.rounds + 1,
           acceptance=s.acceptance.update(plan, accepted, rejected, draft_lengths, live & (draft_lengths < budget),
                                          plain=not drafting),
-          counts=s.counts.add(live, draft_lengths, accepted, rejected, jnp.asarray(drafting), proposal.steps),
-          plain=plain)
+          counts=s.counts.add(live, draft_lengths, accepted, rejected, jnp.asarray(drafting), proposal.steps))
 
     # Verify [pending, x_1..x_n], n the longest draft a row made: with adaptive drafting in the narrowest compiled
     # width that holds it (1: a plain step when no row drafted; see adaptive.verify_widths); else all gamma + 1.
     widths = verify_widths(gamma)
     if not drafting:
-      carried = verify(carried, widths[0])
-      if carried.plain is None:
-        return carried
-      return control.run_if(carried.plain.count >= plan.catch_up, catch_up, carried)
+      return verify(carried, widths[0])
     if plan is None:
       return verify(carried, widths[-1])
     chosen = width_index(widths, jnp.max(draft_lengths))
@@ -239,8 +186,6 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
     if plan is None:
       return round_(s, gamma, drafting=True)
     budget = draft_length(plan, s.acceptance)  # 0: a plain target step
-    if s.plain is not None:  # before a round drafts, the drafter follows the plain steps kept since it last followed
-      s = control.run_if((budget > 0) & (s.plain.count > 0), catch_up, s)
     # One branch per kind of round, so a plain step runs neither the drafter nor a choice of verify width
     # (`control.run_if`, not `jax.lax.cond`: the round's cache is updated in place, not copied).
     s = control.run_if(budget > 0, lambda s: round_(s, budget, drafting=True), s)

@@ -16,10 +16,9 @@ skip runs the target's layers and owns nothing; an MTP head owns its head and re
       are never accepted.
   update(target_params, params, options, state, result: RoundResult) -> state
       after verification, given each row's accepted length and the target's hidden states at the verified
-      positions (what MTP heads draft from). Also after rounds in which the drafter did not run
-      (`result.drafted` False: plain target steps), so a drafter that keeps its own cache can follow: with
-      adaptive drafting, several plain steps at once (`AdaptiveDrafting.catch_up`), as one result over their
-      positions, before the drafter proposes again.
+      positions (what MTP heads draft from). Also after a round in which the drafter did not run
+      (`result.drafted` False: a plain target step, one position), so a drafter that keeps its own cache can
+      follow.
 
 A drafter that runs the target's own first k layers on [pending, x_1, ...] (`reuse_layers = k`, early exit)
 writes the target's K/V for those layers as it drafts and hands over their output (`Proposal.hidden`), so
@@ -116,9 +115,7 @@ class Drafter:
   max_gamma: int | None = None  # most draft tokens one round can propose (None: unbounded)
   reuse_layers: int = 0  # k > 0: drafts run the target's layers 0..k-1 and hand over their output (see above)
   draft_cost: float = 0.0  # c: one draft step's cost over one target step (weights read), for adaptive drafting
-  # Following one plain target step (its `update` over one token) over a target step; adaptive drafting amortises it
-  # over `AdaptiveDrafting.catch_up` steps followed at once
-  plain_step_cost: float = 0.0
+  plain_step_cost: float = 0.0  # following one plain target step (its `update` over one token) over a target step
 
   def static(self) -> "Drafter":
     return dataclasses.replace(self, params=None, param_specs=None)

@@ -3,8 +3,8 @@
 Each round the draft model first re-reads the token before the pending one, then the pending token (a
 2-token step), and then feeds back its own proposals one at a time. Re-reading the previous token keeps the
 draft cache complete when every draft was accepted in the last round (the last draft was never fed then).
-After rounds without drafting (plain target steps), `update` reads their tokens, several plain steps in one
-forward (adaptive drafting's `catch_up`), so a plain step costs the target step plus a share of that forward.
+After a round without drafting (a plain target step), `update` reads that step's token, so a plain step costs
+the target step plus the draft's layers over one token.
 
 Distilled draft (DistillSpec, Zhou et al. 2024; layer-dropped initialisation as in DistilBERT, Sanh et al. 2019,
 and Sheared/ShortGPT-style pruned students): n decoder layers initialised from target layers (evenly spaced,

@@ -16,8 +16,8 @@ Kangaroo's adapter is the attention alone (`mlp=False`). A fresh adapter is a co
 Drafting runs layers 0..k-1 on the draft token against the target's shared KV cache, exactly as
 `layer_skip` does, then the adapter. The adapter's own KV cache covers the committed positions: `init` and
 `update` write it from the target's layer-k features of the prefill and of every verification forward
-(`Drafter.feature_layers = (k - 1,)`; plain target steps several at once), so no extra target call; slots
-past a row's committed length are overwritten by the next round's drafts before anything reads them.
+(`Drafter.feature_layers = (k - 1,)`; plain target steps too), so no extra target call; slots past a row's
+committed length are overwritten by the next round's drafts before anything reads them.
 
 Training (`loss`, self-distillation on cached features with layer k - 1 among the cache's feature layers):
 the adapter runs causally over a whole cached sequence of h_t (what it attends to at inference, every one a

@@ -15,12 +15,11 @@ again and again, as EAGLE does), which runs one position further. With `feature_
 KV caches. Each module keeps its own K/V cache over committed positions, computed from the TRUE target
 features: after every verification (`update`) each module runs over the gamma + 1 verified positions with
 the target's hidden states from that same verification forward (no extra target call; plain target steps
-several at once); slots past a row's
-committed length are overwritten in the next round before anything reads them. Module 1's output at the
-newest committed position p-1 is kept, and gives the first draft at no cost in the next round. Drafting step
-k (k >= 2) runs at position q = p - 2 + k and attends to the committed slots (<= p-1) plus what this round
-wrote at positions p..q: with a recurrent module those are its own earlier drafting steps; with distinct
-modules, only module k's own position q.
+too); slots past a row's committed length are overwritten in the next round before anything reads them. Module
+1's output at the newest committed position p-1 is kept, and gives the first draft at no cost in the next round.
+Drafting step k (k >= 2) runs at position q = p - 2 + k and attends to the committed slots (<= p-1) plus what
+this round wrote at positions p..q: with a recurrent module those are its own earlier drafting steps; with
+distinct modules, only module k's own position q.
 
 Training (`loss`, self-distillation on cached features) follows exactly that visibility (EAGLE-3's
 "training-time test"): depth k at position j reads g^{k-1}_{j-1} from depth k-1, attends to true-feature
