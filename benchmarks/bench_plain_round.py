@@ -5,16 +5,17 @@ r"""What a speculative round that does not draft costs against an autoregressive
 
 With adaptive drafting a drafter that cannot pay falls back to plain target steps inside the speculative loop; this
 is the floor of its speed. Each drafter decodes one Spec-Bench prompt (writing, chat template) greedily with
-adaptive drafting told that drafting costs 100 target steps, so no round drafts (checked: every round is a plain
-step); autoregressive `generate` decodes the same prompt. `--batch=B` decodes the first B writing prompts
-together instead. A drafter with its own cache (the distilled draft model, the exit adapter, sequential MTP)
-follows every plain step (its `update` over the step's token). Per method, seconds per decode step =
+adaptive drafting and a draft step priced at 100 target steps (`Drafter.cost`), so no round drafts (checked: every
+round is a plain step); autoregressive `generate` decodes the same prompt. `--batch=B` decodes the first B writing
+prompts together instead. A drafter with its own cache (the distilled draft model, the exit adapter, sequential
+MTP) follows every plain step (its `update` over the step's token). Per method, seconds per decode step =
 (t(new_tokens) - t(8)) / (new_tokens - 8), so prefill and per-call overhead cancel; the methods run interleaved,
 medians over `--repeats` rounds, after a first call of each length that compiles.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
@@ -22,7 +23,6 @@ from absl import app, flags
 
 import specjax
 from experiments import spec_bench
-from specjax.adaptive import AdaptiveDrafting
 
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 64, "Tokens per call (more than 8).")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Interleaved timing rounds.")
@@ -46,9 +46,9 @@ def main(argv):
   prompts = [spec_bench.prompt_ids(question, model.tokenizer, chat=True) for question in questions]
 
   def decode(drafter):
-    never = AdaptiveDrafting(draft_cost=100.0)
-    return lambda tokens: specjax.generate(model, prompts, max_new_tokens=tokens, stop_ids=(), drafter=drafter,
-                                           adaptive=never if drafter else False)
+    if drafter is not None:  # a draft step priced at 100 target steps: no round drafts
+      drafter = dataclasses.replace(drafter, cost=dataclasses.replace(drafter.cost, step=100.0))
+    return lambda tokens: specjax.generate(model, prompts, max_new_tokens=tokens, stop_ids=(), drafter=drafter)
   runs = {"autoregressive": decode(None)}
   for name in _DRAFTERS.value:
     drafter_name, options = _DRAFTER_OPTIONS.get(name, (name, {}))

@@ -26,7 +26,7 @@ import numpy as np
 
 from specjax import leviathan
 from specjax.config import ModelConfig
-from specjax.drafters import Drafter, DraftInputs, PromptInfo, RoundResult, draft_head, draft_tokens
+from specjax.drafters import DraftCost, Drafter, DraftInputs, PromptInfo, RoundResult, draft_head, draft_tokens
 from specjax.loading import EMBEDDED_MODELS, CheckpointError, Model, load
 from specjax.model import forward, init_cache, param_shapes
 from specjax.sampling import SamplingParams
@@ -122,18 +122,16 @@ def update(target_params, params, options: Options, state: State, result: RoundR
   return state._replace(cache=cache)
 
 
-def cost(target, options: Options, params) -> float:
-  """c: the weights one draft step reads (its layers and output head) over a target step's."""
+def cost(target, options: Options, params) -> DraftCost:
+  """A draft step reads the draft's layers and output head; following a plain step, its layers only."""
   if not options.distilled:
     own = {"layers": params["layers"], "head": params.get("lm_head", params["embed"])}
-    return leviathan.draft_cost(target.params, target.config, (), own, head_columns=0)
-  own = {k: v for k, v in params.items() if k not in ("token_map", "head")}
-  return leviathan.draft_cost(target.params, target.config, (), own, head_columns=options.draft_vocab)
-
-
-def follow_cost(target, params) -> float:
-  """`update` after a plain step: the draft's layers over one token (no output head)."""
-  return leviathan.draft_cost(target.params, target.config, (), {"layers": params["layers"]}, head_columns=0)
+    step = leviathan.draft_cost(target.params, target.config, (), own, head_columns=0)
+  else:
+    own = {k: v for k, v in params.items() if k not in ("token_map", "head")}
+    step = leviathan.draft_cost(target.params, target.config, (), own, head_columns=options.draft_vocab)
+  return DraftCost(step=step, plain_step=leviathan.draft_cost(target.params, target.config, (),
+                                                              {"layers": params["layers"]}, head_columns=0))
 
 
 def loss(target_params, params, options: Options, batch):
@@ -247,13 +245,11 @@ def _make(model, draft, num_layers, init_layers, token_map) -> Drafter:
     _check_vocabulary(model, draft)
     options = Options(config=draft.config)
     return Drafter(name=NAME, init=init, propose=propose, update=update, options=options, params=draft.params,
-                   param_specs=param_shapes(draft.config), loss=loss, draft_cost=cost(model, options, draft.params),
-                   plain_step_cost=follow_cost(model, draft.params))
+                   param_specs=param_shapes(draft.config), loss=loss, cost=cost(model, options, draft.params))
   if options.draft_vocab is not None:
     params["head"] = draft_head.head_columns(model.params, config, params["token_map"])
   return Drafter(name=NAME, init=init, propose=propose, update=update, options=options, params=params,
-                 param_specs=param_specs(options), loss=loss, draft_cost=cost(model, options, params),
-                 plain_step_cost=follow_cost(model, params))
+                 param_specs=param_specs(options), loss=loss, cost=cost(model, options, params))
 
 
 def _check_vocabulary(model, draft) -> None:

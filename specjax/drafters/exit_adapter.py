@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from specjax import leviathan
 from specjax.config import ModelConfig, rope_inv_freq
-from specjax.drafters import Drafter, DraftInputs, PromptInfo, RoundResult, draft_head, draft_tokens
+from specjax.drafters import DraftCost, Drafter, DraftInputs, PromptInfo, RoundResult, draft_head, draft_tokens
 from specjax.loading import CheckpointError
 from specjax.model import attention_block, forward, mlp_block, param_shapes
 from specjax.sampling import SamplingParams
@@ -186,20 +186,17 @@ def make(model, adapter: str, exit_layer: int | None = None, mlp: bool | None = 
     params["head"] = draft_head.head_columns(model.params, config, params["token_map"])
   return Drafter(name=NAME, init=init, propose=propose, update=update, options=options, params=params,
                  param_specs=param_specs(options), loss=loss, feature_layers=(options.exit_layer - 1,),
-                 reuse_layers=options.exit_layer, draft_cost=cost(model, options, params),
-                 plain_step_cost=follow_cost(model, params))
+                 reuse_layers=options.exit_layer, cost=cost(model, options, params))
 
 
 def _adapter_weights(params) -> dict:
   return {k: v for k, v in params.items() if k not in ("token_map", "head")}
 
 
-def cost(model, options: Options, params) -> float:
-  """c: one draft step reads layers 0..k-1, the adapter and the (truncated) head."""
-  return leviathan.draft_cost(model.params, model.config, options.layers, _adapter_weights(params),
-                              options.draft_vocab)
-
-
-def follow_cost(model, params) -> float:
-  """`update` after a plain step: the adapter over one position's features."""
-  return leviathan.draft_cost(model.params, model.config, (), _adapter_weights(params), head_columns=0)
+def cost(model, options: Options, params) -> DraftCost:
+  """A draft step reads layers 0..k-1 (reused by verification), the adapter and the (truncated) head; following a
+  plain step, the adapter over one position's features."""
+  target, config, adapter_weights = model.params, model.config, _adapter_weights(params)
+  return DraftCost(step=leviathan.draft_cost(target, config, options.layers, adapter_weights, options.draft_vocab),
+                   plain_step=leviathan.draft_cost(target, config, (), adapter_weights, head_columns=0),
+                   reused=leviathan.draft_cost(target, config, options.layers, head_columns=0))

@@ -38,7 +38,7 @@ import numpy as np
 
 from specjax.config import ModelConfig, rope_inv_freq
 from specjax import cpu_kernels, leviathan
-from specjax.drafters import (Drafter, DraftInputs, PromptInfo, Proposal, RoundResult, choose_tokens,
+from specjax.drafters import (DraftCost, Drafter, DraftInputs, PromptInfo, Proposal, RoundResult, choose_tokens,
                               confidence, draft_head, keeps)
 from specjax.model import (ParamSpec, apply_rope, attend as causal_attend, embed, merge_heads, mlp_block,
                            project_heads, rms_norm)
@@ -357,17 +357,13 @@ def make(model, path: str | None = "default", depth: int = 4, recurrent: bool = 
     params["head"] = draft_head.head_columns(model.params, config, params["token_map"])
   return Drafter(name=NAME, init=init, propose=propose, update=update, options=options, params=params,
                  param_specs=param_specs(options), loss=loss, feature_layers=options.feature_layers,
-                 max_gamma=None if options.recurrent else options.depth, draft_cost=cost(model, options, params),
-                 plain_step_cost=follow_cost(model, params))
+                 max_gamma=None if options.recurrent else options.depth, cost=cost(model, options, params))
 
 
-def cost(model, options: Options, params) -> float:
-  """c: one draft step reads one module and the (truncated) head."""
-  own = {k: v[0] for k, v in params.items() if k in BLOCK + ("fc", "emb_norm", "hidden_norm")}
-  return leviathan.draft_cost(model.params, model.config, (), own, options.draft_vocab)
-
-
-def follow_cost(model, params) -> float:
-  """`update` after a plain step: every module over one position (no head)."""
-  own = {k: v for k, v in params.items() if k in BLOCK + ("fc", "emb_norm", "hidden_norm", "feature_proj")}
-  return leviathan.draft_cost(model.params, model.config, (), own, head_columns=0)
+def cost(model, options: Options, params) -> DraftCost:
+  """A draft step reads one module and the (truncated) head; following a plain step, every module over one
+  position (no head)."""
+  module = {k: v[0] for k, v in params.items() if k in BLOCK + ("fc", "emb_norm", "hidden_norm")}
+  modules = {k: v for k, v in params.items() if k in BLOCK + ("fc", "emb_norm", "hidden_norm", "feature_proj")}
+  return DraftCost(step=leviathan.draft_cost(model.params, model.config, (), module, options.draft_vocab),
+                   plain_step=leviathan.draft_cost(model.params, model.config, (), modules, head_columns=0))
