@@ -173,7 +173,7 @@ def adaptive_drafting(value: Any, method: str) -> bool | specjax.AdaptiveDraftin
   if not isinstance(value, dict):
     raise ValueError(f"method {method!r}: 'adaptive' is True, False or a dict of specjax.AdaptiveDrafting options, "
                      f"got {value!r}")
-  known = [field.name for field in dataclasses.fields(specjax.AdaptiveDrafting)]
+  known = [field.name for field in dataclasses.fields(specjax.AdaptiveDrafting) if field.name != "costs"]
   unknown = sorted(set(value) - set(known))
   if unknown:
     raise ValueError(f"method {method!r}: unknown adaptive drafting option(s) {unknown}; options: {known}")
@@ -355,7 +355,6 @@ def _record(method: Method, batch: PromptBatch, repeat: int, temperature: float,
       "accepted_per_row": stats.get("accepted_per_row"), "rejections_per_row": stats.get("rejections_per_row"),
       "proposed_per_row": stats.get("proposed_per_row"), "proposed_per_position": stats.get("proposed_per_position"),
       "gamma_histogram": stats.get("gamma_histogram"), "plain_steps": stats.get("plain_steps"),
-      "shadow_tested": stats.get("shadow_tested"), "shadow_alpha": stats.get("shadow_alpha"),
       "compile_call_seconds": compile_call_seconds,
       "matches_baseline": matches, "agreement": agreement}
 
@@ -368,7 +367,9 @@ def _method_info(methods: Sequence[Method]) -> dict[str, dict[str, Any]]:
 
 def _adaptive_info(adaptive: bool | specjax.AdaptiveDrafting) -> bool | dict[str, Any]:
   """For results.json: True or False, or the options of adaptive drafting (a dict, which reads as true)."""
-  return dataclasses.asdict(adaptive) if isinstance(adaptive, specjax.AdaptiveDrafting) else adaptive
+  if isinstance(adaptive, specjax.AdaptiveDrafting):
+    return {k: v for k, v in dataclasses.asdict(adaptive).items() if k != "costs"}  # `costs`: set per program
+  return adaptive
 
 
 def _measure_costs(config: ml_collections.ConfigDict, model: specjax.Model, methods: Sequence[Method],

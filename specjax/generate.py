@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax import compilation, distributed, sharding, speculative
-from specjax.adaptive import AdaptiveDrafting
+from specjax.adaptive import Policy
 from specjax.decoding import (Output, check_ids, decode_outputs, describe_shapes, is_stop, place_on_mesh, prefill,
                               prepare_batch)
 from specjax.loading import Model
@@ -78,7 +78,7 @@ _autoregressive_program = compilation.Program(_generate_autoregressive, "autoreg
 
 def generate(model: Model, prompts: Sequence[str | Sequence[int]], *, max_new_tokens: int,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-             drafter=None, gamma: int = 4, adaptive: bool | AdaptiveDrafting = True, mesh=None,
+             drafter=None, gamma: int = 4, adaptive: bool | Policy = True, mesh=None,
              max_len: int | None = None, stop_ids: Sequence[int] | None = None) -> Output:
   """Generates up to `max_new_tokens` per prompt; rows stop at a stop token (EOS, end of turn).
 
@@ -89,11 +89,11 @@ def generate(model: Model, prompts: Sequence[str | Sequence[int]], *, max_new_to
     seed: PRNG seed for sampling.
     drafter: from `specjax.make_drafter`; None decodes autoregressively.
     gamma: the most draft tokens a speculative round proposes (every round's, with adaptive=False).
-    adaptive: adaptive drafting (specjax/adaptive.py): True (the defaults), False, or a
-      `specjax.AdaptiveDrafting(min_confidence=, draft_cost=, forward_costs=, prior_alpha=, memory=,
-      plain_memory=, catch_up=, optimism=)`. Each round drafts the length that the running acceptance and the costs
-      make pay (none: a plain target step, unless the acceptance's uncertainty leaves room for drafting to pay), and
-      a row stops drafting at a slot where the draft is unsure. Lossless either way.
+    adaptive: the drafting policy (specjax/adaptive.py). True: `specjax.AdaptiveDrafting()`, each round drafts the
+      length that the running acceptance and the drafter's costs make pay (none: a plain target step), and a row
+      stops drafting at a slot where the draft is unsure; `specjax.AdaptiveDrafting(min_confidence=,
+      forward_costs=, prior_alpha=, memory=, plain_memory=, optimism=)` sets its options. False:
+      `specjax.FixedGamma()`, gamma tokens every round. Lossless either way.
     mesh: a `jax.sharding.Mesh` from `specjax.sharding.make_mesh` to run sharded (rows over "data", heads /
       MLP / vocab over "model"; the batch must divide the data axis). Parameters are placed on the mesh
       each call unless already there: pass `sharding.shard_model(model, mesh)` to place them once.

@@ -18,7 +18,7 @@ from absl import flags
 from ml_collections import config_flags
 
 import specjax
-from configs import (adaptive_by_category, adaptive_optimism, adaptive_shadow, adaptive_vs_fixed, batch_sweep,
+from configs import (adaptive_by_category, adaptive_optimism, adaptive_vs_fixed, batch_sweep,
                      bench_peers, compare_drafters, depth_sweep, gamma_sweep, quickstart,
                      spec_bench as spec_bench_config)
 from experiments import costs, report, run, spec_bench
@@ -91,8 +91,6 @@ def test_prompt_ids_use_the_chat_template_on_the_first_turn_only(smollm2):
     (adaptive_by_category, "full", 130, 64),
     (adaptive_optimism, None, 56, 64),
     (adaptive_optimism, "small", 14, 64),
-    (adaptive_shadow, None, 56, 64),
-    (adaptive_shadow, "small", 14, 64),
 ])
 def test_configs_select_their_prompts(module, arg, prompts, max_new_tokens):
   config = module.get_config(arg)
@@ -108,15 +106,6 @@ def test_adaptive_optimism_runs_each_drafter_at_each_optimism():
   for name in adaptive_optimism.DRAFTERS:
     runs = [m for m in config.methods if m["name"].startswith(f"{name}_z")]
     assert [m["adaptive"]["optimism"] for m in runs] == list(adaptive_optimism.OPTIMISMS)
-    assert all(m["drafter"] == drafters[name]["drafter"] and m["options"] == drafters[name]["options"] for m in runs)
-
-
-def test_adaptive_shadow_runs_each_drafter_with_and_without_scored_plain_steps():
-  config = adaptive_shadow.get_config()
-  drafters = {m["name"]: m for m in bench_peers.drafter_methods()}
-  for name in adaptive_shadow.DRAFTERS:
-    runs = [m for m in config.methods if m["name"] in (name, f"{name}_no_shadow")]
-    assert [m["adaptive"] for m in runs] == [{"shadow": True}, {"shadow": False}]
     assert all(m["drafter"] == drafters[name]["drafter"] and m["options"] == drafters[name]["options"] for m in runs)
 
 
@@ -201,25 +190,24 @@ def test_acceptance_table_shows_bytes_costs_only_when_the_run_measured_them():
   assert "| heads | 0.400 | – | 0.050 | 1.010 |" in table and "| pld | 0.500 | 0.250 | – | – |" in table
 
 
-def test_adaptive_rounds_pool_plain_steps_and_their_scored_acceptance_over_calls():
-  def record(method, batch, plain, shadow_tested=None, shadow_alpha=None):
+def test_adaptive_rounds_pool_plain_steps_over_calls():
+  def record(method, batch, plain):
     return {"method": method, "batch": batch, "repeat": 0, "category": "qa", "seconds": 1.0, "new_tokens": 20,
             "tokens_per_second": 20.0, "target_calls": 11, "mean_accepted": 1.5, "compile_call_seconds": None,
-            "plain_steps": plain, "shadow_tested": shadow_tested, "shadow_alpha": shadow_alpha,
-            "rounds_per_row": [10], "accepted_per_row": [5], "rejections_per_row": [3], "new_tokens_per_row": [20],
-            "acceptance_per_position": [0.5], "proposed_per_position": [8],
+            "plain_steps": plain, "rounds_per_row": [10], "accepted_per_row": [5], "rejections_per_row": [3],
+            "new_tokens_per_row": [20], "acceptance_per_position": [0.5], "proposed_per_position": [8],
             "gamma_histogram": None if plain is None else [plain, 10 - plain]}
-  records = [record("ar", 0, None), record("ar", 1, None), record("dm", 0, 4, 8, 0.25), record("dm", 1, 2, 0, None),
-             record("dm_no_shadow", 0, 6), record("dm_no_shadow", 1, 8)]
+  records = [record("ar", 0, None), record("ar", 1, None), record("dm", 0, 4), record("dm", 1, 2),
+             record("dm_careful", 0, 6), record("dm_careful", 1, 8), record("dm_fixed", 0, 0), record("dm_fixed", 1, 0)]
   records[0]["rounds_per_row"] = records[1]["rounds_per_row"] = None
-  info = {"ar": {}, "dm": {"gamma": 1, "adaptive": {"shadow": True}}, "dm_no_shadow": {"gamma": 1, "adaptive": True}}
-  summary = report.summarize(records, ["ar", "dm", "dm_no_shadow"], "ar", {}, {}, info)
-  dm, blind = summary["methods"]["dm"], summary["methods"]["dm_no_shadow"]
-  assert dm["plain_share"] == pytest.approx(6 / 20) and dm["shadow_tested"] == 8 and dm["shadow_alpha"] == 0.25
-  assert blind["plain_share"] == pytest.approx(14 / 20)
-  assert blind["shadow_tested"] == 0 and blind["shadow_alpha"] is None
-  assert report.adaptive_rounds_table(summary).splitlines()[2:] == [
-      "| dm | 30% | 0.625 | 0.250 | 8 |", "| dm_no_shadow | 70% | 0.625 | – | 0 |"]
+  info = {"ar": {}, "dm": {"gamma": 1, "adaptive": True}, "dm_careful": {"gamma": 1, "adaptive": {"optimism": 0.0}},
+          "dm_fixed": {"gamma": 1, "adaptive": False}}
+  summary = report.summarize(records, ["ar", "dm", "dm_careful", "dm_fixed"], "ar", {}, {}, info)
+  assert summary["methods"]["dm"]["plain_share"] == pytest.approx(6 / 20)
+  assert summary["methods"]["dm_careful"]["plain_share"] == pytest.approx(14 / 20)
+  assert summary["methods"]["ar"]["plain_share"] is None
+  assert report.adaptive_rounds_table(summary).splitlines()[2:] == ["| dm | 30% | 0.625 |",
+                                                                    "| dm_careful | 70% | 0.625 |"]
 
 
 def test_adaptive_table_puts_each_adaptive_drafter_beside_its_best_and_worst_fixed_gamma():

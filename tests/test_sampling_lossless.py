@@ -95,17 +95,18 @@ DRAFTERS = {
 }
 
 
-# Adaptive drafting as it decides on these drafters: the first round (the one the joint covers) drafts the
-# length the prior and the costs choose (2 of 3 here: E(0.5, g) / (0.1 g + 1) is largest at g = 2; flat
-# forward costs, so the thousands of rows do not change the plan), and rows stop at unsure slots, so rounds
-# mix rows that drafted 0, 1 or 2 tokens (their undrafted slots drawn from p) and verify 1, 2 or 3 tokens.
-ADAPTIVE = specjax.AdaptiveDrafting(min_confidence=0.3, draft_cost=0.1, prior_alpha=0.5,
-                                    forward_costs=((1, 1.0), (64, 1.0)))
+# Adaptive drafting as it decides on these drafters, priced at 0.1 target steps a draft step: the first round (the
+# one the joint covers) drafts the length the prior and the costs choose (2 of 3 here: E(0.5, g) / (0.1 g + 1) is
+# largest at g = 2; flat forward costs, so the thousands of rows do not change the plan), and rows stop at unsure
+# slots, so rounds mix rows that drafted 0, 1 or 2 tokens (their undrafted slots drawn from p) and verify 1, 2 or 3
+# tokens.
+ADAPTIVE = specjax.AdaptiveDrafting(min_confidence=0.3, prior_alpha=0.5, forward_costs=((1, 1.0), (64, 1.0)))
 
 
 def speculative_samples(target, draft, sampling, seed=0, gamma=3, samples=SAMPLES, drafter="draft_model",
                         adaptive=ADAPTIVE):
   drafter = DRAFTERS[drafter](target, draft)
+  drafter = dataclasses.replace(drafter, cost=dataclasses.replace(drafter.cost, step=0.1))
   out = specjax.generate(target, [PROMPT] * samples, max_new_tokens=3, drafter=drafter, gamma=gamma, seed=seed,
                          temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, stop_ids=[],
                          max_len=16, adaptive=adaptive)

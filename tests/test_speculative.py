@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -11,8 +12,9 @@ import pytest
 
 import specjax
 from specjax import speculative
-from specjax.adaptive import make_plan
+from specjax.adaptive import Choice, verify_widths
 from specjax.config import ModelConfig
+from specjax.drafters import DraftCost
 from specjax.loading import Model
 from specjax.model import init_params
 
@@ -53,12 +55,17 @@ def make(name, target, draft):
   return specjax.make_drafter(drafter_name, target, **options(draft))
 
 
-# Adaptive drafting that drafts eagerly on the tiny models (free drafts, a low confidence bar), so rounds of
-# every width, early-stopped rows and plain steps all occur. Its forward costs are pinned (a CPU's, wider
+# Adaptive drafting that drafts eagerly on the tiny models (with free drafts, `free`, and a low confidence bar), so
+# rounds of every width, early-stopped rows and plain steps all occur. Its forward costs are pinned (a CPU's, wider
 # forwards dearer at batch 4) so that the rounds these tests see do not move with the measured default table.
-EAGER = specjax.AdaptiveDrafting(draft_cost=0.0, min_confidence=0.15, prior_alpha=0.7,
+EAGER = specjax.AdaptiveDrafting(min_confidence=0.15, prior_alpha=0.7,
                                  forward_costs=((1, 1.0), (2, 1.0), (3, 1.0), (4, 1.05), (5, 1.12), (6, 1.18),
                                                 (8, 1.35), (10, 1.55), (12, 1.6), (16, 1.85), (20, 2.2), (40, 3.65)))
+
+
+def free(drafter):
+  """The drafter with draft steps that cost nothing."""
+  return dataclasses.replace(drafter, cost=dataclasses.replace(drafter.cost, step=0.0))
 
 
 @pytest.mark.parametrize("batch", [1, 4])
@@ -68,7 +75,7 @@ def test_greedy_speculative_equals_autoregressive(name, gamma, batch, target, dr
   """With adaptive drafting (eager): rounds of different widths and rows that stop drafting early."""
   prompts = ragged_prompts(batch)
   expected = specjax.generate(target, prompts, max_new_tokens=24, stop_ids=[])
-  out = specjax.generate(target, prompts, max_new_tokens=24, drafter=make(name, target, draft), gamma=gamma,
+  out = specjax.generate(target, prompts, max_new_tokens=24, drafter=free(make(name, target, draft)), gamma=gamma,
                          stop_ids=[], adaptive=EAGER)
   assert out.tokens == expected.tokens
   assert all(len(t) == 24 for t in out.tokens)
@@ -122,7 +129,7 @@ def test_stats_count_accepted_tokens_per_row(target, draft):
 
 def test_adaptive_stats_count_what_was_drafted(target):
   out = specjax.generate(target, ragged_prompts(4), max_new_tokens=24, gamma=3, stop_ids=[], adaptive=EAGER,
-                         drafter=specjax.make_drafter("layer_skip", target, exit_layer=2))
+                         drafter=free(specjax.make_drafter("layer_skip", target, exit_layer=2)))
   s = out.stats
   produced = np.array(s["new_tokens_per_row"]) - 1
   accepted, rounds = np.array(s["accepted_per_row"]), np.array(s["rounds_per_row"])
@@ -146,19 +153,31 @@ def test_adaptive_stats_count_what_was_drafted(target):
 def test_adaptive_drafting_falls_back_to_plain_steps_when_drafting_cannot_pay(target):
   """Three of four layers per draft step (c ~ 0.8): no draft length pays at the prior acceptance."""
   drafter = specjax.make_drafter("layer_skip", target, skip_layers=[1])
-  assert drafter.draft_cost > 0.7
+  assert drafter.cost.step > 0.7
   out = specjax.generate(target, ragged_prompts(4), max_new_tokens=12, gamma=3, stop_ids=[], drafter=drafter)
   s = out.stats
   assert s["plain_steps"] == s["rounds"] == 11 and s["gamma_histogram"] == [11, 0, 0, 0]
   assert s["draft_calls"] == 0 and s["mean_accepted"] == 1.0
 
 
+def test_a_drafter_that_cannot_pay_is_rarely_tried(target, draft):
+  """A random draft model (its drafts almost never accepted) priced to pay at the prior acceptance (c = 0.2, flat
+  forward costs): it drafts in the first rounds, and once the evidence is in, only when plain steps have aged it back
+  towards the prior: in under a tenth of the rounds."""
+  drafter = dataclasses.replace(specjax.make_drafter("draft_model", target, draft=draft),
+                                cost=DraftCost(step=0.2, plain_step=0.02))
+  s = specjax.generate(target, ragged_prompts(2), max_new_tokens=200, gamma=3, stop_ids=[], drafter=drafter,
+                       adaptive=specjax.AdaptiveDrafting(forward_costs=((1, 1.0), (64, 1.0)))).stats
+  tries = s["rounds"] - s["plain_steps"]
+  assert s["alpha"] < 0.1 and 0 < tries < s["rounds"] / 10, s
+
+
 def test_a_draft_loop_stops_once_every_row_is_unsure(target):
   """min_confidence 1: every row stops at its first slot, so each drafting round runs one draft step."""
-  unsure = specjax.AdaptiveDrafting(draft_cost=0.0, min_confidence=1.0)
+  unsure = specjax.AdaptiveDrafting(min_confidence=1.0)
   for name, options in [("layer_skip", dict(exit_layer=2)), ("draft_model", dict(draft=tiny_model(1, num_layers=2)))]:
     out = specjax.generate(target, ragged_prompts(4), max_new_tokens=12, gamma=3, stop_ids=[], adaptive=unsure,
-                           drafter=specjax.make_drafter(name, target, **options))
+                           drafter=free(specjax.make_drafter(name, target, **options)))
     s = out.stats
     assert s["draft_calls"] == s["rounds"] - s["plain_steps"] > 0
     assert sum(s["proposed_per_row"]) == 0 and s["gamma_histogram"][0] == s["rounds"]
@@ -247,38 +266,48 @@ def test_second_call_does_not_recompile_and_program_has_no_host_callbacks(target
   assert speculative._speculative_program.cache_size() == before
   assert first.stats["compile_seconds"] > 0 and out.stats["compile_seconds"] == 0.0
   assert out.stats["tokens_per_second"] == out.stats["new_tokens"] / out.stats["seconds"]
-  text = speculative._generate_speculative.lower(
-      target.params, drafter.params, np.zeros((4, 16), np.int32), np.full(4, 5, np.int32),
-      jax.random.PRNGKey(0), config=target.config, drafter=drafter.static(), gamma=2,
-      sampling=specjax.SamplingParams(), max_new_tokens=10, cache_len=128, stop_ids=()).as_text()
+
+  def lowered(policy):
+    return speculative._generate_speculative.lower(
+        target.params, drafter.params, np.zeros((4, 16), np.int32), np.full(4, 5, np.int32),
+        jax.random.PRNGKey(0), config=target.config, drafter=drafter.static(), policy=policy,
+        sampling=specjax.SamplingParams(), max_new_tokens=10, cache_len=128, stop_ids=()).as_text()
+
+  text = lowered(specjax.FixedGamma(2))
   assert "stablehlo.while" in text
   assert "callback" not in text.lower() and "host" not in text.lower()
-  plan = make_plan(specjax.AdaptiveDrafting(), drafter, target.params, target.config, 2)
-  adaptive = speculative._generate_speculative.lower(
-      target.params, drafter.params, np.zeros((4, 16), np.int32), np.full(4, 5, np.int32),
-      jax.random.PRNGKey(0), config=target.config, drafter=drafter.static(), gamma=2,
-      sampling=specjax.SamplingParams(), max_new_tokens=10, cache_len=128, stop_ids=(), plan=plan).as_text()
+  adaptive = lowered(specjax.AdaptiveDrafting().plan(drafter.cost, 2, 1))
   # The draft length and the verify width are chosen in the program (control.run_if loops), not on the host.
   assert adaptive.count("stablehlo.while") > text.count("stablehlo.while")
   assert "callback" not in adaptive.lower() and "host" not in adaptive.lower()
 
 
-def _every_few_rounds(plan, acceptance):
-  """A draft-length rule that drafts the whole budget once the decayed count of tested drafts falls below 0.5:
-  after a round of 2 rows x 3 accepted drafts, 10 plain steps at (plain_)memory 0.77, then a drafting round."""
-  return jnp.where(acceptance.tested < 0.5, plan.gamma, 0).astype(jnp.int32)
+@dataclasses.dataclass(frozen=True)
+class EveryEleventhRound:
+  """A drafting policy (`specjax.adaptive.Policy`) that drafts the whole budget in every 11th round, with no early
+  stops, and takes plain steps in between."""
+  gamma: int = 0
+
+  def plan(self, cost, gamma, rows):
+    return EveryEleventhRound(gamma)
+
+  @property
+  def widths(self):
+    return verify_widths(self.gamma)
+
+  def init(self):
+    return jnp.zeros((), jnp.int32)  # rounds so far
+
+  def choose(self, rounds):
+    return Choice(budget=jnp.where(rounds % 11 == 0, self.gamma, 0), keep_bars=0.0, go_bars=0.0)
+
+  def observe(self, rounds, outcome):
+    return rounds + 1
 
 
-@pytest.mark.parametrize("window", [1, 3, 8])
-def test_drafters_with_their_own_cache_follow_plain_steps_in_windows(window, target, monkeypatch):
-  """Plain steps are followed `catch_up` at a time and before the next drafting round. A draft that is the target
-  itself (a draft model, or an exit adapter after L - 1 layers that starts as a copy of layer L - 1) accepts
-  every draft only if its cache holds every position the plain steps committed."""
-  monkeypatch.setattr(speculative, "draft_length", _every_few_rounds)
-  # memory 0.77: a plan no other test compiles (the rule above is traced into the program); no shadow evidence, so
-  # the tested count decays between drafting rounds
-  options = specjax.AdaptiveDrafting(memory=0.77, plain_memory=0.77, min_confidence=0.0, catch_up=window,
-                                     shadow=False)
+def test_drafters_with_their_own_cache_follow_plain_steps(target):
+  """A draft that is the target itself (a draft model, or an exit adapter after L - 1 layers that starts as a copy
+  of layer L - 1) accepts every draft only if its cache holds every position the plain steps committed."""
   drafters = {"draft_model": specjax.make_drafter("draft_model", target, draft=target),
               "exit_adapter": specjax.make_drafter("layer_skip", target, adapter="fresh",
                                                    exit_layer=target.config.num_layers - 1)}
@@ -286,74 +315,12 @@ def test_drafters_with_their_own_cache_follow_plain_steps_in_windows(window, tar
   expected = specjax.generate(target, prompts, max_new_tokens=40, stop_ids=[])
   for name, drafter in drafters.items():
     out = specjax.generate(target, prompts, max_new_tokens=40, gamma=3, stop_ids=[], drafter=drafter,
-                           adaptive=options)
+                           adaptive=EveryEleventhRound())
     s = out.stats
     assert out.tokens == expected.tokens, name
     drafting = s["rounds"] - s["plain_steps"]
     assert s["plain_steps"] >= 2 * 10 and drafting >= 2, (name, s)  # runs of plain steps between drafting rounds
     assert s["acceptance_rate"] == 1.0 and sum(s["proposed_per_row"]) == 2 * 3 * drafting, (name, s)
-
-
-def test_catching_up_plain_steps_in_windows_drafts_what_following_each_one_drafts(target, monkeypatch):
-  """Sequential MTP modules (fresh: no exact draft) propose and get accepted the same drafts whether they follow
-  plain steps one by one or 3 at a time."""
-  monkeypatch.setattr(speculative, "draft_length", _every_few_rounds)
-  drafter = specjax.make_drafter("mtp_sequential", target, path=None, depth=3)
-  stats = []
-  for window in (1, 3):
-    options = specjax.AdaptiveDrafting(memory=0.77, plain_memory=0.77, min_confidence=0.0, catch_up=window,
-                                       shadow=False)
-    stats.append(specjax.generate(target, ragged_prompts(2), max_new_tokens=40, gamma=3, stop_ids=[],
-                                  drafter=drafter, adaptive=options).stats)
-  one, three = stats
-  assert one["plain_steps"] >= 20
-  for key in ("rounds", "plain_steps", "accepted_per_row", "proposed_per_row", "rejections_per_row"):
-    assert one[key] == three[key], key
-
-
-def _never_drafts(plan, acceptance):
-  return jnp.zeros((), jnp.int32)
-
-
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-@pytest.mark.parametrize("window", [1, 3, 8])
-def test_plain_steps_are_scored_as_the_drafts_the_drafter_would_have_made(window, temperature, target, draft,
-                                                                         monkeypatch):
-  """Only plain steps: each one a row took is scored once it is followed (all but the last window's, unfinished
-  when decoding ends). A draft that is the target itself would have had every draft accepted (greedy: equal
-  tokens; sampling: q = p, up to float rounding), an independent random draft model far fewer."""
-  monkeypatch.setattr(speculative, "draft_length", _never_drafts)
-  # memory 0.71: a plan no other test compiles (the rule above is traced into the program)
-  options = specjax.AdaptiveDrafting(memory=0.71, min_confidence=0.0, catch_up=window)
-  drafters = {"draft_model": specjax.make_drafter("draft_model", target, draft=target),
-              "exit_adapter": specjax.make_drafter("layer_skip", target, adapter="fresh",
-                                                   exit_layer=target.config.num_layers - 1),
-              "random_draft": specjax.make_drafter("draft_model", target, draft=draft)}
-  for name, drafter in drafters.items():
-    out = specjax.generate(target, ragged_prompts(2), max_new_tokens=40, gamma=3, stop_ids=[], drafter=drafter,
-                           adaptive=options, temperature=temperature, seed=1)
-    s = out.stats
-    assert s["plain_steps"] == s["rounds"] == 39 and s["draft_calls"] == 0, (name, s)
-    assert s["shadow_tested"] == 2 * window * (39 // window), (name, s)
-    if name == "random_draft":
-      assert s["shadow_alpha"] < 0.6, s
-    else:
-      assert s["shadow_alpha"] == pytest.approx(1.0, abs=1e-5), (name, s)
-
-
-def test_scoring_plain_steps_spares_tries_of_a_drafter_that_cannot_pay(target, draft):
-  """A random draft model (accepted ~2% of the time) priced to pay at the prior acceptance (c = 0.2, flat forward
-  costs): without evidence from plain steps it is tried again whenever the counts age back towards the prior (18 of
-  199 rounds); scored plain steps keep its low acceptance in view (4)."""
-  drafter = specjax.make_drafter("draft_model", target, draft=draft)
-  tries = {}
-  for shadow in (False, True):
-    options = specjax.AdaptiveDrafting(draft_cost=0.2, shadow=shadow, forward_costs=((1, 1.0), (64, 1.0)))
-    s = specjax.generate(target, ragged_prompts(2), max_new_tokens=200, gamma=3, stop_ids=[], drafter=drafter,
-                         adaptive=options).stats
-    tries[shadow] = s["rounds"] - s["plain_steps"], s["shadow_tested"], s["shadow_alpha"]
-  assert tries[False][1] == 0 and tries[True][1] > 300 and tries[True][2] < 0.1, tries
-  assert tries[True][0] < tries[False][0] / 2, tries
 
 
 def _cache_copies(hlo: str, cache_shape) -> int:
@@ -370,17 +337,15 @@ def test_adaptive_rounds_update_the_cache_in_place(name, options, target):
   drafter = specjax.make_drafter(name, target, **options)
   batch, cache_len = 8, 128
 
-  def compiled(plan):
+  def compiled(policy):
     return speculative._generate_speculative.lower(
         target.params, drafter.params, np.zeros((batch, 16), np.int32), np.full(batch, 5, np.int32),
-        jax.random.PRNGKey(0), config=target.config, drafter=drafter.static(), gamma=3,
-        sampling=specjax.SamplingParams(), max_new_tokens=10, cache_len=cache_len, stop_ids=(),
-        plan=plan).compile().as_text()
+        jax.random.PRNGKey(0), config=target.config, drafter=drafter.static(), policy=policy,
+        sampling=specjax.SamplingParams(), max_new_tokens=10, cache_len=cache_len, stop_ids=()).compile().as_text()
 
   shape = (batch, cache_len, target.config.num_kv_heads, target.config.head_dim)
-  fixed = _cache_copies(compiled(None), shape)
-  adaptive = _cache_copies(compiled(make_plan(specjax.AdaptiveDrafting(), drafter, target.params, target.config, 3,
-                                              batch=batch)), shape)
+  fixed = _cache_copies(compiled(specjax.FixedGamma(3)), shape)
+  adaptive = _cache_copies(compiled(specjax.AdaptiveDrafting().plan(drafter.cost, 3, batch)), shape)
   assert adaptive <= fixed, (adaptive, fixed)
 
 
@@ -412,7 +377,7 @@ def test_greedy_speculative_equals_autoregressive_on_smollm2(name, gamma, adapti
   prompts, expected = smollm2_ar_outputs
   drafter_name, options = SMOLLM2_DRAFTERS[name]
   out = specjax.generate(smollm2, prompts, max_new_tokens=32, gamma=gamma, adaptive=adaptive,
-                         drafter=specjax.make_drafter(drafter_name, smollm2, **options(smollm2)))
+                         drafter=free(specjax.make_drafter(drafter_name, smollm2, **options(smollm2))))
   assert out.tokens == expected.tokens
   if drafter_name == "draft_model":  # the target drafting for itself accepts every draft
     assert out.stats["acceptance_rate"] == 1.0
@@ -479,20 +444,3 @@ def test_merge_stats_pools_runs_by_the_rounds_that_drafted_each_slot():
   assert pooled["acceptance_rate"] == 5 / 10
   assert pooled["mean_accepted"] == ((8 - 1) + (5 - 1)) / 6  # tokens per live round, the prefill's first excluded
   assert pooled["rounds_per_row"] == [6] and pooled["rejections_per_row"] == [3]
-
-
-def test_plain_steps_are_scored_before_they_could_prompt_a_draft(target, draft):
-  """The plain steps' decay (`plain_memory`) lifts the estimate back towards the prior; where it crosses the
-  break-even, the steps kept since the drafter last followed are scored before the round drafts, and with them in
-  view it does not. So a random draft model (accepted ~2% of the time) priced to pay at the prior is tried in the
-  first rounds only, as often whether plain steps age the counts fast or slowly (drafting first and scoring after,
-  it was tried 8 times at plain_memory 0.9 and 4 at 0.98)."""
-  drafter = specjax.make_drafter("draft_model", target, draft=draft)
-  tries = {}
-  for plain_memory in (0.9, 0.98):
-    options = specjax.AdaptiveDrafting(draft_cost=0.2, plain_memory=plain_memory, forward_costs=((1, 1.0), (64, 1.0)))
-    s = specjax.generate(target, ragged_prompts(2), max_new_tokens=200, gamma=3, stop_ids=[], drafter=drafter,
-                         adaptive=options).stats
-    assert s["shadow_tested"] > 300 and s["shadow_alpha"] < 0.1, s
-    tries[plain_memory] = s["rounds"] - s["plain_steps"]
-  assert 0 < tries[0.9] == tries[0.98] < 10, tries

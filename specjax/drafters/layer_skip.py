@@ -19,7 +19,7 @@ import json
 
 from specjax import leviathan
 from specjax.config import ModelConfig
-from specjax.drafters import Drafter, DraftInputs, draft_tokens, exit_adapter, keep_state, no_state
+from specjax.drafters import DraftCost, Drafter, DraftInputs, draft_tokens, exit_adapter, keep_state, no_state
 from specjax.model import forward
 from specjax.sampling import SamplingParams
 
@@ -73,8 +73,13 @@ def make(model, exit_layer: int | None = None, skip_layers=None, adapter: str | 
   layers = draft_layers(model.config.num_layers, exit_layer, skip_layers)
   return Drafter(name="layer_skip", init=no_state, propose=propose, update=keep_state,
                  options=Options(config=model.config, layers=layers), params={}, param_specs={},
-                 reuse_layers=len(layers) if is_prefix(layers) else 0,
-                 draft_cost=leviathan.draft_cost(model.params, model.config, layers))
+                 reuse_layers=len(layers) if is_prefix(layers) else 0, cost=cost(model, layers))
+
+
+def cost(model, layers: tuple[int, ...]) -> DraftCost:
+  """A draft step reads `layers` and the head; an early exit's layers are reused by verification."""
+  reused = leviathan.draft_cost(model.params, model.config, layers, head_columns=0) if is_prefix(layers) else 0.0
+  return DraftCost(step=leviathan.draft_cost(model.params, model.config, layers), reused=reused)
 
 
 # --- Saved skip sets (experiments/layer_skip_search.py searches for them and writes them) ----------------------

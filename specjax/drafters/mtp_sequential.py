@@ -15,12 +15,11 @@ again and again, as EAGLE does), which runs one position further. With `feature_
 KV caches. Each module keeps its own K/V cache over committed positions, computed from the TRUE target
 features: after every verification (`update`) each module runs over the gamma + 1 verified positions with
 the target's hidden states from that same verification forward (no extra target call; plain target steps
-several at once); slots past a row's
-committed length are overwritten in the next round before anything reads them. Module 1's output at the
-newest committed position p-1 is kept, and gives the first draft at no cost in the next round. Drafting step
-k (k >= 2) runs at position q = p - 2 + k and attends to the committed slots (<= p-1) plus what this round
-wrote at positions p..q: with a recurrent module those are its own earlier drafting steps; with distinct
-modules, only module k's own position q.
+too); slots past a row's committed length are overwritten in the next round before anything reads them. Module
+1's output at the newest committed position p-1 is kept, and gives the first draft at no cost in the next round.
+Drafting step k (k >= 2) runs at position q = p - 2 + k and attends to the committed slots (<= p-1) plus what
+this round wrote at positions p..q: with a recurrent module those are its own earlier drafting steps; with
+distinct modules, only module k's own position q.
 
 Training (`loss`, self-distillation on cached features) follows exactly that visibility (EAGLE-3's
 "training-time test"): depth k at position j reads g^{k-1}_{j-1} from depth k-1, attends to true-feature
@@ -38,7 +37,7 @@ import jax.numpy as jnp
 
 from specjax.config import ModelConfig
 from specjax import leviathan, ops
-from specjax.drafters import (Drafter, DraftInputs, Followed, PromptInfo, Proposal, RoundResult, choose_tokens,
+from specjax.drafters import (DraftCost, Drafter, DraftInputs, PromptInfo, Proposal, RoundResult, choose_tokens,
                               confidence, draft_head, keeps)
 from specjax.model import ParamSpec, embed, merge_heads, mlp_block, qkv, rms_norm
 from specjax.sampling import SamplingParams
@@ -215,25 +214,13 @@ def propose(target_params, params, options: Options, state, inputs: DraftInputs,
 
 def update(target_params, params, options: Options, state, result: RoundResult):
   # The verified positions p..p+gamma now have true target features; the token after each is committed
-  # up to p + accepted + 1 (later slots are stale and get overwritten before they are read). (`follow`; XLA drops
-  # the logits `update` does not use.)
-  return follow(target_params, params, options, state, result).state
-
-
-def follow(target_params, params, options: Options, state, result: RoundResult) -> Followed:
-  """Every module over the verified (or followed) positions with true inputs; module 1's output before them (the
-  state's) and at verify_position + i - 1 give step i's first-slot logits (a draft at position p starts from
-  module 1 at p - 1, which read the token at p)."""
+  # up to p + accepted + 1 (later slots are stale and get overwritten before they are read).
   b, width = result.verify_hidden.shape[:2]
   rows = jnp.arange(b)
   positions = result.verify_position[:, None] + jnp.arange(width)[None, :]
   next_tokens = result.sequence[rows[:, None], jnp.minimum(positions + 1, result.sequence.shape[1] - 1)]
-  before = state["hidden"]
   state, first = _run_true(target_params, params, options, state, next_tokens, result.features, positions)
-  drafts_from = jnp.concatenate([before[:, None].astype(first.dtype), first[:, :-1]], axis=1)
-  return Followed(state={**state, "hidden": first[rows, result.accepted]},
-                  logits=draft_head.logits(target_params, params, drafts_from, options.config),
-                  token_map=params.get("token_map"))
+  return {**state, "hidden": first[rows, result.accepted]}
 
 
 def loss(target_params, params, options: Options, batch):
@@ -339,18 +326,13 @@ def make(model, path: str | None = "default", depth: int = 4, recurrent: bool = 
     params["head"] = draft_head.head_columns(model.params, config, params["token_map"])
   return Drafter(name=NAME, init=init, propose=propose, update=update, options=options, params=params,
                  param_specs=param_specs(options), loss=loss, feature_layers=options.feature_layers,
-                 max_gamma=None if options.recurrent else options.depth, draft_cost=cost(model, options, params),
-                 plain_step_cost=follow_cost(model, params), follow=follow,
-                 score_cost=leviathan.head_cost(model.params, config, options.draft_vocab))
+                 max_gamma=None if options.recurrent else options.depth, cost=cost(model, options, params))
 
 
-def cost(model, options: Options, params) -> float:
-  """c: one draft step reads one module and the (truncated) head."""
-  own = {k: v[0] for k, v in params.items() if k in BLOCK + ("fc", "emb_norm", "hidden_norm")}
-  return leviathan.draft_cost(model.params, model.config, (), own, options.draft_vocab)
-
-
-def follow_cost(model, params) -> float:
-  """`update` after a plain step: every module over one position (no head)."""
-  own = {k: v for k, v in params.items() if k in BLOCK + ("fc", "emb_norm", "hidden_norm", "feature_proj")}
-  return leviathan.draft_cost(model.params, model.config, (), own, head_columns=0)
+def cost(model, options: Options, params) -> DraftCost:
+  """A draft step reads one module and the (truncated) head; following a plain step, every module over one
+  position (no head)."""
+  module = {k: v[0] for k, v in params.items() if k in BLOCK + ("fc", "emb_norm", "hidden_norm")}
+  modules = {k: v for k, v in params.items() if k in BLOCK + ("fc", "emb_norm", "hidden_norm", "feature_proj")}
+  return DraftCost(step=leviathan.draft_cost(model.params, model.config, (), module, options.draft_vocab),
+                   plain_step=leviathan.draft_cost(model.params, model.config, (), modules, head_columns=0))
