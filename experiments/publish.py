@@ -79,6 +79,10 @@ CODE_CHANGES = (
                "pending plain steps and chooses again", "adaptive"),
     CodeChange("d5d14cb", _utc("2026-12-03 12:42"), "adaptive drafting chooses again only after the pending plain "
                "steps were scored", "adaptive"),
+    CodeChange("40d18d8", _utc("2026-12-04 10:14"), "adaptive drafting: scored plain steps and choosing again "
+               "removed", "adaptive"),
+    CodeChange("4a70e46", _utc("2026-12-04 10:20"), "adaptive drafting: drafters follow every plain step (no "
+               "catch-up window)", "adaptive"),
 )
 
 
@@ -256,10 +260,6 @@ def _num(x: float | None, spec: str) -> str:
   return "–" if x is None else format(x, spec)
 
 
-def _plain_share(records: Sequence[dict]) -> float | None:
-  return report._plain_steps(records)["plain_share"] if records else None
-
-
 def _describe_prompts(run: Run) -> str:
   prompts, categories = run.results["prompts"], run.categories()
   names = "Spec-Bench's 13 categories" if len(categories) == 13 else ", ".join(categories)
@@ -386,7 +386,7 @@ def category_block(run: Run, prefix: str, methods: Sequence[str] | None = None) 
   rows = ["| category (pairs) | " + " | ".join(f"`{m}`" for m in methods) + " |", "|---|" + "---:|" * len(methods)]
 
   def plain(records: Sequence[dict]) -> str:
-    share = _plain_share(records)
+    share = report.plain_share(records)
     return "" if share is None else f", {share:.0%} plain"
 
   for category in run.categories():
@@ -401,7 +401,7 @@ def category_block(run: Run, prefix: str, methods: Sequence[str] | None = None) 
     rows.append(f"| {category} ({pairs}) | " + " | ".join(cells) + " |")
   pairs = max(len(_paired(run, m)) for m in methods)
   rows.append(f"| all {pairs} pairs | " + " | ".join(speedup_cell(_paired(run, m)) for m in methods) + " |")
-  shares = [_plain_share([r for r in run.records if r["method"] == m]) for m in methods]
+  shares = [report.plain_share([r for r in run.records if r["method"] == m]) for m in methods]
   rows.append("| plain rounds | " + " | ".join(
       "–" if s is None else "100% (never drafts)" if s == 1 else f"{s:.0%}" for s in shares) + " |")
   verdicts = []
@@ -465,7 +465,7 @@ def adaptive_vs_fixed_block(runs: Runs, prefix: str) -> str:
     if not all(f"{m}_g{g}" in methods for g in gammas):
       continue
     against_fixed = [speedup_cell(report.paired_speedups(run.records, m, f"{m}_g{g}")) for g in gammas]
-    share = _plain_share([r for r in run.records if r["method"] == m])
+    share = report.plain_share([r for r in run.records if r["method"] == m])
     rows.append(f"| `{m}` | {speedup_cell(_paired(run, m))} | " +
                 " | ".join(speedup_cell(_paired(run, f"{m}_g{g}")) for g in gammas) + " | " +
                 " | ".join(against_fixed) + f" | {share:.0%} |")
@@ -488,7 +488,7 @@ def batch_sweep_block(runs: Runs, prefix: str) -> str:
     cells = []
     for b in sizes:
       cell = speedup_cell(_paired(run, m, by_size[b]))
-      share = _plain_share([r for r in by_size[b] if r["method"] == m])
+      share = report.plain_share([r for r in by_size[b] if r["method"] == m])
       cells.append(cell + (", never drafts" if share == 1 else ""))
     rows.append(f"| `{m}` | " + " | ".join(cells) + " |")
   return run_line(run, prefix) + "\n\n" + "\n".join(rows)
@@ -504,7 +504,7 @@ def bench_peers_block(runs: Runs, prefix: str) -> str:
     by_category = {c: float(np.median(r)) for c in run.categories()
                    if (r := _paired(run, m, [x for x in run.records if x["category"] == c]))}
     lowest = min(by_category, key=by_category.get) if m != run.baseline else None
-    share = _plain_share([r for r in run.records if r["method"] == m]) if run.method_spec(m).get("drafter") else None
+    share = report.plain_share([r for r in run.records if r["method"] == m]) if run.method_spec(m).get("drafter") else None
     rows.append(f"| `{m}` | {s['tokens_per_second']:.1f} | "
                 f"{speedup_cell(_paired(run, m)) if m != run.baseline else '1.00x'} | "
                 f"{f'{by_category[lowest]:.2f}x ({lowest})' if lowest else '–'} | {s['mean_accepted']:.2f} | "
@@ -609,7 +609,7 @@ def readme_results_block(runs: Runs, prefix: str) -> str:
     run = runs[name]
     parts = []
     for m in sorted(methods, key=lambda m: -float(np.median(_paired(run, m)))):
-      share = _plain_share([r for r in run.records if r["method"] == m])
+      share = report.plain_share([r for r in run.records if r["method"] == m])
       parts.append(f"{speedup_cell(_paired(run, m))} for {LABELS[m]}" + (", which never drafts" if share == 1 else ""))
     pairs = {len(_paired(run, m)) for m in methods}
     changed = [c.commit for c in CODE_CHANGES if run.concerned_by(c)]

@@ -78,10 +78,10 @@ def _pooled(records: Sequence[dict], gamma: int) -> dict[str, Any]:
           # Adaptive drafting: rounds by the draft length used (index 0: a plain target step).
           "gamma_histogram": [int(sum(c)) for c in zip(*(r["gamma_histogram"] for r in records))]
           if all(r.get("gamma_histogram") for r in records) else None,
-          "plain_share": _plain_share(records)}
+          "plain_share": plain_share(records)}
 
 
-def _plain_share(records: Sequence[dict]) -> float | None:
+def plain_share(records: Sequence[dict]) -> float | None:
   """Adaptive drafting's plain steps (rounds that did not draft) over all rounds (None: a call did not count them)."""
   rounds = sum(r["target_calls"] - 1 for r in records)
   plain = [r.get("plain_steps") for r in records]
