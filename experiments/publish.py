@@ -504,7 +504,8 @@ def bench_peers_block(runs: Runs, prefix: str) -> str:
     by_category = {c: float(np.median(r)) for c in run.categories()
                    if (r := _paired(run, m, [x for x in run.records if x["category"] == c]))}
     lowest = min(by_category, key=by_category.get) if m != run.baseline else None
-    share = report.plain_share([r for r in run.records if r["method"] == m]) if run.method_spec(m).get("drafter") else None
+    drafts = run.method_spec(m).get("drafter")
+    share = report.plain_share([r for r in run.records if r["method"] == m]) if drafts else None
     rows.append(f"| `{m}` | {s['tokens_per_second']:.1f} | "
                 f"{speedup_cell(_paired(run, m)) if m != run.baseline else '1.00x'} | "
                 f"{f'{by_category[lowest]:.2f}x ({lowest})' if lowest else '–'} | {s['mean_accepted']:.2f} | "
