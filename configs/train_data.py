@@ -8,8 +8,8 @@ on disk. Variants (comma-separated, e.g. `configs/train_data.py:regenerate,small
               --config.regenerate_temperature (and _seed). The features are kept while the target decodes, so
               there is no second forward: 15.0 s per 1k answer tokens (66.8 tokens/s) against 24.5 s (40.8) for
               greedy answers and then a forward over them, 97 against 59 answer tokens per CPU-second (measured
-              2026-12-04 on 2 cores shared with other work, the same 64 train prompts, 16 per call). 11,000
-              train conversations give ~6,800 prompts and ~970k answer positions: ~2.8 CPU-hours, 8 GB
+              2026-12-04 on 2 cores shared with other work, the same 64 train prompts, 16 per call). 12,000
+              train conversations give 7,500 prompts and ~1.07M answer positions: ~3 CPU-hours, 9 GB
   exits       features after more layers, for exit adapters (configs/train_exit.py): the outputs of 0-based
               layers 3, 5, 7, 9, 11, 15 and 29 (exit after k = 4, 6, 8, 10, 12, 16 layers; 29 for the MTP
               heads), ~3 GB for train; any other set: --config.feature_layers="(3,7,11)"
@@ -63,9 +63,10 @@ def get_config(arg=None):
   config.token_map_sizes = (4096, 8192, 16384, 32768)  # truncated draft vocabularies to report coverage for
 
   if config.regenerate:
-    # ~62% of the train side's conversations give a prompt, answered with ~143 tokens at seq_len 256: past the
-    # 887k answer positions of the largest cache of ShareGPT's own answers.
-    config.num_train = 11000
+    # 62.5% of the train side's conversations give a prompt, answered with ~143 tokens at seq_len 256 (64
+    # prompts): past the 887k answer positions of the largest cache of ShareGPT's own answers even if the mean
+    # answer is 17% shorter.
+    config.num_train = 12000
 
   name = "-".join(["train_data", *variants])
   config.workdir = f"workdirs/data/{name}"
