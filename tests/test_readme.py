@@ -35,6 +35,7 @@ def test_readme_opens_with_two_commands_each_said_what_it_does():
   assert len(sentences) == 2 and "quickstart" in sentences[0] and "tests" in sentences[1]
 
 
+@pytest.mark.slow
 def test_ci_runs_the_readme_test_command():
   proc = subprocess.run(["bash", os.path.join(REPO_ROOT, ".ci", "run"), "--print-test-command"],
                         capture_output=True, text=True, timeout=60)
@@ -66,6 +67,7 @@ def test_readme_python_snippets_include_the_mesh_with_the_flag_it_needs():
   assert "specjax.make_mesh(data=2, model=4)" in codes[1] and "xla_force_host_platform_device_count=8" in codes[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(3), ids=["use", "mesh", "distributed"])
 def test_readme_python_snippet_runs_as_written(snippet_runs, index):
   code, returncode, stdout, stderr = snippet_runs[index]
