@@ -71,7 +71,7 @@ from ml_collections import config_flags
 from tqdm import tqdm
 
 import specjax
-from specjax import compilation, distributed, sharding
+from specjax import compilation, distributed, drafters, sharding
 from specjax.decoding import prepare_batch
 from specjax.drafters import draft_head
 from specjax.sampling import SamplingParams
@@ -105,8 +105,10 @@ class PromptBatch:
   prompts: tuple[tuple[int, ...], ...]  # token ids
 
 
-def make_methods(config: ml_collections.ConfigDict, model: specjax.Model) -> list[Method]:
-  """The methods to run, the autoregressive baseline (the first method without a drafter) first."""
+def check_methods(config: ml_collections.ConfigDict) -> list[dict]:
+  """The method specs `make_methods` builds, the autoregressive baseline (the first method without a drafter) first
+  and `config.only` applied, each checked as far as it can be without the model: its keys, a known drafter or peer
+  (not both), a unique name, its adaptive drafting options."""
   specs = [dict(m) for m in config.methods]
   for spec in specs:
     if "name" not in spec or set(spec) - METHOD_KEYS:
@@ -116,6 +118,8 @@ def make_methods(config: ml_collections.ConfigDict, model: specjax.Model) -> lis
       raise ValueError(f"a method names a drafter or a peer, not both: {spec}")
     if spec.get("peer") and spec["peer"] not in peers.PEERS:
       raise ValueError(f"unknown peer {spec['peer']!r} in {spec}; peers: {', '.join(peers.PEERS)}")
+    if spec.get("drafter") and spec["drafter"] not in drafters.available():
+      raise ValueError(f"unknown drafter {spec['drafter']!r} in {spec}; drafters: {', '.join(drafters.available())}")
   names = [s["name"] for s in specs]
   if len(set(names)) != len(names):
     raise ValueError(f"method names must be unique, got {names}")
@@ -127,6 +131,15 @@ def make_methods(config: ml_collections.ConfigDict, model: specjax.Model) -> lis
   if unknown:
     raise ValueError(f"config.only names unknown methods {unknown}; methods: {names}")
   chosen = [baselines[0]] + [s for s in specs if s is not baselines[0] and (not only or s["name"] in only)]
+  for spec in chosen:
+    if not spec.get("peer"):
+      adaptive_drafting(spec.get("adaptive", config.get("adaptive", True)), spec["name"])
+  return chosen
+
+
+def make_methods(config: ml_collections.ConfigDict, model: specjax.Model) -> list[Method]:
+  """The methods to run (`check_methods`' specs), the autoregressive baseline first."""
+  chosen = check_methods(config)
   unshipped = unshipped_checkpoints(chosen, model)
   for method, missing in unshipped.items():
     logging.warning("leaving out method %s: its shipped checkpoint(s) %s are not in specjax/checkpoints yet",

@@ -16,8 +16,7 @@ from specjax.adaptive import (Acceptance, AdaptiveDrafting, FixedGamma, Outcome,
                               draft_length, expected_rounds, verify_widths)
 from specjax.decoding import prefill
 from specjax.drafters import DraftCost, DraftInputs, PromptInfo
-from specjax.loading import Model
-from specjax.model import forward, init_cache, init_params
+from specjax.model import init_cache
 from specjax.sampling import SamplingParams
 from tests.task_drafters import perturbed
 
@@ -59,7 +58,7 @@ def drafting_start(target, drafter):
   return drafter.init(target.params, drafter.params, drafter.options, prompt), sequence, lengths, out.cache
 
 
-@pytest.mark.parametrize("budget", [3, 2, 1])
+@pytest.mark.parametrize("budget", [3] + [pytest.param(b, marks=pytest.mark.slow) for b in (2, 1)])
 @pytest.mark.parametrize("name", ["exit", "adapter"])
 def test_verify_reusing_the_draft_layers_equals_the_plain_verify(name, budget, random_target):
   """Ragged rows, the draft run for `budget` of gamma=3 steps: equal logits at every slot verification reads
@@ -110,8 +109,9 @@ def test_verify_reusing_the_draft_layers_equals_the_plain_verify(name, budget, r
     assert_same_cache(narrow.cache, width)
 
 
-@pytest.mark.parametrize("adaptive", [False, EAGER], ids=["fixed_gamma", "adaptive"])
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("adaptive", [False, pytest.param(EAGER, marks=pytest.mark.slow)],
+                         ids=["fixed_gamma", "adaptive"])
+@pytest.mark.parametrize("temperature", [0.0, pytest.param(1.0, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", ["exit", "adapter"])
 def test_reusing_the_draft_layers_decodes_the_same_tokens(name, temperature, adaptive, random_target):
   target = random_target
@@ -126,7 +126,8 @@ def test_reusing_the_draft_layers_decodes_the_same_tokens(name, temperature, ada
     assert reused.tokens == specjax.generate(target, prompts, max_new_tokens=16, stop_ids=[]).tokens
 
 
-@pytest.mark.parametrize("name", ["layer_skip", "mtp_parallel", "mtp_sequential"])
+@pytest.mark.parametrize("name", ["layer_skip", pytest.param("mtp_parallel", marks=pytest.mark.slow),
+                                  pytest.param("mtp_sequential", marks=pytest.mark.slow)])
 def test_rows_keep_draft_slots_while_their_joint_confidence_clears_the_bars(name, random_target):
   """Per-slot bars on the joint confidence (the product of the top draft probabilities so far) in each of the three
   drafting loops (the shared one, parallel heads, sequential modules): a row keeps slot i while its joint confidence

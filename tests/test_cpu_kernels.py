@@ -167,6 +167,7 @@ def test_a_verification_gives_each_token_the_logits_a_decode_step_gives_it():
   np.testing.assert_array_equal(verified[1:2], np.asarray(alone))
 
 
+@pytest.mark.slow
 def test_a_fresh_build_compiles_into_the_cache(tmp_path):
   """What a new machine does on first use: compile the library into an empty cache and use it."""
   code = """
@@ -184,6 +185,7 @@ print(cpu.status(), cpu.library_path())
   assert [p.name for p in (tmp_path / "cache").iterdir()] == [os.path.basename(result.stdout.split()[-1])]
 
 
+@pytest.mark.slow
 def test_a_failed_build_warns_and_falls_back(tmp_path):
   code = """
 import warnings
@@ -206,6 +208,7 @@ print([str(w.message) for w in caught])
   assert not any((tmp_path / "cache").glob("*.so"))  # nothing half-written left behind
 
 
+@pytest.mark.slow
 def test_turned_off_by_environment(tmp_path):
   code = "from specjax.backends import cpu; print(cpu.available(), cpu.status())"
   env = dict(os.environ, SPECJAX_CPU_KERNELS="0")

@@ -51,6 +51,7 @@ def test_readme_opens_with_the_quickstart_and_the_test_command():
   assert tests.split(" && ")[-1].startswith("python -m pytest -q") and "pip install -e '.[test]'" in tests
 
 
+@pytest.mark.slow
 def test_ci_runs_the_readme_test_command():
   proc = subprocess.run(["bash", os.path.join(REPO_ROOT, ".ci", "run"), "--print-test-command"],
                         capture_output=True, text=True, timeout=60)

@@ -91,3 +91,76 @@ def test_the_checks_see_a_cycle_and_an_upward_import(tmp_path):
   assert cycles(graph) == [["specjax.a", "specjax.b", "specjax.a"]]
   assert "experiments" in graph["specjax.b"]
   assert backend_imports(tmp_path) == {"specjax/model.py": ["specjax.backends"]}
+
+
+# ------------------------------------------------------------------------------------------- the fast tier
+
+COVERED = ("specjax", "experiments")  # every module of these must be imported by the fast tier
+
+
+def _marks_slow(decorators) -> bool:
+  return any("mark.slow" in ast.unparse(d) for d in decorators)
+
+
+def _imports(tree: ast.AST) -> set[str]:
+  """Modules an AST imports (any import statement, and `importlib.import_module("<module>")`), and the modules of
+  the drafters it builds by name (`make_drafter("<name>", ...)`: a drafter named x is specjax/drafters/x.py)."""
+  names = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      names |= {alias.name for alias in node.names}
+    elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+      names |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+      function = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+      if function == "import_module":
+        names.add(str(node.args[0].value))
+      elif function == "make_drafter":
+        names.add(f"specjax.drafters.{node.args[0].value}")
+  return names
+
+
+def fast_tier_imports(root: pathlib.Path = ROOT) -> set[str]:
+  """The modules of the repository that the fast tier (`pytest -m "not slow"`) imports: those a test file imports
+  outside its slow tests (a file marked slow as a whole, `pytestmark`, counts for nothing; a test or fixture marked
+  slow neither), and then every module those import, on and on."""
+  modules = {}
+  for path in root.rglob("*.py"):
+    parts = path.relative_to(root).with_suffix("").parts
+    if parts[0] in COVERED + ("configs", "tests", "benchmarks"):
+      modules[".".join(parts).removesuffix(".__init__")] = path
+  seen = set()
+  for path in sorted((root / "tests").glob("test_*.py")):
+    tree = ast.parse(path.read_text())
+    if any(isinstance(node, ast.Assign) and "pytestmark" in ast.unparse(node.targets[0]) and "mark.slow" in
+           ast.unparse(node.value) for node in tree.body):
+      continue
+    for node in tree.body:
+      if not (isinstance(node, (ast.FunctionDef, ast.ClassDef)) and _marks_slow(node.decorator_list)):
+        seen |= _imports(node)
+  pending = [m for m in seen if m in modules]
+  reached = set()
+  while pending:
+    module = pending.pop()
+    if module not in reached:
+      reached.add(module)
+      pending += [m for m in _imports(ast.parse(modules[module].read_text())) if m in modules]
+  return reached
+
+
+def test_the_fast_tier_imports_every_module_of_the_library_and_the_experiments():
+  expected = {".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+              for package in COVERED for path in (ROOT / package).rglob("*.py")}
+  assert not sorted(expected - fast_tier_imports())
+
+
+def test_the_fast_tier_check_leaves_out_slow_tests(tmp_path):
+  (tmp_path / "tests").mkdir()
+  (tmp_path / "specjax").mkdir()
+  for name in ("a", "b", "c", "d"):
+    (tmp_path / "specjax" / f"{name}.py").write_text("")
+  (tmp_path / "specjax" / "a.py").write_text("def f():\n  from specjax import b\n")
+  (tmp_path / "tests" / "test_one.py").write_text(
+      "import pytest\nfrom specjax import a\n\n@pytest.mark.slow\ndef test_c():\n  import specjax.c\n")
+  (tmp_path / "tests" / "test_two.py").write_text("import pytest\nimport specjax.d\npytestmark = pytest.mark.slow\n")
+  assert fast_tier_imports(tmp_path) == {"specjax.a", "specjax.b"}
