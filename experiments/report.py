@@ -37,7 +37,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 import numpy as np  # noqa: E402
 
 from specjax import leviathan  # noqa: E402
-from specjax.speculative import merge_stats  # noqa: E402
+from specjax.stats import merge_stats  # noqa: E402
 
 
 def _median(values) -> float | None:
