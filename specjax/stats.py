@@ -1,5 +1,6 @@
-"""Run statistics: what a speculative run reports (`summarize`, from the arrays its compiled loop carries) and how
-several runs pool into one (`merge_stats`).
+"""Run statistics: what a run reports in `Output.stats` (a speculative run: `summarize`, from the arrays its compiled
+loop carries; an autoregressive one: `summarize_autoregressive`) and how several speculative runs pool into one
+(`merge_stats`).
 
 Acceptance is reported three ways, each over what it counts:
   acceptance_rate         = accepted drafts / proposed drafts,
@@ -56,6 +57,16 @@ def summarize(stats, num_generated, seconds: float, forwards_per_step: int = 1, 
       "seconds": seconds,
       "tokens_per_second": new_tokens / seconds,
   }
+
+
+def summarize_autoregressive(steps, num_generated, seconds: float, compile_seconds: float = 0.0) -> dict:
+  """Host-side stats of an autoregressive run of `steps` decode forwards after the prefill, under the keys a
+  speculative run reports them (one token per target forward, no draft calls)."""
+  new_tokens = int(num_generated.sum())
+  return {"rounds": int(steps), "target_calls": int(steps) + 1, "draft_calls": 0,
+          "new_tokens": new_tokens, "new_tokens_per_row": num_generated.tolist(),
+          "mean_accepted": 1.0, "compile_seconds": compile_seconds, "seconds": seconds,
+          "tokens_per_second": new_tokens / seconds}
 
 
 def merge_stats(stats: list[dict], gamma: int) -> dict:

@@ -43,3 +43,10 @@ def test_merge_stats_pools_runs_by_the_rounds_that_drafted_each_slot():
   assert pooled["acceptance_rate"] == 5 / 10
   assert pooled["mean_accepted"] == ((8 - 1) + (5 - 1)) / 6  # tokens per live round, the prefill's first excluded
   assert pooled["rounds_per_row"] == [6] and pooled["rejections_per_row"] == [3]
+
+
+def test_an_autoregressive_run_reports_one_token_per_target_forward():
+  summary = stats.summarize_autoregressive(np.int32(7), np.array([8, 5]), seconds=0.5, compile_seconds=2.0)
+  assert summary["target_calls"] == 8 and summary["draft_calls"] == 0 and summary["mean_accepted"] == 1.0
+  assert summary["new_tokens"] == 13 and summary["new_tokens_per_row"] == [8, 5]
+  assert summary["tokens_per_second"] == 26.0 and summary["compile_seconds"] == 2.0
