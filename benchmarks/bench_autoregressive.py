@@ -10,7 +10,7 @@ For each case (dtype x batch size) it times greedy `specjax.generate` for exactl
   bytes per step       = all parameter bytes + KV bytes attended (layers x {K,V} x batch x positions in use,
                          averaged over the decode, x kv_heads x head_dim x itemsize)
   roofline fraction    = bytes per step / step time / read bandwidth,
-where read bandwidth is what a jitted sum over a large array reads per second (`specjax.roofline`), measured in
+where read bandwidth is what a jitted sum over a large array reads per second (`experiments.costs`), measured in
 the same run, interleaved with the cases.
 A decode step reads every weight once whatever the batch, so at batch 1 on CPU the step is memory-bound and
 the fraction says how close to the hardware limit the compiled program runs.
@@ -30,6 +30,7 @@ from absl import app, flags
 
 import specjax
 from experiments import spec_bench
+from experiments.costs import measure_read_bandwidth
 from specjax import roofline
 from specjax.loading import resolve_path
 
@@ -116,12 +117,12 @@ def main(argv):
   tokens = {}
   bandwidths = []
   for _ in range(_REPEATS.value):
-    bandwidths.append(roofline.measure_read_bandwidth(_READ_MB.value, repeats=3))
+    bandwidths.append(measure_read_bandwidth(_READ_MB.value, repeats=3))
     for c in cases:
       seconds, tokens[c.name] = c(n)
       times[(c.name, n)].append(seconds)
       times[(c.name, 1)].append(c(1)[0])
-    bandwidths.append(roofline.measure_read_bandwidth(_READ_MB.value, repeats=3))
+    bandwidths.append(measure_read_bandwidth(_READ_MB.value, repeats=3))
   bandwidth = statistics.median(bandwidths)
 
   print(f"\nSmolLM2-135M ({_MODEL.value}) greedy decode, prompt {len(prompt)} tokens (Spec-Bench q"

@@ -38,7 +38,7 @@ from absl import app, flags
 import specjax
 from configs import compare_drafters
 from experiments import costs as cost_lib
-from specjax import leviathan, roofline
+from specjax import leviathan
 from specjax.config import ModelConfig
 from specjax.loading import Model
 from specjax.model import init_params
@@ -184,7 +184,7 @@ def main(argv):
   start = time.perf_counter()
   measured = cost_lib.measure(model, methods, context, _CACHE_LEN.value, repeats=_REPEATS.value, count_bytes=True)
   seconds = forward_widths(model, context, [int(t) for t in _TOKENS.value], _BATCH.value)
-  bandwidth = roofline.measure_copy_bandwidth(_COPY_MB.value or (256 if jax.default_backend() == "cpu" else 2048),
+  bandwidth = cost_lib.measure_copy_bandwidth(_COPY_MB.value or (256 if jax.default_backend() == "cpu" else 2048),
                                                repeats=7)
   result = {
       "backend": jax.default_backend(), "device_kind": device.device_kind, "jax": jax.__version__,

@@ -19,7 +19,9 @@ of median length and half of its autoregressive answer) in a cache of the prompt
 threaded through the loop as in decoding.
 
 The same setup also gives the bytes each step moves (`specjax.roofline`), from which the accelerator
-projection takes c and r: c_bytes = draft step bytes / target step bytes, r_bytes ~ 1.
+projection takes c and r: c_bytes = draft step bytes / target step bytes, r_bytes ~ 1; and the memory bandwidth of
+the device (`measure_read_bandwidth`, `measure_copy_bandwidth`), against which a step's bytes over its time give
+its roofline fraction.
 """
 
 from __future__ import annotations
@@ -107,6 +109,45 @@ def interleaved_seconds(runs: dict[str, Callable[[int], Any]], repeats: int, sho
   return {name: statistics.median(d) for name, d in deltas.items()}
 
 
+_sum = jax.jit(lambda x: jnp.sum(jnp.sum(x.reshape(256, -1), axis=1)))
+
+
+def measure_read_bandwidth(megabytes: int = 512, repeats: int = 7) -> float:
+  """Median bytes/s read by a jitted sum over a `megabytes` float32 array on JAX's default device (XLA splits the
+  array's rows over the cores it uses). A decode step's bytes over this is its roofline fraction.
+
+  On the 2-core CPU of README's benchmarks this gives 26-31 GB/s, where `measure_copy_bandwidth`'s in-place pass
+  gives 31-39 GB/s counting its reads and writes, and one numpy copy on one thread 21 GB/s."""
+  x = jnp.ones((megabytes * 2**20 // 4,), jnp.float32)
+  jax.block_until_ready(_sum(x))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(_sum(x))
+    times.append(time.perf_counter() - start)
+  return x.nbytes / float(np.median(times))
+
+
+_plus_one = jax.jit(lambda x: x + 1.0, donate_argnums=0)
+
+
+def measure_copy_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
+  """Median bandwidth (bytes/s, read + write counted) of a jitted in-place pass `x + 1` over a `megabytes` float32
+  array on JAX's default device: the accelerator's own memory on a GPU/TPU, what its decode steps read from.
+
+  `benchmarks/bench_costs.py` divides by it (its accelerator figures were measured so); decode roofline fractions
+  divide by `measure_read_bandwidth`. The input is donated, so no call allocates (and first touches) a fresh
+  output."""
+  x = jnp.ones((megabytes * 2**20 // 4,), jnp.float32)
+  x = jax.block_until_ready(_plus_one(x))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    x = jax.block_until_ready(_plus_one(x))
+    times.append(time.perf_counter() - start)
+  return 2 * x.nbytes / float(np.median(times))
+
+
 def prefilled_cache(model, context: Sequence[int], cache_len: int, rows: int = 1):
   """A target KV cache of `cache_len` positions holding `context` in each of `rows` rows."""
   prompt = jnp.asarray([list(context)] * rows, jnp.int32)
@@ -138,7 +179,7 @@ def measure(model, methods: Sequence[tuple[str, Drafter, int]], context: Sequenc
   Returns {"context_tokens", "cache_len", "rows", "target_seconds": {tokens: s}, "draft_seconds": {name: s},
   "methods": {name: {"gamma", "draft_cost", "verify_cost"[, "draft_cost_bytes", "verify_cost_bytes"]}}} and,
   with `count_bytes`, "target_step_bytes" (formula), "target_step_bytes_xla", "draft_step_bytes" {name: B},
-  "read_bandwidth" (bytes/s, `roofline.measure_read_bandwidth` over "read_megabytes") and "roofline_fraction":
+  "read_bandwidth" (bytes/s, `measure_read_bandwidth` over "read_megabytes") and "roofline_fraction":
   the 1-token target step's bytes (formula) / its time / that bandwidth. Target and draft steps run on the
   weights as generate's loop reads them (`specjax.decoding.decode_params`, `decode_draft_params`).
   """
@@ -192,7 +233,7 @@ def measure(model, methods: Sequence[tuple[str, Drafter, int]], context: Sequenc
     costs["target_step_bytes"] = roofline.target_step_bytes(params, config, position, rows)
     # The roofline of autoregressive decoding: the 1-token step's bytes at the read bandwidth measured now.
     costs["read_megabytes"] = 512 if jax.default_backend() == "cpu" else 2048
-    costs["read_bandwidth"] = roofline.measure_read_bandwidth(costs["read_megabytes"])
+    costs["read_bandwidth"] = measure_read_bandwidth(costs["read_megabytes"])
     costs["roofline_fraction"] = costs["target_step_bytes"] / t_1 / costs["read_bandwidth"]
     costs["target_step_bytes_xla"] = roofline.target_step_bytes_xla(params, state["cache"], config, positions)
     costs["draft_step_bytes"] = {}

@@ -79,7 +79,7 @@ from specjax.config import ModelConfig
 from specjax.leviathan import alpha_from_stats, draft_cost, expected_tokens_per_round, predicted_speedup
 from specjax.drafters.layer_skip import draft_layers
 from specjax.model import embed, forward, init_cache, lm_head, merge_heads, mlp_block, qkv
-from specjax.speculative import merge_stats
+from specjax.stats import merge_stats
 
 SkipSet = tuple[int, ...]
 

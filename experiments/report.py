@@ -38,7 +38,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 import numpy as np  # noqa: E402
 
 from specjax import leviathan  # noqa: E402
-from specjax.speculative import merge_stats  # noqa: E402
+from specjax.stats import merge_stats  # noqa: E402
 
 FEW_DRAFTS = 0.1  # below this share of a method's tokens from accepted drafts, tables and plots say so
 

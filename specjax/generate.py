@@ -28,6 +28,7 @@ from specjax.decoding import (Output, check_ids, decode_outputs, describe_shapes
 from specjax.loading import Model
 from specjax.model import ForwardOutput, KVCache, forward, init_cache, lm_head
 from specjax.sampling import SamplingParams, sample, top_k_probabilities
+from specjax.stats import summarize_autoregressive
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,11 +198,7 @@ def generate(model: Model, prompts: Sequence[str | Sequence[int]], *, max_new_to
   tokens, num_generated, steps = distributed.to_host((tokens, num_generated, steps))  # also multi-process arrays
   seconds = time.perf_counter() - start - compile_seconds
   rows, texts = decode_outputs(model, tokens, num_generated, stop_ids)
-  new_tokens = int(num_generated.sum())
-  stats = {"rounds": int(steps), "target_calls": int(steps) + 1, "draft_calls": 0,
-           "new_tokens": new_tokens, "new_tokens_per_row": num_generated.tolist(),
-           "mean_accepted": 1.0, "compile_seconds": compile_seconds, "seconds": seconds,
-           "tokens_per_second": new_tokens / seconds}
+  stats = summarize_autoregressive(steps, num_generated, seconds, compile_seconds=compile_seconds)
   return Output(tokens=rows, texts=texts, stats=stats)
 
 

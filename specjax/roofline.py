@@ -1,4 +1,4 @@
-"""Bytes moved per decode step, and the memory bandwidth they are moved at (the roofline of batch-1 decoding).
+"""Bytes moved per decode step (the roofline of batch-1 decoding, with a memory bandwidth measured in the run).
 
 A batch-1 decode step reads every weight it uses once and the KV cache in use; its arithmetic is tiny, so on any
 hardware its time is bounded below by bytes / memory bandwidth (Williams et al. 2009, "Roofline"):
@@ -8,8 +8,8 @@ hardware its time is bounded below by bytes / memory bandwidth (Williams et al. 
   roofline fraction  = bytes per step / step time / read bandwidth,
 
 the read bandwidth being what a jitted full reduction over a large array reads per second on the same device, in
-the same run (`measure_read_bandwidth`): a decode step streams its weights and cache from memory and writes almost
-nothing, so a read-only stream is its floor.
+the same run (measured by `experiments.costs.measure_read_bandwidth`): a decode step streams its weights and cache
+from memory and writes almost nothing, so a read-only stream is its floor.
 
 A verification forward over gamma + 1 tokens reads the same weights and the same cache as a 1-token step and
 writes gamma + 1 cache rows instead of one, so while decoding is memory-bound its cost over a 1-token step is
@@ -28,7 +28,6 @@ memory-bound (Leviathan et al. 2023, section 3: c is the draft's cost over the t
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import jax
@@ -99,42 +98,3 @@ def draft_step_bytes(drafter: Drafter, target_params, state: Any, inputs: DraftI
   def propose_one(target_params, params, state, inputs, *, static, sampling):
     return static.propose(target_params, params, static.options, state, inputs, 1, sampling).tokens
   return compiled_bytes(propose_one, target_params, drafter.params, state, inputs, static=static, sampling=sampling)
-
-
-_sum = jax.jit(lambda x: jnp.sum(jnp.sum(x.reshape(256, -1), axis=1)))
-
-
-def measure_read_bandwidth(megabytes: int = 512, repeats: int = 7) -> float:
-  """Median bytes/s read by a jitted sum over a `megabytes` float32 array on JAX's default device (XLA splits the
-  array's rows over the cores it uses). A decode step's bytes over this is its roofline fraction.
-
-  On the 2-core CPU of README's benchmarks this gives 26-31 GB/s, where `measure_copy_bandwidth`'s in-place pass
-  gives 31-39 GB/s counting its reads and writes, and one numpy copy on one thread 21 GB/s."""
-  x = jnp.ones((megabytes * 2**20 // 4,), jnp.float32)
-  jax.block_until_ready(_sum(x))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(_sum(x))
-    times.append(time.perf_counter() - start)
-  return x.nbytes / float(np.median(times))
-
-
-_plus_one = jax.jit(lambda x: x + 1.0, donate_argnums=0)
-
-
-def measure_copy_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
-  """Median bandwidth (bytes/s, read + write counted) of a jitted in-place pass `x + 1` over a `megabytes` float32
-  array on JAX's default device: the accelerator's own memory on a GPU/TPU, what its decode steps read from.
-
-  `benchmarks/bench_costs.py` divides by it (its accelerator figures were measured so); decode roofline fractions
-  divide by `measure_read_bandwidth`. The input is donated, so no call allocates (and first touches) a fresh
-  output."""
-  x = jnp.ones((megabytes * 2**20 // 4,), jnp.float32)
-  x = jax.block_until_ready(_plus_one(x))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    x = jax.block_until_ready(_plus_one(x))
-    times.append(time.perf_counter() - start)
-  return 2 * x.nbytes / float(np.median(times))

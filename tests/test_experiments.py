@@ -263,6 +263,13 @@ def test_interleaved_seconds_lengthens_the_loops_of_tiny_steps():
   assert slow["slow"] == pytest.approx(0.01, rel=0.3)
 
 
+def test_bandwidths_are_measured_over_every_byte():
+  x = np.arange(1 << 20, dtype=np.float32) % 7
+  assert float(costs._sum(x)) == float(np.sum(x, dtype=np.float64))  # the read reduction sees every element
+  assert 0 < costs.measure_read_bandwidth(megabytes=4, repeats=2) < 1e15
+  assert 0 < costs.measure_copy_bandwidth(megabytes=4, repeats=2) < 1e15
+
+
 @pytest.mark.parametrize("n, ranks", [(4, None), (5, (1, 5)), (12, (3, 10)), (15, (4, 12)), (40, (15, 26))])
 def test_median_interval_takes_the_order_statistics_a_binomial_bound_allows(n, ranks):
   values = list(np.random.default_rng(n).permutation(np.arange(1.0, n + 1)))  # value i is the i-th smallest

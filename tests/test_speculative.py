@@ -425,18 +425,3 @@ def test_shipped_trained_drafters_are_lossless_and_accept_drafts_on_smollm2(name
   out = specjax.generate(smollm2, prompts, max_new_tokens=32, gamma=3, drafter=drafter, adaptive=False)
   assert out.tokens == expected.tokens
   assert out.stats["alpha"] > 0.1, out.stats
-
-
-def test_merge_stats_pools_runs_by_the_rounds_that_drafted_each_slot():
-  def run(rounds, accepted, rejections, new_tokens, per_position, proposed_at):
-    return {"rounds_per_row": [rounds], "accepted_per_row": [accepted], "rejections_per_row": [rejections],
-            "new_tokens_per_row": [new_tokens], "proposed_per_row": [sum(proposed_at)],
-            "acceptance_per_position": per_position, "proposed_per_position": proposed_at}
-
-  # The second run never drafted slot 1 (adaptive drafting): its NaN there must not count.
-  pooled = speculative.merge_stats([run(4, 3, 3, 8, [0.5, 0.25], [4, 4]),
-                                    run(2, 2, 0, 5, [1.0, float("nan")], [2, 0])], gamma=2)
-  np.testing.assert_allclose(pooled["acceptance_per_position"], [(0.5 * 4 + 1.0 * 2) / 6, 0.25])
-  assert pooled["acceptance_rate"] == 5 / 10
-  assert pooled["mean_accepted"] == ((8 - 1) + (5 - 1)) / 6  # tokens per live round, the prefill's first excluded
-  assert pooled["rounds_per_row"] == [6] and pooled["rejections_per_row"] == [3]
