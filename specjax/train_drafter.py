@@ -14,8 +14,8 @@ What a run has seen is counted in answer positions (the masked positions of its 
 reads), so that drafters with different batch shapes or steps can be trained on one budget:
 `steps_for_positions` gives the steps that consume a number of positions, `steps_at_fractions` the steps where
 fractions of them are reached (log-spaced evaluation points). Every `log_every` steps a line goes to
-`<workdir>/metrics.jsonl` with the positions seen and the training wall and CPU seconds so far (evaluation and
-compilation apart); at every evaluation step the held-out loss and per-depth top-1 agreement with the target's
+`<workdir>/metrics.jsonl` with the positions seen, the training FLOPs and the training wall and CPU seconds so
+far (evaluation and compilation apart); at every evaluation step the held-out loss and per-depth top-1 agreement with the target's
 greedy token are added, with whatever `evaluate_drafter` measures (e.g. Spec-Bench acceptance) and the seconds the
 evaluation took. A resumed run keeps the lines up to its checkpoint and drops the later ones, which it replays;
 evaluation steps are always checkpointed, so an evaluation is done again only if the run is killed while it saves.
@@ -247,10 +247,11 @@ def train_drafter(model, drafter: Drafter, train_cache, held_out_cache, *, workd
   def on_step(step: int, state: train.TrainState, metrics: dict):
     if step % log_every and step % save_every and step not in eval_steps:
       return
+    metrics = {k: float(v) for k, v in metrics.items()}  # waits for the step: its time is the training's
     wall, cpu = time.perf_counter(), time.process_time()
     clock["train_seconds"] += wall - mark[0]
     clock["train_cpu_seconds"] += cpu - mark[1]
-    record = {"step": step, "positions": int(seen[step - 1]), **{k: float(v) for k, v in metrics.items()}, **clock}
+    record = {"step": step, "positions": int(seen[step - 1]), "flops": flops_per_step * step, **metrics, **clock}
     if step in eval_steps:
       record.update(evaluate(state.params))
       record.update(eval_seconds=time.perf_counter() - wall, eval_cpu_seconds=time.process_time() - cpu)
