@@ -10,6 +10,8 @@ The argument is a family, optionally with variants (comma-separated, e.g. `seque
   sequential  one sequential module applied recurrently on EAGLE-3 features (layers 2, 15, 27), 4 depths
   deepseek    3 distinct sequential modules on the last hidden state (DeepSeek-V3 MTP), chained
   exit        a trained exit adapter after k = 3 target layers (Kangaroo-style; see EXIT_LAYER)
+  exit16      the same after k = 16 layers (layer 15's output, the deepest exit the cache holds short of the MTP
+              features): the trained exit's acceptance at its most expensive
   draft       a distilled 4-layer draft model (target layers 0, 10, 19, 29 to start from)
   sharegpt    the data-matching control: train on ShareGPT's own answers instead of the target's, same pool of
               positions, evaluated on the same held-out split (the regenerated one). Its cache:
@@ -51,6 +53,10 @@ FAMILIES = {
                  "options": {"path": None, "depth": 3, "recurrent": False, "eagle3": False}},
     "exit": {"drafter": "layer_skip", "options": {"adapter": "fresh", "exit_layer": EXIT_LAYER, "mlp": True},
              "learning_rate": 1e-3},
+    # The deep exit the cache allows (layer 15's output): the most a trained exit can accept at this budget, at
+    # ~0.6 of a target step per draft; its training step costs what the shallow exit's does (cached features).
+    "exit16": {"drafter": "layer_skip", "options": {"adapter": "fresh", "exit_layer": 16, "mlp": True},
+               "learning_rate": 1e-3},
     "draft": {"drafter": "draft_model", "options": {"draft": "fresh", "num_layers": 4}, "learning_rate": 5e-4},
 }
 VARIANTS = ("sharegpt", "small")

@@ -39,7 +39,7 @@ _OUT = flags.DEFINE_string("out", "workdirs/budget/curves", "where curves.png, r
 
 # The project's targets (Spec-Bench, greedy, gamma 4 chain): family -> (metric of the evaluation points, value).
 TARGETS = {"sequential": ("spec_bench_mean_accepted", 2.2), "parallel": ("spec_bench_mean_accepted", 1.6),
-           "exit": ("spec_bench_alpha", 0.4)}
+           "exit": ("spec_bench_alpha", 0.4), "exit16": ("spec_bench_alpha", 0.4)}
 FIT_POINTS = 3  # the last evaluation points the extrapolation is fitted to
 PANELS = (("eval_top1_1", "held-out top-1, depth 1"), ("spec_bench_mean_accepted", "Spec-Bench tokens per forward"))
 
@@ -154,11 +154,14 @@ def plot(runs: list[dict[str, Any]], path: str) -> None:
       xy = [(p["positions"], p[metric]) for p in r["curve"] if p.get(metric) is not None]
       if xy:
         ax.plot(*zip(*xy), marker="o", label=r["name"])
+    lines: dict[float, list[str]] = {}  # target value -> the families aiming at it on this panel
     for family, (target_metric, value) in TARGETS.items():
       if target_metric == metric:
-        ax.axhline(value, color="gray", linestyle=":", linewidth=1)
-        ax.annotate(f"{family} target", (1.0, value), xycoords=("axes fraction", "data"), ha="right", va="bottom",
-                    fontsize=8, color="gray")
+        lines.setdefault(value, []).append(family)
+    for value, families in lines.items():
+      ax.axhline(value, color="gray", linestyle=":", linewidth=1)
+      ax.annotate(f"{', '.join(families)} target", (1.0, value), xycoords=("axes fraction", "data"), ha="right",
+                  va="bottom", fontsize=8, color="gray")
     ax.set_xscale("log")
     ax.set_xlabel("answer positions seen")
     ax.set_ylabel(label)

@@ -10,7 +10,7 @@
 # Log: workdirs/budget/train_budget.log; curves: python -m experiments.curves --workdirs=workdirs/budget.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-RUNS=${RUNS:-"sequential parallel exit deepseek draft sequential,sharegpt"}
+RUNS=${RUNS:-"sequential parallel exit exit16 deepseek draft sequential,sharegpt"}
 ROOT=workdirs/budget
 LOG=$ROOT/train_budget.log
 mkdir -p "$ROOT"

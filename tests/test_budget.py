@@ -110,7 +110,7 @@ def test_killed_run_resumes_keeping_its_evaluation_points(tiny, caches, tmp_path
 
 
 def test_budget_config_names_its_families_and_one_budget_for_all():
-  with pytest.raises(ValueError, match=r"one family of \('parallel', 'sequential', 'deepseek', 'exit', 'draft'\)"):
+  with pytest.raises(ValueError, match=r"one family of \('parallel', 'sequential', 'deepseek', 'exit', 'exit16', 'draft'\)"):
     train_budget.get_config("medusa")
   with pytest.raises(ValueError, match="one family of"):
     train_budget.get_config("parallel,sequential")
@@ -124,7 +124,8 @@ def test_budget_config_names_its_families_and_one_budget_for_all():
   assert configs[-1].data_answers == "sharegpt" and configs[1].data_answers == "regenerated"
   assert configs[-1].data_dir != configs[1].data_dir and configs[-1].options == configs[1].options
   assert len(configs[0].eval_fractions) >= 5
-  assert train_budget.get_config("exit").options.exit_layer - 1 in (2, 15)  # a layer the regenerated cache holds
+  for exit in ("exit", "exit16"):  # a layer the regenerated cache holds
+    assert train_budget.get_config(exit).options.exit_layer - 1 in (2, 15)
 
 
 def test_budget_run_trains_to_its_positions_and_the_card_shows_the_curve(tiny, caches, tmp_path):
