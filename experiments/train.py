@@ -24,7 +24,8 @@ import numpy as np
 from absl import app, flags, logging
 
 import specjax
-from specjax import export, features, sharding
+from specjax import export, sharding
+from specjax.data import features
 from specjax.drafters import draft_head, draft_model
 from specjax.loading import CheckpointError
 from specjax.train_drafter import train_drafter
