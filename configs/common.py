@@ -1,7 +1,8 @@
-"""What every Spec-Bench run shares: the model, the prompts, the decoding settings and the methods (experiments/run.py).
+"""What the configs share: a Spec-Bench run's model, prompts, decoding settings and methods (experiments/run.py),
+and a drafter training run's fields (`drafter_training`, experiments/train.py).
 
-Each config in this directory starts from `spec_bench_run(...)` and takes its methods from `METHODS` by name
-(`methods(...)`); any field can be overridden on the command line (`--config.max_new_tokens=16`,
+Each experiment config in this directory starts from `spec_bench_run(...)` and takes its methods from `METHODS` by
+name (`methods(...)`); any field can be overridden on the command line (`--config.max_new_tokens=16`,
 `--config.prompts.categories="('qa',)"`). Configs are data: this is the one module they import, and a method only
 declares what it needs (a shipped checkpoint, `"needs"`; a searched layer-skip set, `"skip_set"`), which the runner
 looks up when it builds the method.
@@ -135,4 +136,42 @@ def adaptive_variants(per_category: int, categories: tuple[str, ...], drafters: 
   config.methods = methods("autoregressive") + tuple(
       {**method, "name": f"{method['name']}{suffix}", "adaptive": dict(options), "gamma": 4}
       for method in methods(*drafters) for suffix, options in variants.items())
+  return config
+
+
+def drafter_training(config: ml_collections.ConfigDict, workdir: str, small: bool) -> ml_collections.ConfigDict:
+  """The fields every drafter-training config (configs/train_*.py, experiments/train.py) shares: batches, schedule,
+  logging, export, the Spec-Bench check; `small` shrinks the run to a quick check. The budget is `steps`, or
+  `positions` (answer positions seen) when that is set."""
+  config.batch_size = 8  # sequences of 256 tokens per step
+  config.positions = 0  # > 0: train until the batches have held this many answer positions (`steps` is then unused)
+  config.pool_positions = 0  # > 0: draw batches from the first sequences holding this many answer positions
+  config.held_out_dir = ""  # the held-out cache; default <data_dir>/held_out
+  config.warmup_steps = 40
+  config.weight_decay = 0.0
+  config.clip_norm = 1.0
+  config.seed = 0
+  config.log_every = 10
+  config.eval_every = 100
+  config.eval_fractions = ()  # with `positions`: evaluate where these fractions of it are seen, instead of eval_every
+  config.eval_sequences = 96  # held-out sequences for per-depth top-1
+  config.save_every = 50  # checkpoint interval (steps); what a killed run redoes at most
+  config.mesh_shape = ml_collections.config_dict.placeholder(tuple)  # (data, model); None: one device
+
+  config.export_dtype = "bfloat16"
+  config.export_path = ""  # default <workdir>/<drafter>.safetensors
+  # Acceptance on Spec-Bench (evaluation only): greedy, chain of `gamma` drafts; after training, or at every
+  # evaluation step with `along_the_way`.
+  config.spec_bench = ml_collections.ConfigDict({"enabled": True, "per_category": 1, "max_new_tokens": 128,
+                                                "gamma": 4, "along_the_way": False})
+
+  config.workdir = workdir
+  if small:
+    config.steps = 20
+    config.warmup_steps = 5
+    config.eval_every = 10
+    config.eval_sequences = 8
+    config.save_every = 10
+    config.spec_bench.enabled = False
+    config.workdir += "-small"
   return config

@@ -18,7 +18,7 @@ specjax/checkpoints/smollm2-135m/draft_model.safetensors, is what `draft="smollm
 
 import ml_collections
 
-from configs import train_mtp
+from configs import common
 
 
 def get_config(arg=None):
@@ -38,6 +38,6 @@ def get_config(arg=None):
   config.learning_rate = 5e-4
   config.steps = 800
   config.draft_vocab = 8192  # truncated draft vocabulary (FR-Spec); 0 scores the full vocabulary
-  config = train_mtp.add_training(config, f"workdirs/train/draft{num_layers}", small="small" in parts)
+  config = common.drafter_training(config, f"workdirs/train/draft{num_layers}", small="small" in parts)
   config.export_hf = f"{config.workdir}/smollm2-135m-draft"  # the HF Llama directory; "" for none
   return config

@@ -18,7 +18,7 @@ a run takes well under the MTP variants' time on 2 shared CPU cores. At the end 
 
 import ml_collections
 
-from configs import train_mtp
+from configs import common
 
 DEFAULT_CACHE_LAYERS = (2, 15, 27, 29)  # configs/train_data.py's feature_layers
 VARIANTS = ("attention", "small")
@@ -45,4 +45,4 @@ def get_config(arg=None):
   config.steps = 600
   config.draft_vocab = 8192  # truncated draft vocabulary (FR-Spec); 0 scores the full vocabulary
   name = f"exit{exit_layer}" + ("" if mlp else "-attention")
-  return train_mtp.add_training(config, f"workdirs/train/{name}", small="small" in parts)
+  return common.drafter_training(config, f"workdirs/train/{name}", small="small" in parts)

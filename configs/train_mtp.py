@@ -21,6 +21,8 @@ Overrides: `--config.steps=500 --config.data_dir=/path/to/caches`.
 
 import ml_collections
 
+from configs import common
+
 VARIANTS = ("parallel", "sequential", "deepseek")
 
 
@@ -52,36 +54,4 @@ def get_config(arg=None):
     config.learning_rate = 5e-4
     config.steps = 400
   config.draft_vocab = 8192  # truncated draft vocabulary (FR-Spec); 0 scores the full vocabulary
-  return add_training(config, f"workdirs/train/{kind}", small="small" in parts)
-
-
-def add_training(config: ml_collections.ConfigDict, workdir: str, small: bool) -> ml_collections.ConfigDict:
-  """The fields every drafter-training config shares: batches, schedule, logging, export, the Spec-Bench check
-  (configs/train_exit.py and configs/train_draft.py use it too); `small` shrinks the run to a quick check."""
-  config.batch_size = 8  # sequences of 256 tokens per step
-  config.warmup_steps = 40
-  config.weight_decay = 0.0
-  config.clip_norm = 1.0
-  config.seed = 0
-  config.log_every = 10
-  config.eval_every = 100
-  config.eval_sequences = 96  # held-out sequences for per-depth top-1
-  config.save_every = 50  # checkpoint interval (steps); what a killed run redoes at most
-  config.mesh_shape = ml_collections.config_dict.placeholder(tuple)  # (data, model); None: one device
-
-  config.export_dtype = "bfloat16"
-  config.export_path = ""  # default <workdir>/<drafter>.safetensors
-  # Acceptance on Spec-Bench after training (evaluation only): greedy, chain of `gamma` drafts.
-  config.spec_bench = ml_collections.ConfigDict({"enabled": True, "per_category": 1, "max_new_tokens": 128,
-                                                "gamma": 4})
-
-  config.workdir = workdir
-  if small:
-    config.steps = 20
-    config.warmup_steps = 5
-    config.eval_every = 10
-    config.eval_sequences = 8
-    config.save_every = 10
-    config.spec_bench.enabled = False
-    config.workdir += "-small"
-  return config
+  return common.drafter_training(config, f"workdirs/train/{kind}", small="small" in parts)

@@ -1,12 +1,13 @@
 """Summary, Markdown table and plots of a run's timing records.
 
 Per method and prompt batch, the batch's time is the median over repeats; tokens/s of a method is the median
-over batches of (new tokens / batch time), and its speedup is that divided by the autoregressive baseline's
-tokens/s from the same run. Per-category speedups use the batches of that category only. The spread of the
-speedup (min / median / max) is over (batch, repeat) pairs, each call against the baseline's interleaved call.
-Per category, `category_intervals` gives the median of those paired speedups with a distribution-free 90%
-interval from their order statistics (a binomial bound, no resampling): on a shared machine one call's time moves
-by 10-20%, so a single prompt per category cannot tell 0.95x from 1.0x, and the interval says how many pairs do.
+over batches of (new tokens / batch time). There is one speedup: the median of the paired speedups, each call's
+tokens/s over the baseline's interleaved call on the same prompts and repeat, with a distribution-free 90%
+interval from their order statistics (`median_interval`: a binomial bound, no resampling). On a shared machine one
+call's time moves by 10-20%, so a single prompt cannot tell 0.95x from 1.0x; the interval says how many pairs do.
+`category_intervals` gives the same per category. A method whose drafts made fewer than `FEW_DRAFTS` of its
+tokens (adaptive drafting that chose plain target steps) is labelled with its draft share instead of a speedup
+bar: its speed is autoregressive decoding's, whatever the drafter.
 
 Acceptance is pooled over every call of a method from the engine's per-row counts (not a median of ratios):
 alpha = accepted / (accepted + rejections) (Leviathan's α), mean accepted = tokens committed by verification
@@ -38,6 +39,8 @@ import numpy as np  # noqa: E402
 
 from specjax import leviathan  # noqa: E402
 from specjax.stats import merge_stats  # noqa: E402
+
+FEW_DRAFTS = 0.1  # below this share of a method's tokens from accepted drafts, tables and plots say so
 
 
 def _median(values) -> float | None:
@@ -78,7 +81,16 @@ def _pooled(records: Sequence[dict], gamma: int) -> dict[str, Any]:
           # Adaptive drafting: rounds by the draft length used (index 0: a plain target step).
           "gamma_histogram": [int(sum(c)) for c in zip(*(r["gamma_histogram"] for r in records))]
           if all(r.get("gamma_histogram") for r in records) else None,
-          "plain_share": plain_share(records)}
+          "plain_share": plain_share(records), "draft_share": draft_share(records)}
+
+
+def draft_share(records: Sequence[dict]) -> float | None:
+  """The share of the new tokens that were accepted drafts (the rest came from the target: bonus, corrections,
+  plain steps, the prefill's first token); None when a call did not count them."""
+  if not records or any(r.get("accepted_per_row") is None for r in records):
+    return None
+  tokens = sum(sum(r["new_tokens_per_row"]) for r in records)
+  return sum(sum(r["accepted_per_row"]) for r in records) / tokens if tokens else None
 
 
 def plain_share(records: Sequence[dict]) -> float | None:
@@ -134,31 +146,28 @@ def summarize(records: Sequence[dict], methods: Sequence[str], baseline: str,
   acceptance figures pooled over its calls (alpha, mean_accepted, acceptance_per_position).
   """
   info = methods_info or {}
-  base = batch_throughput(records, baseline)
-  base_tps = _median(b["tokens_per_second"] for b in base.values())
   summary, per_category, intervals = {}, {}, {}
   for method in methods:
     batches = batch_throughput(records, method)
     rs = [r for r in records if r["method"] == method]
     tps = _median(b["tokens_per_second"] for b in batches.values())
     spread = paired_speedups(records, method, baseline)
+    interval = median_interval(spread)
     row_agreement = [a for r in rs for a in (r.get("agreement") or ())]
     meta = info.get(method, {})
     gamma = meta.get("gamma")
     drafted = gamma is not None and all(r.get("rounds_per_row") is not None for r in rs)
     acceptance = _pooled(rs, gamma) if drafted else {
         "mean_accepted": _median(r["mean_accepted"] for r in rs), "acceptance_rate": None, "alpha": None,
-        "acceptance_per_position": None, "gamma_histogram": None, "plain_share": None}
+        "acceptance_per_position": None, "gamma_histogram": None, "plain_share": None, "draft_share": None}
     summary[method] = {
         "drafter": meta.get("drafter"), "family": meta.get("family", method), "options": meta.get("options", {}),
         "gamma": gamma, "adaptive": meta.get("adaptive"),
         "tokens_per_second": tps,
-        "speedup": tps / base_tps,
-        "speedup_min": min(spread) if spread else None,
-        "speedup_median": _median(spread),
-        "speedup_max": max(spread) if spread else None,
-        "median_batch_speedup": _median(b["tokens_per_second"] / base[i]["tokens_per_second"]
-                                        for i, b in batches.items()),
+        "speedup": _median(spread),  # the median paired speedup (module docstring)
+        "speedup_low": interval[0] if interval else None,  # its 90% interval (None below 5 pairs)
+        "speedup_high": interval[1] if interval else None,
+        "pairs": len(spread),
         **acceptance,
         "target_calls_per_batch": _median(r["target_calls"] for r in rs),
         "compile_seconds": compile_seconds.get(method),
@@ -170,13 +179,10 @@ def summarize(records: Sequence[dict], methods: Sequence[str], baseline: str,
         "batches": len(batches),
         "new_tokens": int(sum(b["new_tokens"] for b in batches.values())),
     }
-    categories = dict.fromkeys(b["category"] for b in batches.values())
-    per_category[method] = {
-        c: _median(b["tokens_per_second"] for b in batches.values() if b["category"] == c)
-        / _median(b["tokens_per_second"] for b in base.values() if b["category"] == c)
-        for c in categories}
+    by_category = category_intervals(records, method, baseline)
+    per_category[method] = {c: i["median"] for c, i in by_category.items()}
     if method != baseline:
-      intervals[method] = category_intervals(records, method, baseline)
+      intervals[method] = by_category
   failures = [{"method": r["method"], "temperature": r.get("temperature"), "batch": r["batch"],
                "repeat": r["repeat"], "question_ids": r["question_ids"]}
               for r in records if r.get("matches_baseline") is False]
@@ -205,7 +211,7 @@ def add_costs(summary: dict[str, Any], costs: dict[str, Any]) -> None:
     s["draft_cost"], s["verify_cost"] = cost["draft_cost"], cost["verify_cost"]
     s["expected_tokens_per_round"] = leviathan.expected_tokens_per_round(alpha, gamma)
     s["predicted_speedup"] = leviathan.predicted_speedup(alpha, gamma, cost["draft_cost"], cost["verify_cost"])
-    s["efficiency"] = s["speedup"] / s["predicted_speedup"]
+    s["efficiency"] = s["speedup"] / s["predicted_speedup"] if s["speedup"] is not None else None
     if "draft_cost_bytes" in cost:
       s["draft_cost_bytes"], s["verify_cost_bytes"] = cost["draft_cost_bytes"], cost["verify_cost_bytes"]
       s["projected_speedup"] = leviathan.predicted_speedup(alpha, gamma, cost["draft_cost_bytes"],
@@ -241,16 +247,31 @@ def agreement_table(summary: dict[str, Any]) -> str:
   return "\n".join(rows) if len(rows) > 2 else ""
 
 
+def few_drafts(s: dict[str, Any]) -> bool:
+  """Whether a drafted method's accepted drafts made fewer than FEW_DRAFTS of its tokens."""
+  return s.get("draft_share") is not None and s["draft_share"] < FEW_DRAFTS
+
+
+def speedup_text(s: dict[str, Any]) -> str:
+  """"1.23x (1.20–1.25)": the median paired speedup and its 90% interval; a method that (almost) never drafted
+  says so beside it."""
+  if s.get("speedup") is None:
+    return "–"
+  bounds = f" ({s['speedup_low']:.2f}–{s['speedup_high']:.2f})" if s.get("speedup_low") is not None else ""
+  text = f"{s['speedup']:.2f}x{bounds}"
+  if few_drafts(s):
+    text += " never drafted" if s["draft_share"] == 0 else f" drafted {s['draft_share']:.0%} of tokens"
+  return text
+
+
 def markdown_table(summary: dict[str, Any]) -> str:
-  rows = ["| method | γ | tokens/s | speedup | min–max | mean accepted | alpha | c | r | predicted | efficiency | "
-          "accelerator projection | compile s | lossless |",
+  rows = ["| method | γ | tokens/s | speedup (paired median, 90% interval) | tokens per forward | alpha | "
+          "from drafts | c | r | predicted | efficiency | accelerator projection | compile s | lossless |",
           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
   for method, s in summary["methods"].items():
-    spread = (f"{_fmt(s.get('speedup_min'), '.2f')}–{_fmt(s.get('speedup_max'), '.2f')}"
-              if s.get("speedup_min") is not None else "–")
     rows.append(f"| {method} | {_fmt(s.get('gamma'), 'd')} | {_fmt(s['tokens_per_second'], '.1f')} | "
-                f"{_fmt(s['speedup'], '.2f')}x | {spread} | {_fmt(s['mean_accepted'], '.2f')} | "
-                f"{_fmt(s['alpha'], '.2f')} | {_fmt(s.get('draft_cost'), '.3f')} | "
+                f"{speedup_text(s)} | {_fmt(s['mean_accepted'], '.2f')} | "
+                f"{_fmt(s['alpha'], '.2f')} | {_fmt(s.get('draft_share'), '.0%')} | {_fmt(s.get('draft_cost'), '.3f')} | "
                 f"{_fmt(s.get('verify_cost'), '.2f')} | "
                 f"{_fmt(s.get('predicted_speedup'), '.2f')} | {_fmt(s.get('efficiency'), '.2f')} | "
                 f"{_fmt(s.get('projected_speedup'), '.2f')} | {_fmt(s['compile_seconds'], '.1f')} | "
@@ -301,8 +322,8 @@ def adaptive_table(summary: dict[str, Any]) -> str:
              if f.get("adaptive") is False and re.fullmatch(rf"{re.escape(name)}_g\d+", n)}
     if not s.get("adaptive") or not fixed:
       continue
-    best = max(fixed, key=lambda n: fixed[n]["speedup"])
-    worst = min(fixed, key=lambda n: fixed[n]["speedup"])
+    best = max(fixed, key=lambda n: fixed[n]["speedup"] or 0.0)
+    worst = min(fixed, key=lambda n: fixed[n]["speedup"] or 0.0)
     lowest = {n: min(by_category[n].values()) for n in (name, best)}
     rows.append(f"| {name} | {s['speedup']:.2f}x | {fixed[best]['speedup']:.2f}x (γ {fixed[best]['gamma']}) | "
                 f"{fixed[worst]['speedup']:.2f}x (γ {fixed[worst]['gamma']}) | {lowest[name]:.2f}x | "
@@ -376,14 +397,29 @@ def plot_speedup_vs_batch_size(summary: dict[str, Any], path: str) -> bool:
 
 
 def plot_speedup(summary: dict[str, Any], path: str) -> None:
+  """One bar per method: the median paired speedup with its 90% interval. A method whose drafts made fewer than
+  FEW_DRAFTS of its tokens gets no bar, only its draft share, so it does not read as a drafter's speedup."""
   methods = list(summary["methods"])
-  speedups = [summary["methods"][m]["speedup"] for m in methods]
   fig, ax = plt.subplots(figsize=(1.5 + 1.2 * len(methods), 3.5))
-  bars = ax.bar(methods, speedups, color=["0.6" if m == summary["baseline"] else "C0" for m in methods])
-  ax.bar_label(bars, labels=[f"{s:.2f}x" for s in speedups])
+  top = 1.0
+  for i, m in enumerate(methods):
+    s = summary["methods"][m]
+    if s.get("speedup") is None:
+      continue
+    if few_drafts(s):
+      label = "never drafted" if s["draft_share"] == 0 else f"drafted {s['draft_share']:.0%}\nof tokens"
+      ax.text(i, 0.5, label, ha="center", va="center", fontsize="small", color="0.3")
+      continue
+    bar = ax.bar([i], [s["speedup"]], color="0.6" if m == summary["baseline"] else "C0")
+    if s.get("speedup_low") is not None:
+      ax.errorbar([i], [s["speedup"]], yerr=[[s["speedup"] - s["speedup_low"]], [s["speedup_high"] - s["speedup"]]],
+                  color="k", lw=0.8, capsize=3)
+    ax.bar_label(bar, labels=[f"{s['speedup']:.2f}x"], padding=4)
+    top = max(top, s.get("speedup_high") or s["speedup"])
   ax.axhline(1.0, color="k", lw=0.8, ls="--")
-  ax.set_ylim(0, 1.15 * max(speedups + [1.0]))  # room for the labels
-  ax.set_ylabel(f"speedup over {summary['baseline']}")
+  ax.set_xticks(range(len(methods)), methods)
+  ax.set_ylim(0, 1.2 * top)  # room for the labels
+  ax.set_ylabel(f"speedup over {summary['baseline']}\n(paired median, 90% interval)")
   ax.tick_params(axis="x", labelrotation=20)
   _save(fig, path)
 
@@ -557,10 +593,13 @@ def write(workdir: str, results: dict[str, Any]) -> str:
            f"{config['max_new_tokens']}, temperature {', '.join(map(str, temperatures))} (this table: the first; "
            f"top-p {config['top_p']} when sampling), batch {', '.join(batch_sizes)} (this table: the first); "
            f"jax {env['jax']} on "
-           f"{env['devices']}, {env['cpu_count']} CPUs. tokens/s: median over prompt batches; speedup: over "
-           f"{summary['baseline']} in the same run; min–max: over (batch, repeat) pairs, each against the baseline's "
-           f"interleaved call; mean accepted: tokens per target forward (bonus included); alpha: accepted / tested "
-           f"drafts (Leviathan's α); compile s: compiling the program for the first (warmup) call; "
+           f"{env['devices']}, {env['cpu_count']} CPUs. tokens/s: median over prompt batches; speedup: the median over "
+           f"(batch, repeat) pairs of the method's tokens/s over {summary['baseline']}'s interleaved call in the same "
+           f"run, with a distribution-free 90% interval (none below 5 pairs); tokens per forward: tokens committed "
+           f"per target forward (bonus included); alpha: accepted / tested drafts (Leviathan's α); from drafts: the "
+           f"share of new tokens that were accepted drafts (below {FEW_DRAFTS:.0%} the speedup says so: such a "
+           f"method decodes as {summary['baseline']} does); compile s: compiling the program for the first (warmup) "
+           f"call; "
            f"{sum(s['recompiles'] for s in summary['methods'].values())} timed calls compiled a new shape and were "
            "rerun. Greedy outputs are compared token for token with the baseline (lossless)."]
   if costs:

@@ -24,11 +24,10 @@ import numpy as np
 from absl import app, flags, logging
 
 import specjax
-from specjax import export, sharding
+from specjax import export, sharding, train_drafter
 from specjax.data import features
 from specjax.drafters import draft_head, draft_model
 from specjax.loading import CheckpointError
-from specjax.train_drafter import train_drafter
 from experiments import cli, prepare_data, spec_bench
 from experiments.cli import code_commit, environment, parse_flags
 
@@ -37,10 +36,11 @@ _CONFIG = cli.define_config_flag("Training config: configs/train_mtp.py:<variant
 CHECKPOINT_ARGUMENT = {"layer_skip": "adapter", "draft_model": "draft"}
 
 
-def open_caches(data_dir: str) -> dict[str, features.FeatureCache]:
+def open_caches(data_dir: str, held_out_dir: str = "") -> dict[str, features.FeatureCache]:
+  """<data_dir>/train and the held-out cache (default <data_dir>/held_out)."""
   caches = {}
   for split in ("train", "held_out"):
-    path = os.path.join(data_dir, split)
+    path = held_out_dir if split == "held_out" and held_out_dir else os.path.join(data_dir, split)
     try:
       caches[split] = features.FeatureCache.open(path)
     except CheckpointError as e:
@@ -49,17 +49,23 @@ def open_caches(data_dir: str) -> dict[str, features.FeatureCache]:
   return caches
 
 
-def spec_bench_acceptance(model, drafter, config: ml_collections.ConfigDict) -> dict[str, Any]:
+def spec_bench_acceptance(model, drafter, config: ml_collections.ConfigDict,
+                          references: dict[int, list] | None = None) -> dict[str, Any]:
   """Greedy mean_accepted (tokens per target forward, pooled over prompts) and alpha of `drafter` on the first
-  `per_category` Spec-Bench prompts of every category; every output is checked against autoregressive decoding."""
+  `per_category` Spec-Bench prompts of every category; every output is checked against autoregressive decoding
+  (whose tokens are kept in `references`, by question id, when a dict is given: a run evaluated many times
+  decodes each prompt autoregressively once)."""
   questions = spec_bench.select(spec_bench.load_questions(), per_category=config.per_category)
+  references = {} if references is None else references
   per_category: dict[str, list[float]] = {}
   lossless, produced, rounds, accepted, tested = True, 0, 0, 0, 0
   for q in questions:
     ids = spec_bench.prompt_ids(q, model.tokenizer, chat=True)
     out = specjax.generate(model, [ids], max_new_tokens=config.max_new_tokens, drafter=drafter, gamma=config.gamma,
                            adaptive=False)  # a chain of gamma drafts every round: the acceptance of the drafter itself
-    lossless &= out.tokens == specjax.generate(model, [ids], max_new_tokens=config.max_new_tokens).tokens
+    if q.question_id not in references:
+      references[q.question_id] = specjax.generate(model, [ids], max_new_tokens=config.max_new_tokens).tokens
+    lossless &= out.tokens == references[q.question_id]
     s = out.stats
     per_category.setdefault(q.category, []).append(s["mean_accepted"])
     produced += sum(s["new_tokens_per_row"]) - len(s["new_tokens_per_row"])  # the prefill gives each row's first
@@ -110,6 +116,13 @@ def model_card(card: dict[str, Any]) -> str:
       f"{card['config']['seed']}",
       f"- wall time {card['train_seconds'] / 60:.0f} min on {card['environment']['cpu_count']} CPU cores "
       f"({card['environment']['backend']}), commit {card['environment']['specjax_commit']}, {card['date']}",
+  ]
+  if card.get("positions"):
+    lines += [
+        f"- answer positions seen: {card['positions']:,} (drawn from the first {card['pool_sequences']:,} train "
+        f"sequences); training CPU time {card['train_cpu_seconds'] / 3600:.2f} h, evaluation and compilation apart; "
+        f"{card['flops_per_position'] / 1e9:.2f} GFLOPs per answer position (XLA's count of the training step)"]
+  lines += [
       "",
       "## Measured",
       "",
@@ -118,6 +131,14 @@ def model_card(card: dict[str, Any]) -> str:
       f"| top-1 agreement with the target's greedy token | {top1} |",
       "",
   ]
+  points = card.get("curve", [])
+  if len(points) > 1:
+    lines += ["## Curve", "", "Held-out top-1 at depth 1 and Spec-Bench tokens per target forward as training went:",
+              "", "| positions seen | training min | depth-1 top-1 | tokens per forward |", "|---:|---:|---:|---:|"]
+    lines += [f"| {p['positions']:,} | {p['train_seconds'] / 60:.1f} | {p['eval_top1_1']:.3f} | "
+              + (f"{p['spec_bench_mean_accepted']:.2f} |" if "spec_bench_mean_accepted" in p else "- |")
+              for p in points]
+    lines.append("")
   sb = card.get("spec_bench")
   if sb:
     lines += [f"Spec-Bench ({sb['prompts']} prompts, one per category, greedy, gamma {sb['gamma']}, "
@@ -126,10 +147,31 @@ def model_card(card: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
+def check_answers(cache: features.FeatureCache, answers: str) -> None:
+  """A config that names whose answers it trains on ("regenerated" or "sharegpt") gets a cache of them."""
+  regenerated = bool(cache.meta.get("source", {}).get("regenerate"))
+  if answers and answers != ("regenerated" if regenerated else "sharegpt"):
+    raise ValueError(f"the config trains on {answers} answers, but the cache {cache.path} holds "
+                     f"{'the target' if regenerated else 'ShareGPT'}'s own: point --config.data_dir at the other one")
+
+
+def budget(config: ml_collections.ConfigDict, train_cache: features.FeatureCache) -> dict[str, Any]:
+  """The steps, the sequences batches are drawn from and the evaluation steps of a run: from `positions` (answer
+  positions to see, with evaluation where `eval_fractions` of them are seen) when set, else `steps`."""
+  pool = train_drafter.pool_sequences(train_cache, config.get("pool_positions", 0))
+  if not config.get("positions"):
+    return {"steps": config.steps, "num_sequences": pool, "eval_steps": None}
+  steps = train_drafter.steps_for_positions(train_cache, pool, config.batch_size, config.seed, config.positions)
+  seen = train_drafter.positions_seen(train_cache, pool, config.batch_size, config.seed, steps)
+  fractions = config.eval_fractions or (1.0,)
+  return {"steps": steps, "num_sequences": pool, "eval_steps": train_drafter.steps_at_fractions(seen, fractions)}
+
+
 def run(config: ml_collections.ConfigDict, command: str) -> dict[str, Any]:
   start = time.strftime("%Y-%m-%d")
   model = specjax.load(config.model, dtype="float32")
-  caches = open_caches(config.data_dir)
+  caches = open_caches(config.data_dir, config.get("held_out_dir", ""))
+  check_answers(caches["train"], config.get("data_answers", ""))
   token_map, coverage = None, None
   if config.draft_vocab:
     counts = caches["train"].token_counts
@@ -137,24 +179,43 @@ def run(config: ml_collections.ConfigDict, command: str) -> dict[str, Any]:
     coverage = features.token_map_coverage(counts, token_map)
   fresh = specjax.make_drafter(config.drafter, model, token_map=token_map, **config.options.to_dict())
   mesh = sharding.make_mesh(*config.mesh_shape) if config.mesh_shape else None
-  result = train_drafter(
-      model, fresh, caches["train"], caches["held_out"], workdir=config.workdir, steps=config.steps,
+  plan = budget(config, caches["train"])
+  along_the_way = config.spec_bench.enabled and config.spec_bench.get("along_the_way", False)
+  references: dict[int, list] = {}  # autoregressive outputs, decoded once per run
+
+  def spec_bench_metrics(drafter) -> dict[str, Any]:
+    measured = spec_bench_acceptance(model, drafter, config.spec_bench, references)
+    return {"spec_bench_mean_accepted": measured["mean_accepted"], "spec_bench_alpha": measured["alpha"],
+            "spec_bench_lossless": measured["lossless"], "spec_bench": measured}
+
+  result = train_drafter.train_drafter(
+      model, fresh, caches["train"], caches["held_out"], workdir=config.workdir, steps=plan["steps"],
       batch_size=config.batch_size, learning_rate=config.learning_rate, warmup_steps=config.warmup_steps,
       weight_decay=config.weight_decay, clip_norm=config.clip_norm, seed=config.seed, log_every=config.log_every,
-      eval_every=config.eval_every, eval_sequences=config.eval_sequences, save_every=config.save_every, mesh=mesh)
+      eval_every=config.eval_every, eval_steps=plan["eval_steps"], eval_sequences=config.eval_sequences,
+      save_every=config.save_every, num_sequences=plan["num_sequences"],
+      evaluate_drafter=spec_bench_metrics if along_the_way else None, mesh=mesh)
   print("held-out:", {k: round(v, 4) for k, v in result.final_eval.items()})
   card = {
       "drafter": config.drafter, "target": config.model, "options": result.drafter.options.saved(),
       "command": command, "config": config.to_dict(), "steps": result.steps, "train_seconds": result.train_seconds,
+      "train_cpu_seconds": result.train_cpu_seconds, "positions": result.positions,
+      "flops_per_position": result.flops_per_position, "compile_seconds": result.compile_seconds,
+      "pool_sequences": plan["num_sequences"], "curve": curve(result.history),
       "held_out": result.final_eval, "token_map_coverage": coverage, "environment": environment(), "date": start,
       "data_command": prepare_data.reproduce_command(config.data_dir),
       "data": {split: {"path": os.path.abspath(c.path), "sequences": len(c), "masked_positions":
                        c.meta.get("masked_positions"), "seq_len": c.meta["seq_len"], "top_k": c.meta["top_k"],
                        "source": c.meta.get("source", {})} for split, c in caches.items()},
   }
-  if config.spec_bench.enabled:
+  if along_the_way:
+    card["spec_bench"] = result.history[-1]["spec_bench"]
+  elif config.spec_bench.enabled:
     card["spec_bench"] = spec_bench_acceptance(model, result.drafter, config.spec_bench)
+  if "spec_bench" in card:
     print("Spec-Bench:", card["spec_bench"])
+  with open(os.path.join(config.workdir, "run.json"), "w") as f:
+    json.dump(card, f, indent=1)
   path = config.export_path or os.path.join(config.workdir, f"{config.drafter}.safetensors")
   draft_head.save(result.drafter, path, model, card=card, dtype=config.export_dtype)
   card_path = os.path.splitext(path)[0] + ".md"
@@ -166,6 +227,14 @@ def run(config: ml_collections.ConfigDict, command: str) -> dict[str, Any]:
                             config.export_hf)
     print(f"exported the draft model as an HF Llama directory: {hf_dir}")
   return card
+
+
+def curve(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  """The evaluation points of a run's metrics: positions seen, training seconds, held-out top-1 per depth and the
+  Spec-Bench figures when measured."""
+  keep = ("step", "positions", "train_seconds", "train_cpu_seconds", "spec_bench_mean_accepted", "spec_bench_alpha")
+  return [{k: v for k, v in r.items() if k in keep or k.startswith("eval_top1_")}
+          for r in history if any(k.startswith("eval_top1_") for k in r)]
 
 
 def main(argv: Sequence[str]) -> None:

@@ -24,7 +24,7 @@ the same steps and ends with the same parameters.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import jax
 import jax.numpy as jnp
@@ -263,14 +263,17 @@ def restore_or_init(manager: ocp.CheckpointManager, state: TrainState) -> TrainS
 def train(state: TrainState, frozen: Params, train_step: Callable, batch_fn: Callable[[int], Any], *,
           num_steps: int, checkpoint_dir: str | None = None, save_interval_steps: int = 100,
           max_to_keep: int | None = 3, log_every: int = 10, progress: bool = True,
-          on_step: Callable[[int, TrainState, dict], None] | None = None
+          on_step: Callable[[int, TrainState, dict], None] | None = None,
+          on_start: Callable[[TrainState], None] | None = None, save_steps: Collection[int] = ()
           ) -> tuple[TrainState, dict[str, np.ndarray]]:
   """Runs train_step until state.step == num_steps, resuming from `checkpoint_dir`'s latest step.
 
   batch_fn(step) gives the batch of a step (a pure function of the step, so a resumed run sees the same
-  data). The final step is always saved. Returns the final state and each metric over the steps run
-  in this call ({"step": [...], "loss": [...], ...}). `on_step(step, state, metrics)` runs after every step
-  (steps counted from 1, metrics as device arrays): for evaluation and logging, before the step's checkpoint.
+  data). The final step and the steps in `save_steps` are always saved, besides every `save_interval_steps`.
+  Returns the final state and each metric over the steps run in this call ({"step": [...], "loss": [...], ...}).
+  `on_start(state)` runs once with the restored (or initial) state, before the first step; `on_step(step, state,
+  metrics)` runs after every step (steps counted from 1, metrics as device arrays): for evaluation and logging,
+  before the step's checkpoint.
   """
   manager = checkpoint_manager(checkpoint_dir, save_interval_steps=save_interval_steps,
                                max_to_keep=max_to_keep) if checkpoint_dir else None
@@ -278,6 +281,8 @@ def train(state: TrainState, frozen: Params, train_step: Callable, batch_fn: Cal
     if manager is not None:
       state = restore_or_init(manager, state)
     start = int(state.step)
+    if on_start is not None:
+      on_start(state)
     history = []
     bar = tqdm(range(start, num_steps), initial=start, total=num_steps, disable=not progress, desc="train")
     for step in bar:
@@ -287,7 +292,7 @@ def train(state: TrainState, frozen: Params, train_step: Callable, batch_fn: Cal
         on_step(step + 1, state, metrics)
       if manager is not None:
         saved = manager.save(step + 1, args=ocp.args.StandardSave(state))
-        if step + 1 == num_steps and not saved:
+        if (step + 1 == num_steps or step + 1 in save_steps) and not saved:
           manager.save(step + 1, args=ocp.args.StandardSave(state), force=True)
       if progress and (step + 1) % log_every == 0:
         bar.set_postfix(loss=f"{float(metrics['loss']):.4f}")  # a host sync every log_every steps only

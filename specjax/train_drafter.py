@@ -8,8 +8,19 @@
 Only the drafter's own trainable arrays get gradients and optimizer state (`draft_head.is_trainable`); the
 target's parameters enter the loss as frozen inputs. Batches are a pure function of the step (a seeded draw
 of sequences), so a killed run restarted with the same arguments resumes from its last orbax checkpoint and
-ends with the same parameters. Every `log_every` steps a line goes to `<workdir>/metrics.jsonl`; every
-`eval_every` steps the held-out loss and per-depth top-1 agreement with the target's greedy token are added.
+ends with the same parameters.
+
+What a run has seen is counted in answer positions (the masked positions of its batches, the positions the loss
+reads), so that drafters with different batch shapes or steps can be trained on one budget:
+`steps_for_positions` gives the steps that consume a number of positions, `steps_at_fractions` the steps where
+fractions of them are reached (log-spaced evaluation points). Every `log_every` steps a line goes to
+`<workdir>/metrics.jsonl` with the positions seen, the training FLOPs and the training wall and CPU seconds so
+far (evaluation and compilation apart); at every evaluation step the held-out loss and per-depth top-1 agreement with the target's
+greedy token are added, with whatever `evaluate_drafter` measures (e.g. Spec-Bench acceptance) and the seconds the
+evaluation took. A resumed run keeps the lines up to its checkpoint and drops the later ones, which it replays;
+evaluation steps are always checkpointed, so an evaluation is done again only if the run is killed while it saves.
+The training step is compiled ahead of time, and XLA's count of its floating-point operations
+(`cost_analysis`) over the positions it consumes gives FLOPs per training position.
 """
 
 from __future__ import annotations
@@ -18,7 +29,7 @@ import dataclasses
 import json
 import os
 import time
-from typing import Any
+from typing import Any, Callable, Collection
 
 import jax
 import jax.numpy as jnp
@@ -33,8 +44,17 @@ from specjax.drafters import Drafter, draft_head
 class TrainResult:
   drafter: Drafter  # with the trained parameters
   final_eval: dict[str, float]  # held-out metrics after the last step
-  train_seconds: float  # wall time of the steps run, over every resumed segment
+  train_seconds: float  # wall time of the steps run, over every resumed segment (evaluation apart)
   steps: int
+  train_cpu_seconds: float = 0.0  # the process's CPU time over the same steps (every thread)
+  positions: int = 0  # answer positions seen (masked positions of the batches)
+  flops_per_step: float = 0.0  # XLA's count for one compiled training step
+  compile_seconds: float = 0.0  # compiling the training step, in the last segment
+  history: list = dataclasses.field(default_factory=list)  # the metrics.jsonl records of the run
+
+  @property
+  def flops_per_position(self) -> float:
+    return self.flops_per_step * self.steps / self.positions if self.positions else float("nan")
 
 
 def feature_index(cache_layers, drafter: Drafter) -> list[int]:
@@ -69,18 +89,87 @@ def batch_indices(num_sequences: int, batch_size: int, seed: int, step: int) -> 
   return np.sort(rng.choice(num_sequences, size=min(batch_size, num_sequences), replace=False))
 
 
+def answer_positions(cache) -> np.ndarray:
+  """Answer positions (mask) per sequence of a feature cache."""
+  return np.asarray(cache.mask).sum(axis=1).astype(np.int64)
+
+
+def pool_sequences(cache, pool_positions: int) -> int:
+  """How many leading sequences of `cache` hold `pool_positions` answer positions (all of them for 0): two caches
+  cut this way offer training the same number of positions."""
+  if not pool_positions:
+    return len(cache)
+  held = np.cumsum(answer_positions(cache))
+  if held[-1] < pool_positions:
+    raise ValueError(f"feature cache {cache.path} holds {held[-1]:,} answer positions, fewer than the pool of "
+                     f"{pool_positions:,} asked for: build it from more conversations")
+  return int(np.searchsorted(held, pool_positions)) + 1
+
+
+def positions_seen(cache, num_sequences: int, batch_size: int, seed: int, steps: int) -> np.ndarray:
+  """Answer positions seen after steps 1..steps (cumulative), batches drawn from the first `num_sequences`."""
+  per_sequence = answer_positions(cache)[:num_sequences]
+  return np.cumsum([per_sequence[batch_indices(num_sequences, batch_size, seed, step)].sum() for step in range(steps)],
+                   dtype=np.int64)
+
+
+def steps_for_positions(cache, num_sequences: int, batch_size: int, seed: int, positions: int) -> int:
+  """The fewest steps whose batches hold at least `positions` answer positions."""
+  seen, step, per_sequence = 0, 0, answer_positions(cache)[:num_sequences]
+  if not per_sequence.any():
+    raise ValueError(f"feature cache {cache.path} has no answer positions")
+  while seen < positions:
+    seen += int(per_sequence[batch_indices(num_sequences, batch_size, seed, step)].sum())
+    step += 1
+  return step
+
+
+def steps_at_fractions(seen: np.ndarray, fractions: Collection[float]) -> list[int]:
+  """The first step (from 1) at which each fraction of the last count of `seen` is reached, without repeats."""
+  total = seen[-1]
+  return sorted({int(np.searchsorted(seen, f * total)) + 1 for f in fractions})
+
+
 def _batch(cache, indices, layers) -> dict[str, np.ndarray]:
   b = cache.batch(indices)
   return {"tokens": b["tokens"], "mask": b["mask"], "features": b["features"][:, :, layers],
           "teacher_ids": b["teacher_ids"], "teacher_probs": b["teacher_probs"]}
 
 
+def compiled_flops(compiled) -> float:
+  """XLA's floating-point operation count of a compiled program (0 when the backend gives none)."""
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):  # one entry per device program in older jax versions
+    cost = cost[0] if cost else {}
+  return float((cost or {}).get("flops", 0.0))
+
+
+def read_metrics(path: str) -> list[dict[str, Any]]:
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def _write_records(path: str, records: list[dict[str, Any]]) -> None:
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in records)
+  os.replace(tmp, path)
+
+
 def train_drafter(model, drafter: Drafter, train_cache, held_out_cache, *, workdir: str, steps: int,
                   batch_size: int = 8, learning_rate: float = 1e-3, warmup_steps: int = 100,
                   weight_decay: float = 0.0, clip_norm: float = 1.0, seed: int = 0, log_every: int = 10,
-                  eval_every: int = 200, eval_sequences: int = 64, save_every: int = 100, mesh=None,
+                  eval_every: int = 200, eval_steps: Collection[int] | None = None, eval_sequences: int = 64,
+                  save_every: int = 100, num_sequences: int | None = None,
+                  evaluate_drafter: Callable[[Drafter], dict[str, Any]] | None = None, mesh=None,
                   progress: bool = True) -> TrainResult:
-  """Trains `drafter`'s trainable arrays (see the module doc); returns the trained drafter and its metrics."""
+  """Trains `drafter`'s trainable arrays (see the module doc); returns the trained drafter and its metrics.
+
+  Evaluation runs at `eval_steps` (default: every `eval_every` steps) and after the last step; batches are drawn
+  from the first `num_sequences` sequences of `train_cache` (default all, see `pool_sequences`).
+  """
   if drafter.loss is None:
     raise ValueError(f"drafter {drafter.name!r} has no loss: it is not trainable")
   check_cache(train_cache, model)
@@ -89,6 +178,13 @@ def train_drafter(model, drafter: Drafter, train_cache, held_out_cache, *, workd
   layers = feature_index(train_cache.meta["feature_layers"], full)
   feature_index(held_out_cache.meta["feature_layers"], full)
   os.makedirs(workdir, exist_ok=True)
+  num_sequences = num_sequences or len(train_cache)
+  if not 0 < num_sequences <= len(train_cache):
+    raise ValueError(f"num_sequences must be in 1..{len(train_cache)}, got {num_sequences}")
+  seen = positions_seen(train_cache, num_sequences, batch_size, seed, steps)
+  eval_steps = set(range(eval_every, steps + 1, eval_every) if eval_steps is None else eval_steps) | {steps}
+  if not all(0 < s <= steps for s in eval_steps):
+    raise ValueError(f"evaluation steps must be in 1..{steps}, got {sorted(eval_steps)}")
 
   target_params = model.params
   drafter_params = drafter.params
@@ -103,6 +199,9 @@ def train_drafter(model, drafter: Drafter, train_cache, held_out_cache, *, workd
     params = train.merge_params(trainable_params, frozen_params["drafter"])
     return drafter.loss(frozen_params["target"], params, options, batch)
 
+  def batch_fn(step: int):
+    return _batch(train_cache, batch_indices(num_sequences, batch_size, seed, step), layers)
+
   optimizer = train.make_optimizer(learning_rate, min(warmup_steps, steps - 1), steps, weight_decay=weight_decay,
                                    clip_norm=clip_norm)
   state = train.init_train_state(trainable, optimizer, mesh=mesh)
@@ -111,52 +210,64 @@ def train_drafter(model, drafter: Drafter, train_cache, held_out_cache, *, workd
   else:
     step_fn = train.make_train_step(loss_fn, optimizer, mesh, has_aux=True, state_sharding=sharding.sharding_of(state),
                                     frozen_sharding=sharding.sharding_of(frozen))
+  compile_start = time.perf_counter()
+  compiled_step = step_fn.lower(state, frozen, batch_fn(0)).compile()  # the executable the steps run
+  compile_seconds = time.perf_counter() - compile_start
+  flops_per_step = compiled_flops(compiled_step)
   eval_loss = jax.jit(loss_fn)
   held_out = np.arange(min(eval_sequences, len(held_out_cache)))
   eval_batches = [held_out[i:i + batch_size] for i in range(0, len(held_out), batch_size)]
 
-  def evaluate(trainable_params) -> dict[str, float]:
+  def with_params(trainable_params) -> Drafter:
+    params = jax.device_get(train.merge_params(trainable_params, fixed))
+    return dataclasses.replace(drafter, params=jax.tree.map(jnp.asarray, params))
+
+  def evaluate(trainable_params) -> dict[str, Any]:
     sums: dict[str, float] = {}
     for indices in eval_batches:
       loss, metrics = eval_loss(trainable_params, frozen, _batch(held_out_cache, indices, layers))
       for key, value in {"loss": loss, **metrics}.items():
         sums[key] = sums.get(key, 0.0) + float(value) * len(indices)
-    return {f"eval_{k}": v / len(held_out) for k, v in sums.items()}
+    result: dict[str, Any] = {f"eval_{k}": v / len(held_out) for k, v in sums.items()}
+    if evaluate_drafter is not None:
+      result.update(evaluate_drafter(with_params(trainable_params)))
+    return result
 
   metrics_path = os.path.join(workdir, "metrics.jsonl")
-  clock_path = os.path.join(workdir, "train_seconds.json")
-  clock = {"seconds": 0.0}
-  if os.path.exists(clock_path):
-    with open(clock_path) as f:
-      clock = json.load(f)
-  segment_start, segment_base = time.perf_counter(), clock["seconds"]
+  clock = {"train_seconds": 0.0, "train_cpu_seconds": 0.0}
+  mark = [0.0, 0.0]  # wall and CPU clocks when training last resumed (after a start or an evaluation)
 
-  def log(record: dict[str, Any]):
-    with open(metrics_path, "a") as f:
-      f.write(json.dumps(record) + "\n")
-    clock["seconds"] = segment_base + time.perf_counter() - segment_start
-    tmp = clock_path + ".tmp"
-    with open(tmp, "w") as f:
-      json.dump(clock, f)
-    os.replace(tmp, clock_path)
+  def on_start(state: train.TrainState):
+    kept = [r for r in read_metrics(metrics_path) if r["step"] <= int(state.step)]
+    _write_records(metrics_path, kept)  # the lines past the checkpoint are replayed
+    for key in clock:
+      clock[key] = kept[-1].get(key, 0.0) if kept else 0.0
+    mark[:] = time.perf_counter(), time.process_time()
 
   def on_step(step: int, state: train.TrainState, metrics: dict):
-    if step % log_every and step % eval_every and step != steps:
+    if step % log_every and step % save_every and step not in eval_steps:
       return
-    record = {"step": step, **{k: float(v) for k, v in metrics.items()},
-              "seconds": segment_base + time.perf_counter() - segment_start}
-    if step % eval_every == 0 or step == steps:
+    metrics = {k: float(v) for k, v in metrics.items()}  # waits for the step: its time is the training's
+    wall, cpu = time.perf_counter(), time.process_time()
+    clock["train_seconds"] += wall - mark[0]
+    clock["train_cpu_seconds"] += cpu - mark[1]
+    record = {"step": step, "positions": int(seen[step - 1]), "flops": flops_per_step * step, **metrics, **clock}
+    if step in eval_steps:
       record.update(evaluate(state.params))
-      logging.info("step %d: %s", step, {k: round(v, 4) for k, v in record.items() if k.startswith("eval_")})
-    log(record)
+      record.update(eval_seconds=time.perf_counter() - wall, eval_cpu_seconds=time.process_time() - cpu)
+      logging.info("step %d, %d positions: %s", step, record["positions"],
+                   {k: round(v, 4) for k, v in record.items() if k.startswith("eval_")})
+    with open(metrics_path, "a") as f:
+      f.write(json.dumps(record) + "\n")
+    mark[:] = time.perf_counter(), time.process_time()
 
-  def batch_fn(step: int):
-    return _batch(train_cache, batch_indices(len(train_cache), batch_size, seed, step), layers)
-
-  state, _ = train.train(state, frozen, step_fn, batch_fn, num_steps=steps,
+  state, _ = train.train(state, frozen, compiled_step, batch_fn, num_steps=steps,
                          checkpoint_dir=os.path.join(workdir, "checkpoints"), save_interval_steps=save_every,
-                         log_every=log_every, progress=progress, on_step=on_step)
-  final = evaluate(state.params)
-  params = jax.device_get(train.merge_params(state.params, fixed))
-  trained = dataclasses.replace(drafter, params=jax.tree.map(jnp.asarray, params))
-  return TrainResult(drafter=trained, final_eval=final, train_seconds=clock["seconds"], steps=int(state.step))
+                         save_steps=eval_steps, log_every=log_every, progress=progress, on_step=on_step,
+                         on_start=on_start)
+  history = read_metrics(metrics_path)
+  final = {k: v for k, v in history[-1].items() if k.startswith("eval_") and k not in ("eval_seconds",
+                                                                                       "eval_cpu_seconds")}
+  return TrainResult(drafter=with_params(state.params), final_eval=final, train_seconds=clock["train_seconds"],
+                     steps=int(state.step), train_cpu_seconds=clock["train_cpu_seconds"], positions=int(seen[-1]),
+                     flops_per_step=flops_per_step, compile_seconds=compile_seconds, history=history)

@@ -417,8 +417,16 @@ def test_run_writes_results_table_and_plots(smollm2, tmp_path):
              / np.median([r["seconds"] for r in saved["records"] if (r["method"], r["batch"]) == (method, b)])
              for b in (0, 1)]
     assert s["tokens_per_second"] == pytest.approx(np.median(rates))
-  assert summary["prompt_lookup"]["speedup"] == pytest.approx(
-      summary["prompt_lookup"]["tokens_per_second"] / summary["autoregressive"]["tokens_per_second"])
+  # The speedup is the median of paired speedups (each call over the baseline's call on its batch and repeat).
+  pairs = {(r["batch"], r["repeat"]): r["tokens_per_second"] for r in saved["records"]
+           if r["method"] == "autoregressive"}
+  ratios = [r["tokens_per_second"] / pairs[r["batch"], r["repeat"]] for r in saved["records"]
+            if r["method"] == "prompt_lookup"]
+  assert summary["prompt_lookup"]["speedup"] == pytest.approx(np.median(ratios))
+  assert summary["prompt_lookup"]["pairs"] == 4 and summary["prompt_lookup"]["speedup_low"] is None  # < 5 pairs
+  accepted = sum(sum(r["accepted_per_row"]) for r in saved["records"] if r["method"] == "prompt_lookup")
+  new_tokens = sum(sum(r["new_tokens_per_row"]) for r in saved["records"] if r["method"] == "prompt_lookup")
+  assert summary["prompt_lookup"]["draft_share"] == pytest.approx(accepted / new_tokens)
   assert summary["prompt_lookup"]["acceptance_rate"] is not None
   assert set(saved["summary"]["speedup_by_category"]["prompt_lookup"]) == {"qa", "writing"}
   # 2 batches x 2 repeats x 2 methods, interleaved per batch, the second repeat starting with the second method.
@@ -431,7 +439,7 @@ def test_run_writes_results_table_and_plots(smollm2, tmp_path):
   assert report.json_safe(results["summary"]) == saved["summary"]
 
   table = (tmp_path / "results.md").read_text()
-  assert "| method | γ | tokens/s | speedup | min–max |" in table
+  assert "| method | γ | tokens/s | speedup (paired median, 90% interval) | tokens per forward |" in table
   assert "| autoregressive |" in table and "| prompt_lookup |" in table
   for plot in ("speedup.png", "speedup_by_category.png"):
     assert (tmp_path / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -519,7 +527,7 @@ def test_run_reports_costs_prediction_efficiency_and_projection(tiny_chat, tmp_p
     assert s["alpha"] == pytest.approx(accepted / (accepted + rejections))  # pooled over calls, not a median
     assert len(s["acceptance_per_position"]) == s["gamma"]
     assert all(a >= b for a, b in zip(s["acceptance_per_position"], s["acceptance_per_position"][1:]))
-    assert s["speedup_min"] <= s["speedup_median"] <= s["speedup_max"]
+    assert s["pairs"] == 10 and s["speedup_low"] <= s["speedup"] <= s["speedup_high"]  # 2 batches x 5 repeats
     # Prompt lookup's draft is an n-gram search, ~0 of a target step: timing noise can put it either side of 0.
     assert (math.isfinite(s["draft_cost"]) if name == "prompt_lookup" else s["draft_cost"] > 0)
     assert s["verify_cost"] > 0 and 0 < s["draft_cost_bytes"] and s["verify_cost_bytes"] >= 1
@@ -656,3 +664,25 @@ def test_batch_sizes_run_the_comparison_at_each_and_check_every_one(tiny_chat, t
   summary = run.run(config, str(tmp_path / "planted"), model=tiny_chat)["summary"]
   assert summary["all_lossless"] is False
   assert [(f["method"], f["batch_size"]) for f in summary["lossless_failures"]] == [("exit2", 2)]
+
+
+def test_a_method_that_never_drafted_says_so_instead_of_a_speedup_bar(tmp_path):
+  methods = {
+      "autoregressive": {"speedup": 1.0, "speedup_low": 1.0, "speedup_high": 1.0, "draft_share": None},
+      "exit24": {"speedup": 1.01, "speedup_low": 0.98, "speedup_high": 1.03, "draft_share": 0.0},
+      "few": {"speedup": 0.99, "speedup_low": 0.97, "speedup_high": 1.02, "draft_share": 0.04},
+      "mtp": {"speedup": 1.23, "speedup_low": 1.2, "speedup_high": 1.25, "draft_share": 0.45},
+  }
+  assert report.speedup_text(methods["mtp"]) == "1.23x (1.20–1.25)"
+  assert report.speedup_text(methods["exit24"]) == "1.01x (0.98–1.03) never drafted"
+  assert report.speedup_text(methods["few"]) == "0.99x (0.97–1.02) drafted 4% of tokens"
+  captured = {}
+  original = report._save
+  report._save = lambda fig, path: captured.setdefault("fig", fig)
+  try:
+    report.plot_speedup({"baseline": "autoregressive", "methods": methods}, str(tmp_path / "speedup.png"))
+  finally:
+    report._save = original
+  ax = captured["fig"].axes[0]
+  assert [round(p.get_height(), 2) for p in ax.patches] == [1.0, 1.23]  # bars for the baseline and mtp only
+  assert {t.get_text() for t in ax.texts} >= {"never drafted", "drafted 4%\nof tokens"}

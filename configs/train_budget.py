@@ -1,0 +1,98 @@
+r"""Every drafter family trained on one budget: the same answer positions seen, the same data, the same held-out split.
+
+  python -m experiments.prepare_data --config=configs/train_data.py:regenerate   # the target's own answers
+  python -m experiments.train --config=configs/train_budget.py:sequential          # one family
+  launch/train_budget.sh                                                          # the whole set, in the background
+  python -m experiments.curves --workdirs=workdirs/budget                         # the curves, results.json/md
+
+The argument is a family, optionally with variants (comma-separated, e.g. `sequential,sharegpt`):
+  parallel    4 parallel residual heads on the last hidden state (Medusa / Gloeckle et al.)
+  sequential  one sequential module applied recurrently on EAGLE-3 features (layers 2, 15, 27), 4 depths
+  deepseek    3 distinct sequential modules on the last hidden state (DeepSeek-V3 MTP), chained
+  exit        a trained exit adapter after k = 3 target layers (Kangaroo-style; see EXIT_LAYER)
+  draft       a distilled 4-layer draft model (target layers 0, 10, 19, 29 to start from)
+  sharegpt    the data-matching control: train on ShareGPT's own answers instead of the target's, same pool of
+              positions, evaluated on the same held-out split (the regenerated one). Its cache:
+                python -m experiments.prepare_data --config=configs/train_data.py --config.num_train=14000
+              (the same split; 14,000 conversations give ~8,000 sequences of ~146 answer positions, ~1.16M,
+              past the pool, as the regenerated cache's ~7,500 answers are)
+  small       the `small` caches of configs/train_data.py and a budget of a few steps: an end-to-end check
+
+Every run consumes `positions` answer positions (masked positions of its batches, counted, not steps), drawn from
+the first sequences of its train cache that hold `pool_positions` (so the two caches of the data study offer the
+same positions), and is evaluated where 1/64, 1/32, ..., 1/2 and all of the budget are seen: held-out per-depth
+top-1 (the first `eval_sequences` held-out sequences) and Spec-Bench tokens per target forward on a fixed prompt
+set (one prompt per category, greedy, a chain of gamma 4, 64 new tokens; evaluation only).
+
+The budget, from one training step's CPU time (batch 8 x 256 of the `small` regenerated cache, SmolLM2, median of 3
+steps on 2 cores shared with other work, 2026-12-04): parallel 2.84 s, sequential 6.95 s, deepseek 5.09 s, exit
+1.55 s, draft 4.05 s; ~1,280 answer positions per step on the regenerated cache (~160 per answer), ~1,170 on
+ShareGPT's (~146). 1.5M positions are ~1,170 steps per run (~1,280 for the ShareGPT control): 1,170 x (2.84 + 6.95
++ 5.09 + 1.55 + 4.05) + 1,280 x 6.95 = 32,900 CPU-s = 9.1 CPU-hours of training, and ~1.2 more for 7 evaluation
+points per run (~100 CPU-s each): about 10.5 CPU-hours for the set.
+"""
+
+import ml_collections
+
+from configs import common
+
+# The exit after k = 3 layers reads layer 2's output, the shallowest exit the cache holds (it holds layers 2, 15,
+# 27, 29). Shallow wins on the evidence of specjax/checkpoints/smollm2-135m/exit_adapter.md: adapters after 4, 8 and
+# 12 layers reached held-out top-1 0.284, 0.291 and 0.329 while a draft step's cost grew from 0.20 to 0.47 of a
+# target step; agreement grows more slowly with k than the cost, and k = 16 would cost ~0.6 of a target step.
+EXIT_LAYER = 3
+
+# make_drafter's arguments for fresh parameters (besides the token map) and the learning rate, per family.
+FAMILIES = {
+    "parallel": {"drafter": "mtp_parallel", "options": {"path": None, "num_heads": 4}, "learning_rate": 1e-3},
+    "sequential": {"drafter": "mtp_sequential", "learning_rate": 1e-3,
+                   "options": {"path": None, "depth": 4, "recurrent": True, "eagle3": True}},
+    "deepseek": {"drafter": "mtp_sequential", "learning_rate": 5e-4,
+                 "options": {"path": None, "depth": 3, "recurrent": False, "eagle3": False}},
+    "exit": {"drafter": "layer_skip", "options": {"adapter": "fresh", "exit_layer": EXIT_LAYER, "mlp": True},
+             "learning_rate": 1e-3},
+    "draft": {"drafter": "draft_model", "options": {"draft": "fresh", "num_layers": 4}, "learning_rate": 5e-4},
+}
+VARIANTS = ("sharegpt", "small")
+REGENERATED = "workdirs/data/train_data-regenerate"  # prepare_data's workdir for configs/train_data.py:regenerate
+SHAREGPT = "workdirs/data/train_data"  # ... for configs/train_data.py
+
+
+def get_config(arg=None):
+  parts = [p.strip() for p in (arg or "").split(",") if p.strip()]
+  families = [p for p in parts if p in FAMILIES]
+  unknown = sorted(set(parts) - set(FAMILIES) - set(VARIANTS))
+  if unknown or len(families) != 1:
+    raise ValueError(f"configs/train_budget.py takes one family of {tuple(FAMILIES)}, optionally with variants "
+                     f"{VARIANTS} (e.g. ':sequential,sharegpt'), got {arg!r}")
+  family, small, sharegpt = families[0], "small" in parts, "sharegpt" in parts
+  config = ml_collections.ConfigDict()
+  config.model = "smollm2-135m"
+  config.family = family
+  config.drafter = FAMILIES[family]["drafter"]
+  config.options = ml_collections.ConfigDict(FAMILIES[family]["options"])
+  config.learning_rate = FAMILIES[family]["learning_rate"]
+  config.draft_vocab = 8192  # truncated draft vocabulary (FR-Spec), the same for every family
+  config.steps = 0  # unused: the budget is `positions`
+  name = family + ("-sharegpt" if sharegpt else "")
+  config = common.drafter_training(config, f"workdirs/budget/{name}", small=False)
+
+  suffix = "-small" if small else ""
+  config.data_dir = (SHAREGPT if sharegpt else REGENERATED) + suffix
+  config.held_out_dir = f"{REGENERATED}{suffix}/held_out"  # one held-out split for every run
+  config.data_answers = "sharegpt" if sharegpt else "regenerated"  # checked against the train cache's source
+  config.positions = 1_500_000  # answer positions seen by every run (sized in the docstring)
+  config.pool_positions = 1_000_000  # drawn from the first sequences holding this many (both caches hold more)
+  config.eval_fractions = tuple(2.0 ** -i for i in range(6, -1, -1))  # 1/64 .. 1: 7 log-spaced points
+  config.spec_bench.update(max_new_tokens=64, along_the_way=True)
+  if small:
+    config.positions = 4096
+    config.pool_positions = 2048
+    config.warmup_steps = 2
+    config.eval_fractions = (0.25, 0.5, 1.0)
+    config.eval_sequences = 8
+    config.save_every = 2
+    config.log_every = 1
+    config.spec_bench.update(max_new_tokens=16, per_category=1)
+    config.workdir += suffix
+  return config

@@ -1,0 +1,100 @@
+r"""Whether a newly trained drafter checkpoint should replace the shipped one: both measured on held-out prompts.
+
+  python -m experiments.compare_checkpoints --drafter=mtp_sequential \
+      --candidate=workdirs/budget/sequential/mtp_sequential.safetensors \
+      --held_out=workdirs/data/train_data-regenerate/held_out [--shipped=default] [--prompts=48]
+
+The prompts are the prompt parts (everything before the first answer position) of the first `--prompts` sequences of
+a held-out feature cache: conversations no drafter was trained on, and no evaluation prompt either. Each drafter
+decodes every prompt greedily with a chain of `--gamma` drafts per round (`--max_new_tokens` new tokens, output
+checked against autoregressive decoding), and is scored by Leviathan et al. (2023)'s speedup with the measured
+tokens per target forward E in place of E(alpha): E / (gamma c + 1), c the drafter's cost per draft step over a
+target step (`Drafter.cost.step`). For two drafters of one cost that ranks them by tokens per forward; an exit
+adapter after fewer layers drafts more cheaply and is credited for it. The candidate replaces the shipped checkpoint
+only if it scores higher; this command says which, and replaces nothing (copy the file yourself, with its card).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+import numpy as np
+from absl import app, flags
+
+import specjax
+from specjax.data import features
+from experiments.train import CHECKPOINT_ARGUMENT
+
+_DRAFTER = flags.DEFINE_string("drafter", None, "make_drafter's name: mtp_parallel, mtp_sequential, layer_skip, ...")
+_CANDIDATE = flags.DEFINE_string("candidate", None, "the new checkpoint (.safetensors)")
+_SHIPPED = flags.DEFINE_string("shipped", "default", "the checkpoint to beat; default: the one shipped for the model")
+_HELD_OUT = flags.DEFINE_string("held_out", None, "a held-out feature cache (prepare_data's <workdir>/held_out)")
+_MODEL = flags.DEFINE_string("model", "smollm2-135m", "the target")
+_PROMPTS = flags.DEFINE_integer("prompts", 48, "held-out prompts")
+_GAMMA = flags.DEFINE_integer("gamma", 4, "draft tokens per round")
+_MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 64, "new tokens per prompt")
+
+
+def held_out_prompts(cache: features.FeatureCache, count: int) -> list[list[int]]:
+  """The prompt of each of the first `count` sequences of `cache`: its tokens before the first answer position."""
+  prompts = []
+  for i in range(min(count, len(cache))):
+    answer = np.flatnonzero(np.asarray(cache.mask[i]))
+    if answer.size:
+      prompts.append([int(t) for t in cache.tokens[i, :answer[0]]])
+  if not prompts:
+    raise ValueError(f"no sequence of {cache.path} has an answer position")
+  return prompts
+
+
+def acceptance(model, drafter, prompts: Sequence[Sequence[int]], gamma: int, max_new_tokens: int) -> dict[str, Any]:
+  """Tokens per target forward (pooled and per prompt) of greedy decoding with a chain of `gamma` drafts."""
+  per_prompt, produced, rounds = [], 0, 0
+  for ids in prompts:
+    out = specjax.generate(model, [list(ids)], max_new_tokens=max_new_tokens, drafter=drafter, gamma=gamma,
+                           adaptive=False)
+    if out.tokens != specjax.generate(model, [list(ids)], max_new_tokens=max_new_tokens).tokens:
+      raise AssertionError(f"{drafter.name}: speculative output differs from autoregressive decoding: a bug")
+    s = out.stats
+    per_prompt.append(s["mean_accepted"])
+    produced += sum(s["new_tokens_per_row"]) - len(s["new_tokens_per_row"])  # the prefill gives each row's first
+    rounds += sum(s["rounds_per_row"])
+  mean_accepted = produced / rounds if rounds else float("nan")
+  score = mean_accepted / (gamma * drafter.cost.step + 1.0)
+  return {"mean_accepted": mean_accepted, "draft_cost": drafter.cost.step, "score": score, "per_prompt": per_prompt}
+
+
+def compare(model, candidate, shipped, prompts: Sequence[Sequence[int]], *, gamma: int = 4,
+            max_new_tokens: int = 64) -> dict[str, Any]:
+  """Both drafters on the same prompts; `replace` is True when the candidate scores higher (see the module doc)."""
+  new, old = (acceptance(model, d, prompts, gamma, max_new_tokens) for d in (candidate, shipped))
+  wins = int(np.sum(np.array(new["per_prompt"]) > np.array(old["per_prompt"])))
+  losses = int(np.sum(np.array(new["per_prompt"]) < np.array(old["per_prompt"])))
+  return {"prompts": len(prompts), "gamma": gamma, "max_new_tokens": max_new_tokens, "candidate": new,
+          "shipped": old, "prompts_candidate_better": wins, "prompts_shipped_better": losses,
+          "replace": bool(new["score"] > old["score"])}
+
+
+def main(argv: Sequence[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  model = specjax.load(_MODEL.value, dtype="float32")
+  argument = CHECKPOINT_ARGUMENT.get(_DRAFTER.value, "path")
+  candidate = specjax.make_drafter(_DRAFTER.value, model, **{argument: _CANDIDATE.value})
+  shipped = specjax.make_drafter(_DRAFTER.value, model, **{argument: _SHIPPED.value})
+  prompts = held_out_prompts(features.FeatureCache.open(_HELD_OUT.value), _PROMPTS.value)
+  result = compare(model, candidate, shipped, prompts, gamma=_GAMMA.value, max_new_tokens=_MAX_NEW_TOKENS.value)
+  for name in ("candidate", "shipped"):
+    r = result[name]
+    print(f"{name}: {r['mean_accepted']:.2f} tokens per target forward, draft cost {r['draft_cost']:.3f}, "
+          f"score {r['score']:.3f}")
+  print(f"candidate better on {result['prompts_candidate_better']} of {result['prompts']} prompts, shipped on "
+        f"{result['prompts_shipped_better']}")
+  print("REPLACE the shipped checkpoint" if result["replace"] else "KEEP the shipped checkpoint")
+  print(json.dumps({k: v for k, v in result.items() if k not in ("candidate", "shipped")}))
+
+
+if __name__ == "__main__":
+  flags.mark_flags_as_required(["drafter", "candidate", "held_out"])
+  app.run(main)

@@ -1,0 +1,194 @@
+r"""Acceptance-vs-training curves of drafters trained on one budget (configs/train_budget.py), on one log-x plot.
+
+  python -m experiments.curves --workdirs=workdirs/budget [--out=workdirs/budget/curves]
+
+`--workdirs` lists training workdirs, or folders of them (every sub-folder with a metrics.jsonl is a run). Each
+run's evaluation points come from its metrics.jsonl (so a run still going is drawn as far as it got), its family,
+data and cost from the run.json experiments.train writes when it ends. Writes to `--out`:
+  curves.png    held-out depth-1 top-1 and Spec-Bench tokens per target forward against answer positions seen (log x)
+  results.json  per run: positions, wall and CPU time of training, FLOPs per position, the final held-out top-1 per
+                depth, Spec-Bench tokens per forward and alpha, the curve, and where the project's target for its
+                family would be reached
+  results.md    the table of results.json, rendered from it at the precision shown
+
+Where the target of a family (TARGETS) is not reached, it is extrapolated: a line fitted by least squares to the
+metric against log10(positions) over the last FIT_POINTS evaluation points, solved for the target. It is an
+extrapolation of a curve that must bend eventually, so it says at least how many positions the target would take.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import time
+from typing import Any, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+from experiments.cli import code_commit  # noqa: E402
+
+_WORKDIRS = flags.DEFINE_list("workdirs", ["workdirs/budget"], "training workdirs, or folders holding them")
+_OUT = flags.DEFINE_string("out", "workdirs/budget/curves", "where curves.png, results.json and results.md go")
+
+# The project's targets (Spec-Bench, greedy, gamma 4 chain): family -> (metric of the evaluation points, value).
+TARGETS = {"sequential": ("spec_bench_mean_accepted", 2.2), "parallel": ("spec_bench_mean_accepted", 1.6),
+           "exit": ("spec_bench_alpha", 0.4)}
+FIT_POINTS = 3  # the last evaluation points the extrapolation is fitted to
+PANELS = (("eval_top1_1", "held-out top-1, depth 1"), ("spec_bench_mean_accepted", "Spec-Bench tokens per forward"))
+
+
+def run_dirs(paths: Sequence[str]) -> list[str]:
+  """The training workdirs among `paths` and their sub-folders (those with a metrics.jsonl), sorted."""
+  found = set()
+  for path in paths:
+    if os.path.isfile(os.path.join(path, "metrics.jsonl")):
+      found.add(os.path.normpath(path))
+    found.update(os.path.dirname(p) for p in glob.glob(os.path.join(path, "*", "metrics.jsonl")))
+  if not found:
+    raise FileNotFoundError(f"no training run (a folder with metrics.jsonl) in {list(paths)}")
+  return sorted(found)
+
+
+def extrapolate(points: list[dict[str, Any]], metric: str, target: float) -> dict[str, Any]:
+  """Where `metric` reaches `target`: the first evaluation point that does, else the linear fit of the metric in
+  log10(positions) over the last FIT_POINTS points solved for the target (None when the fit does not rise)."""
+  measured = [(p["positions"], p[metric]) for p in points if p.get(metric) is not None]
+  out: dict[str, Any] = {"metric": metric, "target": target}
+  reached = [x for x, y in measured if y >= target]
+  if reached:
+    return {**out, "reached": True, "positions": reached[0], "method": "measured"}
+  out.update(reached=False, method=f"linear in log10(positions) over the last {FIT_POINTS} evaluation points")
+  if len(measured) < 2:
+    return {**out, "positions": None, "slope_per_decade": None}
+  x, y = np.log10([m[0] for m in measured[-FIT_POINTS:]]), np.array([m[1] for m in measured[-FIT_POINTS:]])
+  slope, intercept = np.polyfit(x, y, 1)
+  positions = 10 ** ((target - intercept) / slope) if slope > 1e-9 else None  # a flat fit reaches nothing
+  return {**out, "slope_per_decade": float(slope), "positions": None if positions is None else float(positions)}
+
+
+def read_run(workdir: str) -> dict[str, Any]:
+  """One run's summary: its evaluation points from metrics.jsonl, its family, data and final figures."""
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    records = [json.loads(line) for line in f if line.strip()]
+  card = {}
+  if os.path.isfile(os.path.join(workdir, "run.json")):
+    with open(os.path.join(workdir, "run.json")) as f:
+      card = json.load(f)
+  name = os.path.basename(os.path.normpath(workdir))
+  config = card.get("config", {})
+  family = config.get("family") or name.split("-")[0]
+  keep = ("step", "positions", "flops", "train_seconds", "train_cpu_seconds", "spec_bench_mean_accepted",
+          "spec_bench_alpha")
+  points = [{k: v for k, v in r.items() if k in keep or k.startswith("eval_top1_")}
+            for r in records if "eval_top1_1" in r]
+  last = records[-1] if records else {}
+  final = points[-1] if points else {}
+  run = {
+      "name": name, "workdir": os.path.abspath(workdir), "family": family, "drafter": card.get("drafter"),
+      "answers": config.get("data_answers") or None, "finished": bool(card),
+      "budget_positions": config.get("positions"), "positions": last.get("positions"), "steps": last.get("step"),
+      "train_seconds": last.get("train_seconds"), "train_cpu_seconds": last.get("train_cpu_seconds"),
+      "flops_per_position": last["flops"] / last["positions"] if last.get("positions") else None,
+      "final_top1": {k.removeprefix("eval_top1_"): v for k, v in sorted(final.items()) if k.startswith("eval_top1_")},
+      "final_mean_accepted": final.get("spec_bench_mean_accepted"), "final_alpha": final.get("spec_bench_alpha"),
+      "curve": points,
+  }
+  if family in TARGETS:
+    run["target"] = extrapolate(points, *TARGETS[family])
+    if run["target"]["positions"] and run["positions"] and run["train_cpu_seconds"]:
+      run["target"]["cpu_hours"] = run["target"]["positions"] * run["train_cpu_seconds"] / run["positions"] / 3600
+  return run
+
+
+def _fmt(value, spec: str) -> str:
+  return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def target_sentence(run: dict[str, Any]) -> str:
+  t = run["target"]
+  what = f"{run['name']}: {t['metric'].removeprefix('spec_bench_').replace('_', ' ')} >= {t['target']}"
+  if t["reached"]:
+    return f"{what} reached at {t['positions']:,.0f} positions (measured)."
+  if t["positions"] is None:
+    return f"{what} not reached, and the curve does not rise over its last points: no extrapolation."
+  hours = f", ~{t['cpu_hours']:.0f} CPU-hours of training at this run's rate" if t.get("cpu_hours") else ""
+  return (f"{what} not reached; extrapolated ({t['method']}, {t['slope_per_decade']:+.3f} per decade): "
+          f"~{t['positions']:.2g} positions{hours}.")
+
+
+def results_markdown(results: dict[str, Any]) -> str:
+  """results.md from results.json."""
+  runs = results["runs"]
+  depths = sorted({d for r in runs for d in r["final_top1"]}, key=int)
+  lines = [f"# Drafters on one budget ({results['date']}, commit {results['commit']})", "",
+           "| run | answers | positions | wall (h) | CPU (h) | GFLOPs / position | "
+           + " | ".join(f"top-1 depth {d}" for d in depths) + " | tokens / forward | alpha |",
+           "|---|---|---:|---:|---:|---:|" + "---:|" * (len(depths) + 2)]
+  for r in runs:
+    lines.append(
+        f"| {r['name']}{'' if r['finished'] else ' (running)'} | {r['answers'] or '-'} | {_fmt(r['positions'], ',')} "
+        f"| {_fmt(r['train_seconds'] and r['train_seconds'] / 3600, '.2f')} "
+        f"| {_fmt(r['train_cpu_seconds'] and r['train_cpu_seconds'] / 3600, '.2f')} "
+        f"| {_fmt(r['flops_per_position'] and r['flops_per_position'] / 1e9, '.2f')} | "
+        + " | ".join(_fmt(r["final_top1"].get(d), ".3f") for d in depths)
+        + f" | {_fmt(r['final_mean_accepted'], '.2f')} | {_fmt(r['final_alpha'], '.3f')} |")
+  sentences = [target_sentence(r) for r in runs if "target" in r]
+  if sentences:
+    lines += ["", "Targets (Spec-Bench, greedy, gamma 4 chain):", ""] + [f"- {s}" for s in sentences]
+  lines += ["", "Wall and CPU time are of training alone (evaluation and compilation apart), on a machine shared with "
+            "other work: CPU time is the steadier of the two.", ""]
+  return "\n".join(lines)
+
+
+def plot(runs: list[dict[str, Any]], path: str) -> None:
+  fig, axes = plt.subplots(1, len(PANELS), figsize=(6 * len(PANELS), 4.2))
+  for ax, (metric, label) in zip(axes, PANELS):
+    for r in runs:
+      xy = [(p["positions"], p[metric]) for p in r["curve"] if p.get(metric) is not None]
+      if xy:
+        ax.plot(*zip(*xy), marker="o", label=r["name"])
+    for family, (target_metric, value) in TARGETS.items():
+      if target_metric == metric:
+        ax.axhline(value, color="gray", linestyle=":", linewidth=1)
+        ax.annotate(f"{family} target", (1.0, value), xycoords=("axes fraction", "data"), ha="right", va="bottom",
+                    fontsize=8, color="gray")
+    ax.set_xscale("log")
+    ax.set_xlabel("answer positions seen")
+    ax.set_ylabel(label)
+    ax.grid(True, which="both", alpha=0.3)
+  axes[0].legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def curves(workdirs: Sequence[str], out: str) -> dict[str, Any]:
+  runs = [read_run(d) for d in run_dirs(workdirs)]
+  results = {"date": time.strftime("%Y-%m-%d"), "commit": code_commit(), "targets": TARGETS,
+             "fit_points": FIT_POINTS, "runs": runs}
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, "results.json"), "w") as f:
+    json.dump(results, f, indent=1)
+  with open(os.path.join(out, "results.md"), "w") as f:
+    f.write(results_markdown(results))
+  plot(runs, os.path.join(out, "curves.png"))
+  return results
+
+
+def main(argv: Sequence[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  results = curves(_WORKDIRS.value, _OUT.value)
+  print(results_markdown(results))
+  print(f"wrote {_OUT.value}/curves.png, results.json and results.md")
+
+
+if __name__ == "__main__":
+  app.run(main)

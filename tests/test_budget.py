@@ -1,0 +1,202 @@
+"""Training on one budget of answer positions (configs/train_budget.py): the positions a run sees are counted from
+its batches, evaluation points are log-spaced in positions, a killed run keeps its evaluation points, and the curves
+command reads runs' metrics into one table and plot."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+import specjax
+from configs import train_budget
+from experiments import curves, train
+from specjax import export
+from specjax import train_drafter as td
+from specjax.data.features import build_feature_cache
+
+SEQ_LEN = 24
+
+
+@pytest.fixture(scope="module")
+def caches(tiny, tmp_path_factory):
+  """Train and held-out caches of `tiny` with every layer's features; answers of varied lengths."""
+  root = tmp_path_factory.mktemp("budget")
+  rng = np.random.default_rng(0)
+  out = {}
+  for split, n in (("train", 24), ("held_out", 8)):
+    seqs = [(rng.integers(0, tiny.config.vocab_size, size=SEQ_LEN).astype(np.int32),
+             np.arange(SEQ_LEN) >= rng.integers(4, 20)) for _ in range(n)]
+    out[split] = build_feature_cache(tiny, seqs, str(root / "data" / split), seq_len=SEQ_LEN,
+                                     feature_layers=tuple(range(tiny.config.num_layers)), top_k=4, batch_size=8)
+  return out, root
+
+
+def test_positions_seen_are_the_masked_positions_of_each_steps_batch(caches):
+  cache = caches[0]["train"]
+  seen = td.positions_seen(cache, len(cache), batch_size=4, seed=3, steps=6)
+  per_step = [td._batch(cache, td.batch_indices(len(cache), 4, 3, step), [0])["mask"].sum() for step in range(6)]
+  np.testing.assert_array_equal(seen, np.cumsum(per_step))
+  steps = td.steps_for_positions(cache, len(cache), 4, 3, positions=int(seen[3]) - 1)
+  assert steps == 4  # the fewest steps holding the positions asked for
+  assert td.steps_for_positions(cache, len(cache), 4, 3, positions=int(seen[3])) == 4
+  assert td.steps_for_positions(cache, len(cache), 4, 3, positions=int(seen[3]) + 1) == 5
+
+
+def test_pool_holds_the_positions_asked_for_and_too_few_is_a_clear_error(caches):
+  cache = caches[0]["train"]
+  held = np.cumsum(td.answer_positions(cache))
+  n = td.pool_sequences(cache, int(held[9]))
+  assert n == 10 and td.pool_sequences(cache, int(held[9]) + 1) == 11 and td.pool_sequences(cache, 0) == len(cache)
+  assert all(td.batch_indices(n, 4, 0, step).max() < n for step in range(20))
+  with pytest.raises(ValueError, match="holds .* answer positions, fewer than the pool"):
+    td.pool_sequences(cache, int(held[-1]) + 1)
+
+
+def test_evaluation_points_are_log_spaced_in_positions(caches):
+  cache = caches[0]["train"]
+  steps = td.steps_for_positions(cache, len(cache), 2, 0, positions=4000)
+  seen = td.positions_seen(cache, len(cache), 2, 0, steps)
+  fractions = [2.0 ** -i for i in range(6, -1, -1)]
+  eval_steps = td.steps_at_fractions(seen, fractions)
+  assert len(eval_steps) == 7 and eval_steps[-1] == steps
+  for step, fraction in zip(eval_steps, fractions):
+    assert seen[step - 1] >= fraction * seen[-1] and (step == 1 or seen[step - 2] < fraction * seen[-1])
+  ratios = np.diff(np.log2(seen[np.array(eval_steps) - 1]))
+  assert np.all(np.abs(ratios - 1.0) < 0.2)  # each point sees about twice the positions of the one before
+
+
+def test_killed_run_resumes_keeping_its_evaluation_points(tiny, caches, tmp_path, monkeypatch):
+  """Killed after its second evaluation, a run restarted with the same arguments neither repeats nor loses an
+  evaluation; every record counts the positions of the steps before it, and the clocks only move forward."""
+  cache, held_out = caches[0]["train"], caches[0]["held_out"]
+  evaluated = []
+
+  def run():
+    fresh = specjax.make_drafter("mtp_parallel", tiny, path=None, num_heads=2)
+    return td.train_drafter(tiny, fresh, cache, held_out, workdir=str(tmp_path), steps=12, batch_size=4,
+                            warmup_steps=2, log_every=1, eval_steps=(1, 2, 4, 8), save_every=5, eval_sequences=4,
+                            evaluate_drafter=lambda drafter: evaluated.append(1) or {"evaluations": len(evaluated)},
+                            progress=False)
+
+  real_batch, calls = td._batch, []
+
+  def dies_at_step_7(cache_, indices, layers):
+    if cache_ is cache:
+      calls.append(1)
+      if len(calls) == 1 + 7:  # one batch to compile the step with, then steps 1..6; the 7th dies
+        raise KeyboardInterrupt("killed")
+    return real_batch(cache_, indices, layers)
+  monkeypatch.setattr(td, "_batch", dies_at_step_7)
+  with pytest.raises(KeyboardInterrupt):
+    run()
+  assert len(evaluated) == 3  # steps 1, 2 and 4
+  monkeypatch.setattr(td, "_batch", real_batch)
+  result = run()
+  records = td.read_metrics(str(tmp_path / "metrics.jsonl"))
+  assert [r["step"] for r in records] == list(range(1, 13))  # steps 6 (past the step-5 checkpoint) replayed once
+  assert [r["step"] for r in records if "eval_top1_1" in r] == [1, 2, 4, 8, 12]
+  assert [r["evaluations"] for r in records if "evaluations" in r] == [1, 2, 3, 4, 5]  # none repeated
+  seen = td.positions_seen(cache, len(cache), 4, 0, 12)
+  assert [r["positions"] for r in records] == seen.tolist() and result.positions == seen[-1]
+  for key in ("train_seconds", "train_cpu_seconds", "flops"):
+    assert np.all(np.diff([r[key] for r in records]) >= 0), key
+  assert result.flops_per_step > 0 and result.flops_per_position == pytest.approx(
+      result.flops_per_step * 12 / seen[-1])
+  assert result.final_eval == {k: v for k, v in records[-1].items()
+                               if k.startswith("eval_") and k not in ("eval_seconds", "eval_cpu_seconds")}
+
+
+def test_budget_config_names_its_families_and_one_budget_for_all():
+  with pytest.raises(ValueError, match=r"one family of \('parallel', 'sequential', 'deepseek', 'exit', 'draft'\)"):
+    train_budget.get_config("medusa")
+  with pytest.raises(ValueError, match="one family of"):
+    train_budget.get_config("parallel,sequential")
+  with pytest.raises(ValueError, match="one family of"):
+    train_budget.get_config("sharegpt")
+  configs = [train_budget.get_config(f) for f in train_budget.FAMILIES] + [train_budget.get_config("sequential,sharegpt")]
+  shared = ("positions", "pool_positions", "held_out_dir", "eval_fractions", "batch_size", "seed", "draft_vocab")
+  for field in shared:
+    assert len({str(c[field]) for c in configs}) == 1, field
+  assert len({c.workdir for c in configs}) == len(configs)
+  assert configs[-1].data_answers == "sharegpt" and configs[1].data_answers == "regenerated"
+  assert configs[-1].data_dir != configs[1].data_dir and configs[-1].options == configs[1].options
+  assert len(configs[0].eval_fractions) >= 5
+  assert train_budget.get_config("exit").options.exit_layer - 1 in (2, 15)  # a layer the regenerated cache holds
+
+
+def test_budget_run_trains_to_its_positions_and_the_card_shows_the_curve(tiny, caches, tmp_path):
+  (cache_set, root) = caches
+  model_dir = export.save_hf(tiny, str(tmp_path / "model"))
+  config = train_budget.get_config("parallel,small")
+  config.model, config.data_dir, config.held_out_dir = model_dir, str(root / "data"), str(root / "data" / "held_out")
+  config.draft_vocab, config.batch_size, config.positions, config.pool_positions = 16, 4, 400, 200
+  config.spec_bench.enabled, config.options.num_heads, config.workdir = False, 2, str(tmp_path / "run")
+  with pytest.raises(ValueError, match="trains on regenerated answers, but the cache .* holds ShareGPT's own"):
+    train.run(config, "test")
+  config.data_answers = "sharegpt"  # the tiny caches record no regeneration
+  card = train.run(config, "python -m experiments.train (test)")
+  pool = td.pool_sequences(cache_set["train"], 200)
+  seen = td.positions_seen(cache_set["train"], pool, 4, 0, card["steps"])
+  assert seen[-1] >= 400 > seen[-2] and card["positions"] == seen[-1] and card["pool_sequences"] == pool
+  assert [p["positions"] for p in card["curve"]] == [seen[s - 1] for s in td.steps_at_fractions(seen, (.25, .5, 1))]
+  with open(os.path.join(config.workdir, "mtp_parallel.md")) as f:
+    text = f.read()
+  assert f"answer positions seen: {seen[-1]:,}" in text and "## Curve" in text
+
+
+def synthetic_run(workdir, family, positions, top1, accepted, alpha=None, finished=True):
+  os.makedirs(workdir)
+  with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+    for i, (p, t, a) in enumerate(zip(positions, top1, accepted)):
+      f.write(json.dumps({"step": i + 1, "positions": p, "flops": 2e9 * p, "train_seconds": p / 100.0,
+                          "train_cpu_seconds": p / 50.0, "eval_top1_1": t, "eval_top1_2": t / 2,
+                          "spec_bench_mean_accepted": a, "spec_bench_alpha": alpha or a - 1}) + "\n")
+  if finished:
+    with open(os.path.join(workdir, "run.json"), "w") as f:
+      json.dump({"drafter": family, "config": {"family": family, "data_answers": "regenerated",
+                                               "positions": positions[-1]}}, f)
+
+
+def test_curves_table_plot_and_extrapolation_from_runs_metrics(tmp_path):
+  positions = [1000, 10000, 100000]
+  synthetic_run(tmp_path / "runs" / "sequential", "sequential", positions, [0.3, 0.4, 0.5], [1.4, 1.6, 1.8])
+  synthetic_run(tmp_path / "runs" / "parallel", "parallel", positions, [0.2, 0.3, 0.35], [1.5, 1.7, 1.6])
+  synthetic_run(tmp_path / "runs" / "exit", "exit", positions, [0.2, 0.2, 0.2], [1.2, 1.2, 1.2], alpha=0.2,
+                finished=False)
+  results = curves.curves([str(tmp_path / "runs")], str(tmp_path / "out"))
+  runs = {r["name"]: r for r in results["runs"]}
+  assert set(runs) == {"sequential", "parallel", "exit"}
+  seq = runs["sequential"]
+  assert seq["target"]["reached"] is False
+  assert seq["target"]["positions"] == pytest.approx(10 ** 7, rel=1e-6)  # +0.2 per decade: 2.2 two decades on
+  assert seq["target"]["slope_per_decade"] == pytest.approx(0.2)
+  assert seq["target"]["cpu_hours"] == pytest.approx(10 ** 7 / 50 / 3600)
+  assert runs["parallel"]["target"] == {"metric": "spec_bench_mean_accepted", "target": 1.6, "reached": True,
+                                        "positions": 10000, "method": "measured", "cpu_hours": 10000 / 50 / 3600}
+  assert runs["exit"]["target"]["positions"] is None and not runs["exit"]["finished"]  # flat: no extrapolation
+  assert seq["flops_per_position"] == pytest.approx(2e9) and seq["final_top1"] == {"1": 0.5, "2": 0.25}
+  saved = json.loads((tmp_path / "out" / "results.json").read_text())
+  assert saved["runs"] == json.loads(json.dumps(results["runs"]))
+  table = (tmp_path / "out" / "results.md").read_text()
+  assert "| sequential | regenerated | 100,000 | 0.28 | 0.56 | 2.00 | 0.500 | 0.250 | 1.80 | 0.800 |" in table
+  assert "exit (running)" in table and "~1e+07 positions" in table
+  assert (tmp_path / "out" / "curves.png").stat().st_size > 10000
+  with pytest.raises(FileNotFoundError, match="no training run"):
+    curves.curves([str(tmp_path / "out")], str(tmp_path / "out2"))
+
+
+def test_a_checkpoint_replaces_the_shipped_one_only_when_it_scores_higher_on_held_out_prompts(tiny, caches):
+  from experiments import compare_checkpoints
+  held_out = caches[0]["held_out"]
+  prompts = compare_checkpoints.held_out_prompts(held_out, 3)
+  first_answer = [int(np.flatnonzero(np.asarray(held_out.mask[i]))[0]) for i in range(3)]
+  assert prompts == [held_out.tokens[i, :n].tolist() for i, n in enumerate(first_answer)]
+  drafter = specjax.make_drafter("mtp_parallel", tiny, path=None, num_heads=2)
+  same = compare_checkpoints.compare(tiny, drafter, drafter, prompts, gamma=2, max_new_tokens=6)
+  assert same["candidate"]["score"] == same["shipped"]["score"] and not same["replace"]
+  assert same["prompts_candidate_better"] == same["prompts_shipped_better"] == 0
+  assert same["candidate"]["score"] == pytest.approx(
+      same["candidate"]["mean_accepted"] / (2 * drafter.cost.step + 1))
