@@ -36,8 +36,9 @@ import numpy as np
 from absl import app, flags
 
 import specjax
-from configs import compare_drafters
+from configs import common, compare_drafters
 from experiments import costs as cost_lib
+from experiments.run import method_options
 from specjax import leviathan
 from specjax.config import ModelConfig
 from specjax.loading import Model
@@ -160,15 +161,16 @@ def main(argv):
   context = [int(t) for t in rng.integers(100, model.config.vocab_size, size=_CONTEXT.value)]
 
   methods, skipped = [], []
-  for method in compare_drafters.drafter_methods():
+  for method in common.methods(*compare_drafters.METHODS):
     if "drafter" not in method:
       continue
     try:
-      drafter = specjax.make_drafter(method["drafter"], model, **method["options"])
+      options, own_gamma = method_options(method)
+      drafter = specjax.make_drafter(method["drafter"], model, **options)
     except ValueError as e:  # a missing shipped checkpoint (CheckpointError), a layer the model lacks: time the rest
       skipped.append(f"{method['name']}: {e}")
       continue
-    gamma = alphas.get(method["name"], {}).get("gamma") or method.get("gamma", 4)
+    gamma = alphas.get(method["name"], {}).get("gamma") or own_gamma or 4
     methods.append((method["name"], drafter, int(gamma)))
   for line in skipped:
     print(f"skipped {line}")

@@ -11,7 +11,7 @@ Spec-Bench category? On a shared CPU one call's time moves by 10-20% between rep
 every call is paired with the baseline's call on the same prompt and repeat (interleaved, each repeat starting
 one method later), and results.md's "Speedup by category" table gives each category's median paired speedup with
 a distribution-free 90% interval and counts, per drafter, the categories whose interval lies above 0.95x,
-contains it, or lies below it. Drafters as in configs/bench_peers.py (prompt lookup, the untrained early exit
+contains it, or lies below it. Drafters: configs/common.py's DRAFTERS (prompt lookup, the untrained early exit
 after layer 24, the shipped MTP heads, distilled draft model and exit adapter). Greedy, batch 1, 64 new tokens;
 every output is checked token for token against autoregressive decoding.
 
@@ -23,16 +23,14 @@ Time on 2 CPU cores: 7 methods x 52 prompts x 3 repeats of 64 tokens took 33 min
 the long prompts of summarization and rag take a third of the decoding time.
 """
 
-from configs import bench_peers, common, compare_drafters
+from configs import common
 
 
 def get_config(arg=None):
-  variants = compare_drafters.parse_variants(arg, "configs/adaptive_by_category.py", allowed=("small", "full"))
+  variants = common.parse_variants(arg, "configs/adaptive_by_category.py", ("small", "full"))
   if len(variants) > 1:
     raise ValueError("configs/adaptive_by_category.py: 'small' and 'full' exclude each other")
   per_category = {"small": 2, "full": 10}.get(next(iter(variants), None), 4)
-  config = common.spec_bench_run(per_category=per_category, max_new_tokens=64, repeats=3,
-                                 model=bench_peers.MODEL)
-  config.methods = ({"name": "autoregressive"},) + tuple(
-      {**method, "adaptive": True, "gamma": 4} for method in bench_peers.drafter_methods())
+  config = common.spec_bench_run(per_category=per_category, max_new_tokens=64, repeats=3)
+  config.methods = common.methods("autoregressive") + common.methods(*common.DRAFTERS, adaptive=True, gamma=4)
   return config

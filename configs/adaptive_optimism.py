@@ -22,16 +22,14 @@ with the baseline's (results.md, "Speedup by category"), every output checked to
 Time on 2 CPU cores: 39 min for the default (results/adaptive_optimism/), compiling included.
 """
 
-from configs import bench_peers, common, compare_drafters
+from configs import common
 
 OPTIMISMS = (0.5, 0.25, 0.0)
-DRAFTERS = ("draft_model", "layer_skip_trained")
+DRAFTERS = ("draft_model", "layer_skip_trained_exit")
 CATEGORIES = ("writing", "roleplay", "coding", "extraction", "humanities", "translation", "qa")
 
 
 def get_config(arg=None):
-  variants = compare_drafters.parse_variants(arg, "configs/adaptive_optimism.py", allowed=("small",))
-  drafters = {m["name"]: m for m in bench_peers.drafter_methods()}
-  return common.adaptive_variants(2 if "small" in variants else 8, CATEGORIES, bench_peers.MODEL,
-                                  {name: drafters[name] for name in DRAFTERS},
+  variants = common.parse_variants(arg, "configs/adaptive_optimism.py", ("small",))
+  return common.adaptive_variants(2 if "small" in variants else 8, CATEGORIES, DRAFTERS,
                                   {f"_z{z:g}": {"optimism": z} for z in OPTIMISMS})

@@ -12,18 +12,16 @@ Adaptive drafting is on (the library default): a round drafts only when the runn
 Expected time on 2 CPU cores: 18 min for the full config (results/batch_sweep/, compiling included).
 """
 
-from configs import common, compare_drafters
+from configs import common
 
 
 def get_config(arg=None):
-  variants = compare_drafters.parse_variants(arg, "configs/batch_sweep.py", allowed=("small",))
+  variants = common.parse_variants(arg, "configs/batch_sweep.py", ("small",))
   small = "small" in variants
   config = common.spec_bench_run(per_category=4 if small else 8, max_new_tokens=64)
-  # Prompts of one category share a batch; these categories have short prompts (few compiled shapes).
   config.prompts.categories = ("writing", "coding") if small else ("writing", "coding", "humanities")
   config.batch_sizes = (1, 4) if small else (1, 4, 8)
-  config.methods = tuple(m for m in compare_drafters.drafter_methods()
-                         if m["name"] in ("autoregressive", "prompt_lookup", "layer_skip_best_set", "mtp_parallel",
-                                          "mtp_sequential"))
+  config.methods = common.methods("autoregressive", "prompt_lookup", "layer_skip_best_set", "mtp_parallel",
+                                  "mtp_sequential")
   config.costs = common.costs(repeats=3)
   return config

@@ -1,14 +1,82 @@
-"""What every Spec-Bench run shares: the model, the prompts and the decoding settings (experiments/run.py).
+"""What the configs share: a Spec-Bench run's model, prompts, decoding settings and methods (experiments/run.py),
+and a drafter training run's fields (`drafter_training`, experiments/train.py).
 
-Each config in this directory starts from `spec_bench_run(...)` and adds its methods and its own fields; any field
-can be overridden on the command line (`--config.max_new_tokens=16`, `--config.prompts.categories="('qa',)"`).
+Each experiment config in this directory starts from `spec_bench_run(...)` and takes its methods from `METHODS` by
+name (`methods(...)`); any field can be overridden on the command line (`--config.max_new_tokens=16`,
+`--config.prompts.categories="('qa',)"`). Configs are data: this is the one module they import, and a method only
+declares what it needs (a shipped checkpoint, `"needs"`; a searched layer-skip set, `"skip_set"`), which the runner
+looks up when it builds the method.
 """
 
 import ml_collections
 
+MODEL = "smollm2-135m"
+
+
+def layer_skip_exit(layer: int) -> dict:
+  """Layer skip's untrained early exit: the target's first `layer` layers and its LM head draft."""
+  return {"name": f"layer_skip_exit{layer}", "drafter": "layer_skip", "options": {"exit_layer": layer}}
+
+
+# Every method a config runs, by name. A method builds a specjax drafter (`"drafter"`, its `"options"`; none:
+# autoregressive decoding) or a peer (`"peer"`: another implementation on the same weights, experiments/peers.py).
+# `"skip_set"`: a layer-skip record of experiments/search_layer_skip.py (a path from the repository root) whose
+# options the drafter takes, at the gamma it was searched for unless the method sets `"gamma"`. `"needs"`: the
+# shipped checkpoints (specjax/checkpoints/<model>/<name>.safetensors) without which the runner leaves the method
+# out, with a log line.
+METHODS = {method["name"]: method for method in (
+    {"name": "autoregressive"},
+    {"name": "prompt_lookup", "drafter": "prompt_lookup", "options": {}},
+    layer_skip_exit(24),
+    {"name": "layer_skip_best_set", "drafter": "layer_skip", "skip_set": "configs/layer_skip_sets/smollm2-135m.json"},
+    # The multi-layer search on ShareGPT training text (teacher-forced, `--method=teacher_forced`).
+    {"name": "layer_skip_deep_set", "drafter": "layer_skip",
+     "skip_set": "configs/layer_skip_sets/smollm2-135m-deep.json"},
+    {"name": "layer_skip_trained_exit", "drafter": "layer_skip", "options": {"adapter": "default"},
+     "needs": ("exit_adapter",)},
+    # The draft reads the prompt's last 256 tokens only: on Spec-Bench's long prompts (summarization, rag: 600-800
+    # tokens) its prefill cost ~8% of the call, while its acceptance with windows of 64-256 tokens stayed within 0.03
+    # of the whole prompt's on those categories (specjax/drafters/draft_model.py `init`).
+    {"name": "draft_model", "drafter": "draft_model", "options": {"draft": f"{MODEL}-draft", "prompt_window": 256},
+     "needs": ("draft_model",)},
+    {"name": "mtp_parallel", "drafter": "mtp_parallel", "options": {}},
+    {"name": "mtp_sequential", "drafter": "mtp_sequential", "options": {}},
+    # The target as its own draft: every draft is accepted, so it measures what a round costs.
+    {"name": "self_draft", "drafter": "draft_model", "options": {"draft": MODEL}},
+    {"name": "hf_autoregressive", "peer": "hf_autoregressive", "options": {}},
+    {"name": "hf_prompt_lookup", "peer": "hf_prompt_lookup", "options": {}},
+    # HF's assisted generation with the shipped distilled draft, exported to an HF directory on the fly.
+    {"name": "hf_assisted", "peer": "hf_assisted", "options": {"draft": f"{MODEL}-draft"}, "needs": ("draft_model",)},
+    {"name": "llamacpp_autoregressive", "peer": "llamacpp_autoregressive", "options": {}},
+    {"name": "llamacpp_prompt_lookup", "peer": "llamacpp_prompt_lookup", "options": {}},
+)}
+
+# Every drafter once, as the library ships it (no searched skip sets): the set the peer comparison and the adaptive
+# drafting runs compare.
+DRAFTERS = ("prompt_lookup", "layer_skip_exit24", "mtp_parallel", "mtp_sequential", "draft_model",
+            "layer_skip_trained_exit")
+
+
+def methods(*names: str, **fields) -> tuple[dict, ...]:
+  """`METHODS[name]` for each of `names` (copies), with `fields` (e.g. `adaptive=True, gamma=4`) set on the
+  drafting ones."""
+  unknown = [name for name in names if name not in METHODS]
+  if unknown:
+    raise ValueError(f"unknown methods {unknown}; methods: {', '.join(METHODS)}")
+  return tuple({**METHODS[name], **(fields if METHODS[name].get("drafter") else {})} for name in names)
+
+
+def parse_variants(arg, config_name: str, allowed: tuple[str, ...]) -> set:
+  """The comma-separated variants of `arg` (a config's argument), each one of `allowed`."""
+  variants = {a.strip() for a in (arg or "").split(",") if a.strip()}
+  unknown = sorted(variants - set(allowed))
+  if unknown:
+    raise ValueError(f"{config_name} takes a comma-separated subset of {', '.join(allowed)}; got {unknown}")
+  return variants
+
 
 def spec_bench_run(*, per_category: int, max_new_tokens: int, adaptive: bool = True, repeats: int = 1,
-                   model: str = "smollm2-135m") -> ml_collections.ConfigDict:
+                   model: str = MODEL) -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.model = model
   config.dtype = "float32"  # the dtype tested for parity with HF transformers
@@ -39,6 +107,16 @@ def spec_bench_run(*, per_category: int, max_new_tokens: int, adaptive: bool = T
   return config
 
 
+def drafter_comparison(*, small: bool, adaptive: bool = False) -> ml_collections.ConfigDict:
+  """The run of configs/compare_drafters.py and of the sweeps over its drafters: 5 prompts of each category, 128 new
+  tokens, 2 repeats (`small`: 1 prompt, 64 tokens, 1 repeat), top-p 0.9 where sampling, costs measured."""
+  config = spec_bench_run(per_category=1 if small else 5, max_new_tokens=64 if small else 128, adaptive=adaptive,
+                          repeats=1 if small else 2)
+  config.top_p = 0.9  # applies when sampling
+  config.costs = costs(repeats=5)
+  return config
+
+
 def costs(repeats: int) -> ml_collections.ConfigDict:
   """Draft cost c and verify cost r measured in compiled loops after decoding (experiments/costs.py)."""
   return ml_collections.ConfigDict({
@@ -48,16 +126,16 @@ def costs(repeats: int) -> ml_collections.ConfigDict:
   })
 
 
-def adaptive_variants(per_category: int, categories: tuple[str, ...], model: str, drafters: dict[str, dict],
+def adaptive_variants(per_category: int, categories: tuple[str, ...], drafters: tuple[str, ...],
                       variants: dict[str, dict]) -> ml_collections.ConfigDict:
   """A Spec-Bench run (greedy, batch 1, 64 new tokens, 3 repeats) of autoregressive decoding and each of `drafters`
-  (methods by name, as configs/bench_peers.py gives them) under each of `variants` ({suffix: AdaptiveDrafting
-  options}; a method is named <drafter><suffix>), at a static maximum gamma of 4."""
-  config = spec_bench_run(per_category=per_category, max_new_tokens=64, repeats=3, model=model)
+  (names in `METHODS`) under each of `variants` ({suffix: AdaptiveDrafting options}; a method is named
+  <drafter><suffix>), at a static maximum gamma of 4."""
+  config = spec_bench_run(per_category=per_category, max_new_tokens=64, repeats=3)
   config.prompts.categories = categories
-  config.methods = ({"name": "autoregressive"},) + tuple(
-      {**method, "name": f"{name}{suffix}", "adaptive": dict(options), "gamma": 4}
-      for name, method in drafters.items() for suffix, options in variants.items())
+  config.methods = methods("autoregressive") + tuple(
+      {**method, "name": f"{method['name']}{suffix}", "adaptive": dict(options), "gamma": 4}
+      for method in methods(*drafters) for suffix, options in variants.items())
   return config
 
 

@@ -13,21 +13,17 @@ cores (estimated from compare_drafters.py:small's measured ~20 s per compiled pr
 hours.
 """
 
-from configs import compare_drafters
+from configs import common
 
 EXIT_LAYERS = (8, 16, 20, 24, 28)
 
 
 def get_config(arg=None):
-  variants = compare_drafters.parse_variants(arg, "configs/depth_sweep.py", allowed=("small",))
-  config = compare_drafters.get_config(",".join(sorted(variants)))
+  variants = common.parse_variants(arg, "configs/depth_sweep.py", ("small",))
+  config = common.drafter_comparison(small="small" in variants)
   if "small" not in variants:
     config.prompts.per_category = 2
-  config.methods = (
-      ({"name": "autoregressive"},)
-      + tuple({"name": f"layer_skip_exit{k}", "drafter": "layer_skip", "options": {"exit_layer": k}}
-              for k in EXIT_LAYERS)
-      + ({"name": "mtp_parallel", "drafter": "mtp_parallel", "options": {}},
-         {"name": "mtp_sequential", "drafter": "mtp_sequential", "options": {}}))
+  config.methods = (common.methods("autoregressive") + tuple(common.layer_skip_exit(k) for k in EXIT_LAYERS)
+                    + common.methods("mtp_parallel", "mtp_sequential"))
   config.repeats = 1
   return config

@@ -13,16 +13,19 @@ Greedy; `--config.temperature=0.7` samples instead. Methods needing a checkpoint
 with a warning (see configs/compare_drafters.py).
 """
 
-from configs import compare_drafters
+from configs import common
+
+# The searched skip set stands for layer skip (no untrained early exit).
+METHODS = ("autoregressive", "prompt_lookup", "layer_skip_best_set", "layer_skip_deep_set", "layer_skip_trained_exit",
+           "draft_model", "mtp_parallel", "mtp_sequential")
 
 
 def get_config(arg=None):
-  variants = compare_drafters.parse_variants(arg, "configs/gamma_sweep.py", allowed=("small",))
-  config = compare_drafters.get_config(",".join(sorted(variants)))
+  variants = common.parse_variants(arg, "configs/gamma_sweep.py", ("small",))
+  config = common.drafter_comparison(small="small" in variants)
   if "small" not in variants:
     config.prompts.per_category = 2
   config.gammas = (1, 2, 3, 4, 6)
-  config.methods = tuple(m for m in compare_drafters.drafter_methods()
-                         if m["name"] not in ("layer_skip_exit24",))  # the searched set stands for layer skip
+  config.methods = common.methods(*METHODS)
   config.repeats = 1
   return config

@@ -21,14 +21,8 @@ def get_config(arg=None):
   # Short prompts share one compiled shape; extraction shows copying from the prompt.
   config.prompts.categories = ("writing", "coding", "qa", "humanities", "extraction")
 
-  # name: label in the report; drafter: a `specjax.make_drafter` name (absent: autoregressive).
-  config.methods = (
-      {"name": "autoregressive"},
-      {"name": "prompt_lookup", "drafter": "prompt_lookup", "options": {}},
-      {"name": "layer_skip_24", "drafter": "layer_skip", "options": {"exit_layer": 24}},
-      # The shipped MTP drafters (specjax/checkpoints/smollm2-135m/).
-      {"name": "mtp_parallel", "drafter": "mtp_parallel", "options": {}},
-      {"name": "mtp_sequential", "drafter": "mtp_sequential", "options": {}},
-  )
+  # Methods by name (configs/common.py's METHODS: what each builds); the MTP drafters are the shipped checkpoints.
+  config.methods = common.methods("autoregressive", "prompt_lookup", "layer_skip_exit24", "mtp_parallel",
+                                  "mtp_sequential")
   config.costs = common.costs(repeats=3)
   return config

@@ -17,13 +17,8 @@ def get_config(arg=None):
   small = arg == "small"
   config = common.spec_bench_run(per_category=1 if small else 5, max_new_tokens=64 if small else 128,
                                  repeats=1 if small else 2)
-  config.methods = (
-      {"name": "autoregressive"},
-      {"name": "prompt_lookup", "drafter": "prompt_lookup", "options": {}},
-      {"name": "layer_skip_24", "drafter": "layer_skip", "options": {"exit_layer": 24}},
-      {"name": "layer_skip_28", "drafter": "layer_skip", "options": {"exit_layer": 28}, "gamma": 3},
-      # The target as its own draft: every token accepted, so this measures the loop's cost, not a gain.
-      {"name": "self_draft", "drafter": "draft_model", "options": {"draft": "smollm2-135m"}},
-  )
+  # self_draft: the target as its own draft, every token accepted, so it measures the loop's cost, not a gain.
+  config.methods = (common.methods("autoregressive", "prompt_lookup", "layer_skip_exit24")
+                    + ({**common.layer_skip_exit(28), "gamma": 3},) + common.methods("self_draft"))
   config.costs = common.costs(repeats=5)
   return config

@@ -15,10 +15,10 @@ on disk. Variants (comma-separated, e.g. `configs/train_data.py:regenerate,small
               heads), ~3 GB for train; any other set: --config.feature_layers="(3,7,11)"
   small       a few conversations, for a one-minute end-to-end check
 
-Writes <workdir>/train/ and <workdir>/held_out/ feature caches (specjax.features; they hold their sequences, also
+Writes <workdir>/train/ and <workdir>/held_out/ feature caches (specjax.data.features; they hold their sequences, also
 in <split>.sequences.npz for ShareGPT's answers) and summary.json. Rerunning reuses whatever is finished and
 resumes a killed build (a regeneration after its last finished batch of prompts).
-The two caches come from the two sides of a split by conversation id (specjax.sharegpt.split), so no
+The two caches come from the two sides of a split by conversation id (specjax.data.sharegpt.split), so no
 held-out conversation is ever trained on. No Spec-Bench prompt is used.
 """
 
@@ -53,7 +53,7 @@ def get_config(arg=None):
   config.regenerate_temperature = 0.0
   config.regenerate_seed = 0
 
-  config.feature_layers = (2, 15, 27, 29)  # specjax.features.default_feature_layers(30); () for the default
+  config.feature_layers = (2, 15, 27, 29)  # specjax.data.features.default_feature_layers(30); () for the default
   if "exits" in variants:
     config.feature_layers = (3, 5, 7, 9, 11, 15, 29)
   config.top_k = 32

@@ -23,7 +23,7 @@ import numpy as np
 from absl import app, flags
 
 import specjax
-from specjax import features
+from specjax.data import features
 from experiments.train import CHECKPOINT_ARGUMENT
 
 _DRAFTER = flags.DEFINE_string("drafter", None, "make_drafter's name: mtp_parallel, mtp_sequential, layer_skip, ...")

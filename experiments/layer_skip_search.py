@@ -74,7 +74,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import specjax
-from specjax import ops, sequences, sharegpt
+from specjax import ops
+from specjax.data import sequences, sharegpt
 from specjax.config import ModelConfig
 from specjax.leviathan import alpha_from_stats, draft_cost, expected_tokens_per_round, predicted_speedup
 from specjax.drafters.layer_skip import draft_layers

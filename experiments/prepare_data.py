@@ -4,11 +4,11 @@ r"""Builds drafter training data: train and held-out feature caches of the froze
 
 For each side of the split (train, held_out): read ShareGPT, take the configured number of conversations and
 build the split's feature cache in <workdir>/<split>/: either render the data's exchanges into sequences
-(`specjax.sequences.make_sequences`, saved to <workdir>/<split>.sequences.npz) and run the target over them
-(`specjax.features.build_feature_cache`), or, with `regenerate`, render only the prompts
-(`specjax.sequences.make_prompts`) and let the target answer them, keeping its features while it decodes
-(`specjax.features.build_regenerated_cache`). Both builds resume a killed run. Prints the read statistics, the
-masked positions, how much of the target's greedy tokens truncated draft vocabularies cover, and the wall
+(`specjax.data.sequences.make_sequences`, saved to <workdir>/<split>.sequences.npz) and run the target over them
+(`specjax.data.features.build_feature_cache`), or, with `regenerate`, render only the prompts
+(`specjax.data.sequences.make_prompts`) and let the target answer them, keeping its features while it decodes
+(`experiments.regenerate.build_regenerated_cache`). Both builds resume a killed run. Prints the read statistics,
+the masked positions, how much of the target's greedy tokens truncated draft vocabularies cover, and the wall
 time; writes the same to <workdir>/summary.json.
 """
 
@@ -24,8 +24,8 @@ import ml_collections
 from absl import app, flags, logging
 
 import specjax
-from specjax import features, sequences, sharegpt
-from experiments import cli
+from specjax.data import features, sequences, sharegpt
+from experiments import cli, regenerate
 from experiments.cli import parse_flags
 
 _CONFIG = cli.define_config_flag("Data config: configs/train_data.py[:variants].")
@@ -83,7 +83,7 @@ def split_cache(config: ml_collections.ConfigDict, model: specjax.Model, convers
     prompts = sequences.make_prompts(model, conversations, seq_len=config.seq_len,
                                      max_pairs_per_conversation=config.max_pairs_per_conversation)
     rendered = time.perf_counter() - start
-    return features.build_regenerated_cache(
+    return regenerate.build_regenerated_cache(
         model, prompts, out_dir, batch_size=config.regenerate_batch_size,
         temperature=config.regenerate_temperature, seed=config.regenerate_seed, **kwargs), rendered
   seqs = split_sequences(config, model, conversations, source, os.path.join(workdir, f"{split}.sequences.npz"))

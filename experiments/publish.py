@@ -224,14 +224,29 @@ class Status:
     return bool(self.replaced_by) and not self.remaining
 
 
+# Methods renamed since: the results.json of an earlier run names them so (configs/common.py's METHODS today).
+FORMER_NAMES = {"layer_skip_exit24": ("layer_skip_24",), "layer_skip_trained_exit": ("layer_skip_trained",)}
+
+
+def current_name(method: str) -> str:
+  """A method's name today, also for a variant named with a suffix ("layer_skip_24_g2": "layer_skip_exit24_g2")."""
+  for current, former_names in FORMER_NAMES.items():
+    for former in former_names:
+      if method == former or (method.startswith(former + "_") and not method.startswith(current)):
+        return current + method[len(former):]
+  return method
+
+
 def status(run: Run, runs: Runs) -> Status:
-  """Newer runs of the run's config, newest first, each taking the cells it measured again."""
+  """Newer runs of the run's config, newest first, each taking the cells it measured again (a renamed method's
+  cells under either name)."""
   remaining = run.cells()
   newer = sorted((r for r in runs.values() if r.config == run.config and r.started > run.started),
                  key=lambda r: r.started, reverse=True)
   replaced_by = []
   for other in newer:
-    taken = remaining & other.cells()
+    measured = {(current_name(m), q) for m, q in other.cells()}
+    taken = {(m, q) for m, q in remaining if (current_name(m), q) in measured}
     if taken:
       replaced_by.append((other, taken))
       remaining -= taken
@@ -313,7 +328,7 @@ def run_line(run: Run, prefix: str) -> str:
 
 
 def _cells_text(run: Run, cells: set[tuple[str, int]]) -> str:
-  """Cells as methods on categories ("draft_model, layer_skip_trained on every category"); a category of which
+  """Cells as methods on categories ("draft_model, layer_skip_trained_exit on every category"); a category of which
   only some prompts are among the cells is marked so."""
   groups: dict[str, list[str]] = {}
   for method in run.methods():
@@ -586,9 +601,9 @@ def h200_decode_block(runs: Runs, prefix: str) -> str:
 
 
 # The README's Results paragraph: each drafter from the newest run that measured it on every category.
-LABELS = {"prompt_lookup": "prompt lookup", "layer_skip_24": "the untrained exit after 24 layers",
+LABELS = {"prompt_lookup": "prompt lookup", "layer_skip_exit24": "the untrained exit after 24 layers",
           "mtp_parallel": "the parallel MTP heads", "mtp_sequential": "the sequential MTP module",
-          "draft_model": "the distilled draft model", "layer_skip_trained": "the trained exit adapter"}
+          "draft_model": "the distilled draft model", "layer_skip_trained_exit": "the trained exit adapter"}
 HEADLINE_CONFIG = "adaptive_by_category-full"
 
 
@@ -600,18 +615,20 @@ def readme_results_block(runs: Runs, prefix: str) -> str:
   if not candidates:
     raise ValueError(f"no run of {HEADLINE_CONFIG} in results/")
   widest = max(len(r.categories()) for r in candidates)
-  chosen: dict[str, list[str]] = {}  # run name -> its methods in the paragraph, each from the newest run covering it
-  for method in LABELS:
-    run = next((r for r in candidates if len(r.categories_of(method)) == widest), None)
-    if run is not None:
-      chosen.setdefault(run.name, []).append(method)
+  # run name -> {the run's name of a method in the paragraph: its label}, each from the newest run covering it
+  chosen: dict[str, dict[str, str]] = {}
+  for method, label in LABELS.items():
+    found = next(((r, name) for r in candidates for name in (method, *FORMER_NAMES.get(method, ()))
+                  if len(r.categories_of(name)) == widest), None)
+    if found is not None:
+      chosen.setdefault(found[0].name, {})[found[1]] = label
   groups = []
   for name, methods in sorted(chosen.items(), key=lambda item: runs[item[0]].started):
     run = runs[name]
     parts = []
     for m in sorted(methods, key=lambda m: -float(np.median(_paired(run, m)))):
       share = report.plain_share([r for r in run.records if r["method"] == m])
-      parts.append(f"{speedup_cell(_paired(run, m))} for {LABELS[m]}" + (", which never drafts" if share == 1 else ""))
+      parts.append(f"{speedup_cell(_paired(run, m))} for {methods[m]}" + (", which never drafts" if share == 1 else ""))
     pairs = {len(_paired(run, m)) for m in methods}
     changed = [c.commit for c in CODE_CHANGES if run.concerned_by(c)]
     note = f"; code changed since: {', '.join(changed)}" if changed else ""

@@ -52,7 +52,10 @@ Gamma sweeps: `config.gammas` (a tuple; empty: each method's own gamma) runs eve
 `<method>_g<gamma>` (`family` and `gamma` in its summary).
 Methods that need a shipped checkpoint name it (`"needs": ("exit_adapter",)`: specjax/checkpoints/<model>/
 exit_adapter.safetensors); while it is not shipped, the method is left out with a warning in the log, and the
-results list it under `summary.skipped_methods`.
+results list it under `summary.skipped_methods`. A layer-skip method may name a searched skip set instead of its
+options (`"skip_set": "configs/layer_skip_sets/<model>.json"`, a path from the repository root, written by
+experiments/search_layer_skip.py): it drafts with the set's options, at the gamma the set was searched for unless
+it sets its own. Configs only declare these (configs/common.py); the runner looks them up.
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ from tqdm import tqdm
 import specjax
 from specjax import compilation, distributed, drafters, sharding
 from specjax.decoding import prepare_batch
-from specjax.drafters import draft_head
+from specjax.drafters import draft_head, layer_skip
 from specjax.sampling import SamplingParams
 from experiments import cli, costs, peers, report, spec_bench
 from experiments.cli import code_commit, environment, parse_flags
@@ -82,7 +85,8 @@ _CONFIG = cli.define_config_flag("Experiment config: configs/<name>.py[:arg].")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (default: workdirs/<config>-<time>).")
 distributed.define_flags()  # --coordinator_address, --num_processes, --process_id (multi-process runs)
 
-METHOD_KEYS = {"name", "drafter", "peer", "options", "gamma", "adaptive", "needs"}
+METHOD_KEYS = {"name", "drafter", "peer", "options", "gamma", "adaptive", "needs", "skip_set"}
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # skip sets' paths start here
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +112,7 @@ class PromptBatch:
 def check_methods(config: ml_collections.ConfigDict) -> list[dict]:
   """The method specs `make_methods` builds, the autoregressive baseline (the first method without a drafter) first
   and `config.only` applied, each checked as far as it can be without the model: its keys, a known drafter or peer
-  (not both), a unique name, its adaptive drafting options."""
+  (not both), a unique name, its adaptive drafting options, its skip set."""
   specs = [dict(m) for m in config.methods]
   for spec in specs:
     if "name" not in spec or set(spec) - METHOD_KEYS:
@@ -120,6 +124,10 @@ def check_methods(config: ml_collections.ConfigDict) -> list[dict]:
       raise ValueError(f"unknown peer {spec['peer']!r} in {spec}; peers: {', '.join(peers.PEERS)}")
     if spec.get("drafter") and spec["drafter"] not in drafters.available():
       raise ValueError(f"unknown drafter {spec['drafter']!r} in {spec}; drafters: {', '.join(drafters.available())}")
+    if spec.get("skip_set") is not None:
+      if spec.get("drafter") != "layer_skip":
+        raise ValueError(f"method {spec['name']!r}: a skip set is a layer_skip drafter's, got {spec}")
+      method_options(spec)
   names = [s["name"] for s in specs]
   if len(set(names)) != len(names):
     raise ValueError(f"method names must be unique, got {names}")
@@ -149,9 +157,9 @@ def make_methods(config: ml_collections.ConfigDict, model: specjax.Model) -> lis
   for spec in chosen:
     if spec["name"] in unshipped:
       continue
-    options = dict(spec.get("options", {}))
+    options, own_gamma = method_options(spec, model)
+    gamma = int(config.gamma) if own_gamma is None else own_gamma
     if spec.get("peer"):
-      gamma = int(spec.get("gamma", config.gamma))
       temperature = ([*config.get("temperatures", ())] or [config.temperature])[0]
       try:
         peer = peers.make(spec["peer"], model, config.model, gamma=gamma, temperature=temperature, **options)
@@ -164,8 +172,7 @@ def make_methods(config: ml_collections.ConfigDict, model: specjax.Model) -> lis
     adaptive = adaptive_drafting(spec.get("adaptive", config.get("adaptive", True)), spec["name"])  # default: True
     drafter = specjax.make_drafter(spec["drafter"], model, **options) if spec.get("drafter") else None
     if drafter is None or not gammas:
-      methods.append(Method(spec["name"], drafter, int(spec.get("gamma", config.gamma)), spec["name"], options,
-                            adaptive=adaptive))
+      methods.append(Method(spec["name"], drafter, gamma, spec["name"], options, adaptive=adaptive))
       continue
     for gamma in gammas:
       if drafter.max_gamma is not None and gamma > drafter.max_gamma:
@@ -174,6 +181,21 @@ def make_methods(config: ml_collections.ConfigDict, model: specjax.Model) -> lis
         continue
       methods.append(Method(f"{spec['name']}_g{gamma}", drafter, gamma, spec["name"], options, adaptive=adaptive))
   return methods
+
+
+def method_options(spec: dict, model: specjax.Model | None = None) -> tuple[dict, int | None]:
+  """A method's `make_drafter` (or peer) options and its own gamma (None: the config's). A `"skip_set"` gives the
+  options of its record, under the method's own, and the gamma it was searched for unless the method sets one;
+  with `model`, the set is checked against it (`layer_skip.load_skip_set`)."""
+  options, gamma = dict(spec.get("options", {})), spec.get("gamma")
+  if spec.get("skip_set") is not None:
+    path = os.path.join(REPO, spec["skip_set"])
+    if not os.path.isfile(path):
+      raise ValueError(f"method {spec['name']!r}: no skip set at {path} (experiments/search_layer_skip.py writes one)")
+    options = {**layer_skip.load_skip_set(path, model), **options}
+    if gamma is None:
+      gamma = layer_skip.read_skip_set(path).get("gamma")
+  return options, None if gamma is None else int(gamma)
 
 
 def adaptive_drafting(value: Any, method: str) -> bool | specjax.AdaptiveDrafting:

@@ -24,7 +24,8 @@ import numpy as np
 from absl import app, flags, logging
 
 import specjax
-from specjax import export, features, sharding, train_drafter
+from specjax import export, sharding, train_drafter
+from specjax.data import features
 from specjax.drafters import draft_head, draft_model
 from specjax.loading import CheckpointError
 from experiments import cli, prepare_data, spec_bench

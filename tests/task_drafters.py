@@ -11,7 +11,7 @@ import numpy as np
 
 from specjax import train
 from specjax.config import ModelConfig
-from specjax.features import build_feature_cache
+from specjax.data.features import build_feature_cache
 from specjax.loading import Model
 from specjax.model import init_params
 

@@ -15,7 +15,7 @@ from configs import train_budget
 from experiments import curves, train
 from specjax import export
 from specjax import train_drafter as td
-from specjax.features import build_feature_cache
+from specjax.data.features import build_feature_cache
 
 SEQ_LEN = 24
 

@@ -107,7 +107,7 @@ def test_adapter_checkpoint_misfits_are_clear_errors(random_target, tmp_path):
 
 def test_adapter_training_needs_its_exit_features_in_the_cache(random_target, tmp_path):
   """Exit after k layers reads the output of layer k - 1: a cache without it is an error naming both sides."""
-  from specjax.features import build_feature_cache
+  from specjax.data.features import build_feature_cache
   seqs = [(np.asarray(progression(1, 1, 16), np.int32), np.ones(16, bool))] * 4
   cache = build_feature_cache(random_target, seqs, str(tmp_path / "cache"), seq_len=16, feature_layers=(2,), top_k=4,
                               batch_size=4)

@@ -19,7 +19,7 @@ from ml_collections import config_flags
 
 import specjax
 from configs import (adaptive_by_category, adaptive_optimism, adaptive_vs_fixed, batch_sweep,
-                     bench_peers, compare_drafters, depth_sweep, gamma_sweep, quickstart,
+                     bench_peers, common, compare_drafters, depth_sweep, gamma_sweep, quickstart,
                      spec_bench as spec_bench_config)
 from experiments import costs, report, run, spec_bench
 from specjax import leviathan
@@ -126,11 +126,11 @@ def test_config_rejects_an_argument_it_does_not_take(module, arg, message):
 
 def test_adaptive_optimism_runs_each_drafter_at_each_optimism():
   config = adaptive_optimism.get_config()
-  drafters = {m["name"]: m for m in bench_peers.drafter_methods()}
   for name in adaptive_optimism.DRAFTERS:
     runs = [m for m in config.methods if m["name"].startswith(f"{name}_z")]
     assert [m["adaptive"]["optimism"] for m in runs] == list(adaptive_optimism.OPTIMISMS)
-    assert all(m["drafter"] == drafters[name]["drafter"] and m["options"] == drafters[name]["options"] for m in runs)
+    method = common.METHODS[name]
+    assert all(m["drafter"] == method["drafter"] and m["options"] == method["options"] for m in runs)
 
 
 
@@ -143,8 +143,36 @@ def test_compare_drafters_variants():
   names = [m["name"] for m in compare_drafters.get_config("small").methods]
   assert names == ["autoregressive", "prompt_lookup", "layer_skip_exit24", "layer_skip_best_set",
                    "layer_skip_deep_set", "layer_skip_trained_exit", "draft_model", "mtp_parallel", "mtp_sequential"]
-  best = compare_drafters.best_skip_set()
-  assert best["gamma"] == 2 and best["options"] == {"skip_layers": [12]}  # the record in configs/layer_skip_sets
+  best = next(m for m in compare_drafters.get_config("small").methods if m["name"] == "layer_skip_best_set")
+  # The runner reads the record in configs/layer_skip_sets: its options, and the gamma it was searched for.
+  assert run.method_options(best) == ({"skip_layers": [12]}, 2)
+  assert run.method_options({**best, "gamma": 4, "options": {"adapter": None}}) == (
+      {"skip_layers": [12], "adapter": None}, 4)  # the method's own gamma and options win
+
+
+def test_a_method_naming_a_missing_or_misplaced_skip_set_is_refused():
+  config = quickstart.get_config()
+  config.methods = (*config.methods, {"name": "lost", "drafter": "layer_skip", "skip_set": "configs/nowhere.json"})
+  with pytest.raises(ValueError, match="method 'lost': no skip set at .*nowhere.json"):
+    run.check_methods(config)
+  config.methods = (*config.methods[:-1], {**common.METHODS["layer_skip_best_set"], "drafter": "prompt_lookup"})
+  with pytest.raises(ValueError, match="a skip set is a layer_skip drafter's"):
+    run.check_methods(config)
+
+
+def test_configs_name_each_method_once_from_the_one_method_list():
+  """Every config's method is configs/common.py's METHODS entry of its name, or a declared variant of one (its
+  name with a suffix, its fields with gamma or adaptive drafting set), or an early exit of `layer_skip_exit`."""
+  for module, arg, *_ in CONFIGS:
+    for method in module.get_config(arg).methods:
+      method = dict(method)
+      base = next((common.METHODS[n] for n in sorted(common.METHODS, key=len, reverse=True)
+                   if method["name"] == n or method["name"].startswith(n + "_")), None)
+      if base is None:
+        layer = int(method["name"].removeprefix("layer_skip_exit"))
+        base = common.layer_skip_exit(layer)
+      assert {k: v for k, v in method.items() if k not in ("name", "gamma", "adaptive")} == {
+          k: v for k, v in base.items() if k != "name"}, (module.__name__, method)
 
 
 @pytest.mark.slow
@@ -175,8 +203,8 @@ def test_adaptive_vs_fixed_runs_each_drafter_adaptive_and_at_every_fixed_gamma()
   config = adaptive_vs_fixed.get_config("small")
   methods = {m["name"]: m for m in config.methods}
   drafters = [m["name"] for m in config.methods[1:] if m["adaptive"]]
-  assert drafters == ["prompt_lookup", "layer_skip_24", "mtp_parallel", "mtp_sequential", "draft_model",
-                      "layer_skip_trained"]
+  assert drafters == ["prompt_lookup", "layer_skip_exit24", "mtp_parallel", "mtp_sequential", "draft_model",
+                      "layer_skip_trained_exit"]
   for name in drafters:
     assert methods[name]["gamma"] == 4
     for gamma in (1, 2, 3, 4):
@@ -241,8 +269,7 @@ def test_adaptive_table_puts_each_adaptive_drafter_beside_its_best_and_worst_fix
 def test_adaptive_by_category_runs_every_drafter_adaptive_with_repeats():
   config = adaptive_by_category.get_config(None)
   assert config.repeats == 3 and not config.prompts.categories  # all 13 categories
-  drafters = [m["name"] for m in bench_peers.drafter_methods()]
-  assert [m["name"] for m in config.methods] == ["autoregressive"] + drafters
+  assert [m["name"] for m in config.methods] == ["autoregressive", *common.DRAFTERS]
   assert all(m["adaptive"] and m["gamma"] == 4 for m in config.methods[1:])
 
 

@@ -186,5 +186,5 @@ def test_bench_peers_config_runs_every_drafter_and_peer(arg):
   config = bench_peers.get_config(arg)
   assert config.temperature == 0.0
   names = [m["name"] for m in config.methods]
-  assert {"prompt_lookup", "layer_skip_24", "mtp_parallel", "mtp_sequential"} <= set(names)
+  assert {"prompt_lookup", "layer_skip_exit24", "mtp_parallel", "mtp_sequential"} <= set(names)
   assert {"hf_autoregressive", "hf_prompt_lookup", "llamacpp_autoregressive", "llamacpp_prompt_lookup"} <= set(names)

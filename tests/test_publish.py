@@ -117,6 +117,19 @@ def test_a_run_is_superseded_once_newer_runs_of_its_config_measured_all_it_measu
   assert publish.misplaced(runs) == ["results/old is superseded: git mv it to results/archive/old"]
 
 
+def test_a_renamed_method_reads_under_its_name_today_and_its_newer_runs_supersede_the_old_name():
+  assert publish.current_name("layer_skip_24") == "layer_skip_exit24"
+  assert publish.current_name("layer_skip_24_g2") == "layer_skip_exit24_g2"
+  assert publish.current_name("layer_skip_trained_z0.5") == "layer_skip_trained_exit_z0.5"
+  assert publish.current_name("layer_skip_trained_exit_z0.5") == "layer_skip_trained_exit_z0.5"
+  assert publish.current_name("layer_skip_240") == "layer_skip_240"  # not a suffix of the old name
+  old = _run("old", "2026-12-01 10:00", {"layer_skip_24": [1, 2], "layer_skip_trained": [1]})
+  new = _run("new", "2026-12-02 10:00", {"layer_skip_exit24": [1, 2]})
+  state = publish.status(old, _runs(old, new))
+  assert state.replaced_by[0][1] == {("layer_skip_24", 1), ("layer_skip_24", 2)}
+  assert state.remaining == {("layer_skip_trained", 1)}
+
+
 def test_code_changes_are_listed_beside_the_runs_they_concern():
   adaptive_run = _run("a", "2026-12-03 09:00", {"draft_model": [1]})
   fixed_run = _run("f", "2026-12-03 09:00", {"draft_model": [1]}, adaptive=False)

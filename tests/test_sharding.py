@@ -94,7 +94,7 @@ for data, model_axis in %(meshes)s:
 
 # A drafter trained data-parallel on a mesh ends where single-device training ends.
 import tempfile
-from specjax.features import build_feature_cache
+from specjax.data.features import build_feature_cache
 from specjax.train_drafter import train_drafter
 seqs = [(np.asarray(rng.integers(0, 256, size=32), np.int32), np.ones(32, bool)) for _ in range(32)]
 with tempfile.TemporaryDirectory() as tmp:

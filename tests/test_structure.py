@@ -1,6 +1,14 @@
-"""Arrows point down: the library imports neither experiments nor benchmarks, and no two of its modules import
-each other (directly or through a longer cycle); the model and the drafters reach platform kernels only through
-specjax.ops."""
+"""Arrows point down: the library imports neither experiments, benchmarks nor configs, and no two of its modules
+import each other (directly or through a longer cycle); the model and the drafters reach platform kernels only
+through specjax.ops; the decode loop is the library's top floor; configs are data.
+
+The library's floors, each importing from its own floor and those below only: config, sampling, tokenizer,
+compilation, control, stats, ops (and backends/), verify, leviathan; model; loading, sharding and the drafter
+interface (drafters/__init__.py); decoding, distributed, adaptive, train, export, roofline, data/ (ShareGPT,
+sequences, feature caches) and the drafters (drafters/*.py, train_drafter); speculative (the loop); generate (its
+public entry). Nothing in the library imports the top floor but the package's __init__ (the public API): what needs
+the loop to run (regenerated training data, the layer-skip search, benchmarks) is in experiments/ or benchmarks/.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +16,9 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-OUTSIDE = ("experiments", "benchmarks")
+OUTSIDE = ("experiments", "benchmarks", "configs")
 BACKENDS = "specjax.backends"
+TOP_FLOOR = ("specjax.generate", "specjax.speculative")
 
 
 def imports(path: pathlib.Path) -> set[str]:
@@ -57,7 +66,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
   return found
 
 
-def test_library_never_imports_experiments_or_benchmarks():
+def test_library_never_imports_experiments_benchmarks_or_configs():
   offenders = {m: sorted(t for t in ts if t.split(".")[0] in OUTSIDE) for m, ts in library_imports().items()}
   assert not {m: ts for m, ts in offenders.items() if ts}
 
@@ -80,17 +89,74 @@ def test_the_model_and_the_drafters_reach_the_kernels_only_through_ops():
   assert not backend_imports()
 
 
-def test_the_checks_see_a_cycle_and_an_upward_import(tmp_path):
+def top_floor_importers(root: pathlib.Path = ROOT) -> dict[str, list[str]]:
+  """Library files that import the decode loop (`TOP_FLOOR`), other than the package's __init__ and the loop's own
+  modules (generate is speculative's public entry)."""
+  found = {}
+  for path in sorted((root / "specjax").rglob("*.py")):
+    module = ".".join(path.relative_to(root).with_suffix("").parts)
+    if module in TOP_FLOOR or path.relative_to(root) == pathlib.Path("specjax", "__init__.py"):
+      continue
+    above = sorted(t for t in imports(path) if t in TOP_FLOOR)
+    if above:
+      found[str(path.relative_to(root))] = above
+  return found
+
+
+def test_the_decode_loop_is_the_library_top_floor():
+  assert (ROOT / "specjax" / "generate.py").exists() and (ROOT / "specjax" / "speculative.py").exists()
+  assert not top_floor_importers()
+
+
+# Configs are data: each imports ml_collections and configs/common.py (the shared fields, the method list) only, and
+# opens no file.
+CONFIG_IMPORTS = ("__future__", "ml_collections", "configs", "configs.common")
+
+
+def config_violations(root: pathlib.Path = ROOT) -> dict[str, list[str]]:
+  """{config file: what it imports beyond `CONFIG_IMPORTS`, and the files it opens}."""
+  found = {}
+  for path in sorted((root / "configs").glob("*.py")):
+    tree = ast.parse(path.read_text())
+    bad = sorted(t for t in imports(path)
+                 if t not in CONFIG_IMPORTS and not t.startswith(("ml_collections.", "__future__.")))
+    bad += ["open()" for node in ast.walk(tree) if isinstance(node, ast.Call)
+            and getattr(node.func, "id", None) in ("open", "__import__")]
+    if bad:
+      found[str(path.relative_to(root))] = bad
+  return found
+
+
+def test_configs_are_data():
+  assert (ROOT / "configs" / "common.py").exists()
+  assert not config_violations()
+
+
+def test_the_checks_see_a_cycle_an_upward_import_a_loop_import_and_a_config_doing_io(tmp_path):
   package = tmp_path / "specjax"
   package.mkdir()
-  (package / "__init__.py").write_text("from specjax import a\n")
+  (package / "__init__.py").write_text("from specjax import a, generate\n")
   (package / "a.py").write_text("from specjax import b\n")
   (package / "b.py").write_text("def f():\n  import specjax.a\n  from experiments import run\n")
+  (package / "c.py").write_text("from configs import common\n")
   (package / "model.py").write_text("def f():\n  from specjax import backends\n")
+  (package / "generate.py").write_text("from specjax import speculative\n")
+  (package / "speculative.py").write_text("")
+  (package / "data").mkdir()
+  (package / "data" / "features.py").write_text("def f():\n  from specjax.generate import generate\n")
+  configs = tmp_path / "configs"
+  configs.mkdir()
+  (configs / "common.py").write_text("import ml_collections\n")
+  (configs / "run.py").write_text("from configs import common\nimport ml_collections.config_dict\n")
+  (configs / "io.py").write_text("import os\nfrom configs import common, run\nfrom specjax import loading\n")
+  (configs / "reads.py").write_text("def get_config():\n  return open('skip.json').read()\n")
   graph = library_imports(tmp_path)
   assert cycles(graph) == [["specjax.a", "specjax.b", "specjax.a"]]
-  assert "experiments" in graph["specjax.b"]
+  assert "experiments" in graph["specjax.b"] and "configs" in graph["specjax.c"]
   assert backend_imports(tmp_path) == {"specjax/model.py": ["specjax.backends"]}
+  assert top_floor_importers(tmp_path) == {"specjax/data/features.py": ["specjax.generate"]}
+  assert config_violations(tmp_path) == {"configs/io.py": ["configs.run", "os", "specjax", "specjax.loading"],
+                                         "configs/reads.py": ["open()"]}
 
 
 # ------------------------------------------------------------------------------------------- the fast tier

@@ -15,7 +15,7 @@ import specjax
 from configs import train_draft, train_exit, train_mtp
 from experiments import train
 from specjax import export
-from specjax.features import build_feature_cache
+from specjax.data.features import build_feature_cache
 
 
 @pytest.fixture(scope="module")

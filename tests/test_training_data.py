@@ -1,5 +1,6 @@
-"""Drafter training data: reading the truncated ShareGPT file, the split, sequences and their loss masks, and
-the target's feature cache (equal to a direct forward, atomic, resumable, refusing broken or foreign caches)."""
+"""Drafter training data (specjax.data, experiments.regenerate): reading the truncated ShareGPT file, the split,
+sequences and their loss masks, and the target's feature cache (equal to a direct forward, atomic, resumable,
+refusing broken or foreign caches), also of the target's own answers."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import numpy as np
 import pytest
 
 from configs import train_data as train_data_config
-from specjax import features, sequences, sharegpt
+from experiments import regenerate
+from specjax.data import features, sequences, sharegpt
 from specjax.loading import CheckpointError
 from specjax.model import forward, init_cache
 
@@ -278,7 +280,7 @@ PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8], [3, 1, 4, 1, 5], [2, 7], [5, 5, 5], li
 def _regenerate(tiny, prompts, out_dir, **overrides):
   kwargs = dict(seq_len=SEQ_LEN, feature_layers=FEATURE_LAYERS, top_k=TOP_K, batch_size=2, stop_ids=TINY_STOP,
                 source={"what": "tiny prompts"})
-  return features.build_regenerated_cache(tiny, prompts, str(out_dir), **{**kwargs, **overrides})
+  return regenerate.build_regenerated_cache(tiny, prompts, str(out_dir), **{**kwargs, **overrides})
 
 
 def test_regenerated_cache_holds_greedy_answers_and_the_features_of_a_second_forward(tiny, tmp_path):
@@ -322,7 +324,7 @@ def test_regenerated_cache_samples_reproducibly_from_its_seed(tiny, tmp_path):
 
 def test_a_killed_regeneration_resumes_after_its_last_batch_to_the_same_bytes(tiny, tmp_path, monkeypatch):
   _regenerate(tiny, PROMPTS, tmp_path / "whole")
-  real, calls = features.generate_recorded, []
+  real, calls = regenerate.generate_recorded, []
 
   def killed_in_the_third_batch(model, prompts, *args, **kwargs):
     calls.append(len(prompts))
@@ -330,7 +332,7 @@ def test_a_killed_regeneration_resumes_after_its_last_batch_to_the_same_bytes(ti
       raise KeyboardInterrupt("killed")
     return real(model, prompts, *args, **kwargs)
 
-  monkeypatch.setattr(features, "generate_recorded", killed_in_the_third_batch)
+  monkeypatch.setattr(regenerate, "generate_recorded", killed_in_the_third_batch)
   with pytest.raises(KeyboardInterrupt):
     _regenerate(tiny, PROMPTS, tmp_path / "resumed")
   partial = [p for p in os.listdir(tmp_path) if p.startswith("resumed.tmp-")]

@@ -28,7 +28,7 @@ A drafter describes what it costs in one `DraftCost` (a draft step, following a 
 reuses), which the drafting policy plans rounds with (`specjax.adaptive`).
 
 A trainable drafter also has `loss(target_params, params, options, batch) -> (loss, metrics)` over a batch
-of cached target features (`specjax.features`); `specjax.train` trains `params` with the target frozen.
+of cached target features (`specjax.data.features`); `specjax.train` trains `params` with the target frozen.
 
 `draft_tokens` is the autoregressive drafting loop shared by model-based drafters (draft model, layer
 skip): they only supply one forward step. Adding a drafter = adding one file that defines these functions

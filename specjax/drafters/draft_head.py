@@ -9,8 +9,8 @@ norm(max(0, p - q))). The columns W[:, token_map] are copied once when the draft
 draft step reads V' x D weights, not the full V x D.
 
 Training is self-distillation: the loss at a position is the cross-entropy between the drafter's
-distribution and the target's next-token distribution there, given as its top-K tokens (`specjax.features`),
-renormalised over the tokens the draft vocabulary can express.
+distribution and the target's next-token distribution there, given as its top-K tokens
+(`specjax.data.features`), renormalised over the tokens the draft vocabulary can express.
 """
 
 from __future__ import annotations

@@ -87,7 +87,7 @@ def update(target_params, params, options: Options, hidden, result: RoundResult)
 
 
 def loss(target_params, params, options: Options, batch):
-  """Self-distillation over a batch of cached features (`specjax.features.FeatureCache.batch`).
+  """Self-distillation over a batch of cached features (`specjax.data.features.FeatureCache.batch`).
 
   batch: features [B, T, 1, D] (the target's last hidden state), teacher_ids/probs [B, T, K], mask [B, T].
   Returns (sum_k 0.8^(k-1) loss_k, {"loss_k", "top1_k" per head}).

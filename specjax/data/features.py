@@ -16,11 +16,12 @@ A cache is a directory of `.npy` files (open them with `np.load(..., mmap_mode="
   teacher_probs float16 [N, T, K]     their probabilities (softmax of the float32 logits, temperature 1)
   token_counts  int64   [V]           how often each token is the target's greedy next token at masked positions
 
-Padding positions hold zeros. Two builders write it: `build_feature_cache` runs the target over given
-sequences (the data's own answers), `build_regenerated_cache` lets the target answer given prompts and keeps
-the same arrays while it decodes (no second forward). Building is atomic and resumable: arrays are written
-into `<out_dir>.tmp-<pid>`, progress is recorded after each chunk of batches, and the directory is renamed to
-`out_dir` when complete; a rerun after a kill continues from the last finished chunk.
+Padding positions hold zeros. `write_cache` writes one from a function that computes the arrays of a batch of
+rows: `build_feature_cache` runs the target over given sequences (the data's own answers); a builder may instead
+let the target answer given prompts and keep the same arrays while it decodes (`experiments/regenerate.py`).
+Writing is atomic and resumable: arrays are written into `<out_dir>.tmp-<pid>`, progress is recorded after each
+chunk of batches, and the directory is renamed to `out_dir` when complete; a rerun after a kill continues from
+the last finished chunk.
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ from absl import logging
 from tqdm.auto import tqdm
 
 from specjax.config import ModelConfig
-from specjax.generate import RecordSpec, generate_recorded
 from specjax.loading import CheckpointError, Model
 from specjax.model import forward, init_cache, lm_head
 from specjax.sampling import top_k_probabilities
@@ -168,7 +168,8 @@ def _claim_partial_build(out_dir: str, identity: dict[str, Any]) -> str:
   return mine
 
 
-def _check_layers(config: ModelConfig, feature_layers: Sequence[int], top_k: int, dtype: str) -> tuple[int, ...]:
+def check_options(config: ModelConfig, feature_layers: Sequence[int], top_k: int, dtype: str) -> tuple[int, ...]:
+  """The feature layers as a tuple of ints, after checking them, top_k and the stored dtype against the target."""
   feature_layers = tuple(int(i) for i in feature_layers)
   bad = [i for i in feature_layers if not 0 <= i < config.num_layers]
   if bad or len(set(feature_layers)) != len(feature_layers) or not feature_layers:
@@ -180,9 +181,11 @@ def _check_layers(config: ModelConfig, feature_layers: Sequence[int], top_k: int
   return feature_layers
 
 
-def _meta(model: Model, seq_len: int, feature_layers: tuple[int, ...], top_k: int, dtype: str, num_sequences: int,
-          batch_size: int, chunk_batches: int, source: dict[str, Any] | None, stop_ids: Sequence[int] | None = None,
-          **identity: Any) -> dict[str, Any]:
+def cache_meta(model: Model, seq_len: int, feature_layers: tuple[int, ...], top_k: int, dtype: str,
+               num_sequences: int, batch_size: int, chunk_batches: int, source: dict[str, Any] | None,
+               stop_ids: Sequence[int] | None = None, **identity: Any) -> dict[str, Any]:
+  """meta.json of a cache before it is written; `identity` names what else must agree for a partial build to be
+  resumed (`sequences_fingerprint`, `prompts_fingerprint`, `generation`: see `_IDENTITY`)."""
   config = model.config
   if stop_ids is None:
     stop_ids = model.tokenizer.stop_ids if model.tokenizer else ()
@@ -195,8 +198,8 @@ def _meta(model: Model, seq_len: int, feature_layers: tuple[int, ...], top_k: in
   }
 
 
-def _build(out_dir: str, meta: dict[str, Any], batches: Sequence[Sequence[int]], compute_batch,
-           description: str) -> FeatureCache:
+def write_cache(out_dir: str, meta: dict[str, Any], batches: Sequence[Sequence[int]], compute_batch,
+                description: str) -> FeatureCache:
   """Writes the cache `meta` describes into out_dir, `compute_batch(number, rows)` giving the arrays of the rows
   of batch `number` of `batches` (tokens, lengths, mask, features, teacher_ids, teacher_probs; zeros past each
   row's length). Returns the cache already there if it is this one (an error if it is another); resumes a dead
@@ -280,7 +283,7 @@ def build_feature_cache(model: Model, sequences: Sequence, out_dir: str, *, seq_
 
   Args:
     model: the target.
-    sequences: (tokens, loss_mask) pairs of at most seq_len tokens (`specjax.sequences.Sequence`).
+    sequences: (tokens, loss_mask) pairs of at most seq_len tokens (`specjax.data.sequences.Sequence`).
     out_dir: the cache directory. If it already holds this very cache, that cache is returned; if it holds
       another one (different model, sequences, seq_len, layers, ...), that is an error.
     feature_layers: 0-based layers whose output residual stream is stored, in this order
@@ -294,7 +297,7 @@ def build_feature_cache(model: Model, sequences: Sequence, out_dir: str, *, seq_
     The finished cache, opened.
   """
   config = model.config
-  feature_layers = _check_layers(config, feature_layers, top_k, dtype)
+  feature_layers = check_options(config, feature_layers, top_k, dtype)
   if not sequences:
     raise ValueError("no sequences")
   for i, (tokens, loss_mask) in enumerate(sequences):
@@ -303,7 +306,7 @@ def build_feature_cache(model: Model, sequences: Sequence, out_dir: str, *, seq_
                        f"expected 1..{seq_len} of each")
     if np.any((np.asarray(tokens) < 0) | (np.asarray(tokens) >= config.vocab_size)):
       raise ValueError(f"sequence {i} has token ids outside [0, {config.vocab_size})")
-  meta = _meta(model, seq_len, feature_layers, top_k, dtype, len(sequences), batch_size, chunk_batches, source,
+  meta = cache_meta(model, seq_len, feature_layers, top_k, dtype, len(sequences), batch_size, chunk_batches, source,
                sequences_fingerprint=sequences_fingerprint(sequences))
 
   def second_forward(number: int, rows: np.ndarray) -> dict[str, np.ndarray]:
@@ -321,74 +324,7 @@ def build_feature_cache(model: Model, sequences: Sequence, out_dir: str, *, seq_
             "teacher_probs": np.where(valid[:, :, None], top_probs[:len(rows)], 0)}
 
   batches = [range(first, min(first + batch_size, len(sequences))) for first in range(0, len(sequences), batch_size)]
-  return _build(out_dir, meta, batches, second_forward, f"features {os.path.basename(out_dir)}")
-
-
-def prompts_fingerprint(prompts: Sequence[Sequence[int]]) -> str:
-  digest = hashlib.sha256()
-  for prompt in prompts:
-    digest.update(np.asarray(prompt, np.int32).tobytes())
-    digest.update(b"|")
-  return digest.hexdigest()
-
-
-def build_regenerated_cache(model: Model, prompts: Sequence[Sequence[int]], out_dir: str, *, seq_len: int,
-                            feature_layers: Sequence[int], top_k: int = 32, batch_size: int = 32,
-                            dtype: str = "float16", temperature: float = 0.0, seed: int = 0,
-                            stop_ids: Sequence[int] | None = None, source: dict[str, Any] | None = None
-                            ) -> FeatureCache:
-  """The target answers each prompt itself and a feature cache of prompt + answer is written to `out_dir`
-  (the module doc's format; one row per prompt, in prompt order).
-
-  Each answer takes what fits in seq_len after its prompt, up to the end-of-turn token; its loss mask marks
-  the positions from the prompt's last token to the answer's last but one. The features and the target's top-K
-  are kept while decoding (`specjax.generate.generate_recorded`): the prompt's prefill and the decode steps
-  compute them anyway, so there is no second forward. Prompts of similar lengths are answered `batch_size` at
-  a time; a progress record follows every batch, so a killed build redoes at most one.
-
-  Args:
-    prompts: chat prompts as token ids (`specjax.sequences.make_prompts`), each shorter than seq_len.
-    temperature: 0 answers greedily; above 0 samples from the target's softmax at that temperature, with the
-      PRNG key of batch b `fold_in(PRNGKey(seed), b)`: the same prompts, batch size and seed give the same
-      answers.
-    stop_ids: tokens that end an answer (default: the tokenizer's EOS and end-of-turn tokens).
-    Others: as `build_feature_cache`.
-  """
-  config = model.config
-  feature_layers = _check_layers(config, feature_layers, top_k, dtype)
-  if not prompts:
-    raise ValueError("no prompts")
-  for i, prompt in enumerate(prompts):
-    if not 0 < len(prompt) < seq_len:
-      raise ValueError(f"prompt {i} has {len(prompt)} tokens; expected 1..{seq_len - 1} (room for an answer)")
-    if np.any((np.asarray(prompt) < 0) | (np.asarray(prompt) >= config.vocab_size)):
-      raise ValueError(f"prompt {i} has token ids outside [0, {config.vocab_size})")
-  if not temperature >= 0:
-    raise ValueError(f"temperature must be >= 0, got {temperature}")
-  if stop_ids is None:
-    stop_ids = model.tokenizer.stop_ids if model.tokenizer else ()
-  stop_ids = sorted(int(i) for i in stop_ids)
-  generation = {"temperature": float(temperature), "seed": int(seed) if temperature else None, "stop_ids": stop_ids}
-  meta = _meta(model, seq_len, feature_layers, top_k, dtype, len(prompts), batch_size, 1, source, stop_ids,
-               prompts_fingerprint=prompts_fingerprint(prompts), generation=generation)
-  record = RecordSpec(feature_layers=feature_layers, top_k=top_k, length=seq_len, dtype=dtype)
-
-  def answered(number: int, rows: np.ndarray) -> dict[str, np.ndarray]:
-    key = jax.random.fold_in(jax.random.PRNGKey(seed), number)
-    out = generate_recorded(model, [prompts[i] for i in rows], record, temperature=temperature, key=key,
-                            stop_ids=stop_ids)
-    positions = np.arange(seq_len)[None, :]
-    mask = (positions >= out.prompt_lengths[:, None] - 1) & (positions < out.lengths[:, None] - 1)
-    logging.info("batch %d of %d: %d prompts of up to %d tokens, %d answer tokens in %d steps, %.1f s (%.1f "
-                 "answer tokens/s)", number + 1, len(batches), len(rows), out.prompt_lengths.max(),
-                 out.stats["new_tokens"], out.stats["steps"], out.stats["seconds"],
-                 out.stats["new_tokens"] / out.stats["seconds"])
-    return {"tokens": out.tokens, "lengths": out.lengths, "mask": mask, "features": out.features,
-            "teacher_ids": out.top_ids, "teacher_probs": out.top_probs.astype(np.float16)}
-
-  order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a batch
-  batches = [order[first:first + batch_size] for first in range(0, len(order), batch_size)]
-  return _build(out_dir, meta, batches, answered, f"answers {os.path.basename(out_dir)}")
+  return write_cache(out_dir, meta, batches, second_forward, f"features {os.path.basename(out_dir)}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,8 +5,8 @@ A drafter learns to predict what the target would say next in an assistant answe
 whose next token t+1 belongs to the answer (its end-of-turn token included): position t's hidden state and
 the target's distribution there are what predicts token t+1. The answer is either the one in the data
 (`make_sequences`: teacher forcing on human-written text) or the target's own answer to the same prompt
-(`make_prompts`, answered by `specjax.features.build_regenerated_cache`; EAGLE's choice), which is the text
-the drafter will meet at inference.
+(`make_prompts`, answered by `experiments.regenerate.build_regenerated_cache`; EAGLE's choice), which is the
+text the drafter will meet at inference.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import NamedTuple, Sequence as Seq
 import numpy as np
 from absl import logging
 
-from specjax import sharegpt
+from specjax.data import sharegpt
 from specjax.loading import Model
 from specjax.tokenizer import Tokenizer
 
@@ -161,8 +161,8 @@ def make_sequences(model: Model, conversations: Seq[dict | Seq[dict]], *, seq_le
 def make_prompts(model: Model, conversations: Seq[dict | Seq[dict]], *, seq_len: int,
                  max_pairs_per_conversation: int = 1) -> list[list[int]]:
   """The chat prompts (generation prompt included) of the exchanges `make_sequences` would take, for the target
-  to answer itself (`specjax.features.build_regenerated_cache`): a user message is cut so that the prompt takes
-  at most seq_len // 2 tokens; the conversation's own answer is not read."""
+  to answer itself (`experiments.regenerate.build_regenerated_cache`): a user message is cut so that the prompt
+  takes at most seq_len // 2 tokens; the conversation's own answer is not read."""
   skipped: collections.Counter = collections.Counter()
   prompts = [prompt for prompt, _ in _rendered_exchanges(_tokenizer_of(model), conversations, seq_len,
                                                          max_pairs_per_conversation, False, skipped)]
