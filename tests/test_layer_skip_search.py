@@ -193,7 +193,6 @@ def test_greedy_path_search_goes_past_a_step_that_scores_lower():
 def test_teacher_forced_draft_logits_equal_the_layer_skip_drafts_first_step(skip, tiny):
   """At position n the proxy's draft is what layer skip drafts for the pending token at n: the kept layers
   run on it, reading the target's K/V of positions < n from the shared cache."""
-  import jax
   import jax.numpy as jnp
   from specjax.model import forward, init_cache
   config, params = tiny.config, tiny.params
