@@ -1,4 +1,4 @@
-r"""Quickstart: autoregressive vs prompt lookup, layer skip and the shipped MTP drafters on a few Spec-Bench prompts.
+r"""Quickstart: autoregressive vs prompt lookup, layer skip at its best and the shipped MTP drafters on Spec-Bench.
 
   python -m experiments.run --config=configs/quickstart.py
 
@@ -21,8 +21,9 @@ def get_config(arg=None):
   # Short prompts share one compiled shape; extraction shows copying from the prompt.
   config.prompts.categories = ("writing", "coding", "qa", "humanities", "extraction")
 
-  # Methods by name (configs/common.py's METHODS: what each builds); the MTP drafters are the shipped checkpoints.
-  config.methods = common.methods("autoregressive", "prompt_lookup", "layer_skip_exit24", "mtp_parallel",
-                                  "mtp_sequential")
+  # Methods by name (configs/common.py's METHODS: what each builds). Layer skip at its best: the skip set the search
+  # found (configs/layer_skip_sets/) and the shipped trained exit adapter; the MTP drafters are the shipped ones.
+  config.methods = common.methods("autoregressive", "prompt_lookup", "layer_skip_best_set", "layer_skip_trained_exit",
+                                  "mtp_parallel", "mtp_sequential")
   config.costs = common.costs(repeats=3)
   return config
