@@ -33,8 +33,8 @@ def prefilled(tiny):
   rng = np.random.default_rng(0)
   vocab = tiny.config.vocab_size
   prompts = rng.integers(0, vocab, (2, PROMPT_LENGTHS.max()))
-  cache = forward(tiny.params, jnp.asarray(prompts), init_cache(tiny.config, 2, 32), jnp.zeros(2, jnp.int32),
-                  tiny.config).cache
+  cache = chain_forward(tiny.params, jnp.asarray(prompts), init_cache(tiny.config, 2, 32), jnp.zeros(2, jnp.int32),
+                        config=tiny.config).cache
   return prompts, cache, jnp.asarray(rng.integers(0, vocab, (2, PARENTS.shape[1] + 1)), jnp.int32)
 
 
@@ -47,6 +47,15 @@ def tree_forward(params, block_tokens, cache, parents, *, config):
 @functools.partial(jax.jit, static_argnames=("config",))
 def chain_forward(params, tokens, cache, position, *, config):
   return forward(params, tokens, cache, position, config)
+
+
+def path_forward(model, block_tokens, cache, row, path):
+  """A causal forward of the block's tokens along `path` in `row`, padded to the block's length (one compilation;
+  what follows a path's tokens changes neither their logits nor their K/V)."""
+  tokens = np.zeros((1, block_tokens.shape[1]), np.int32)
+  tokens[0, :len(path)] = np.asarray(block_tokens[row])[np.asarray(path)]
+  return chain_forward(model.params, jnp.asarray(tokens), jax.tree.map(lambda a: a[row:row + 1], cache),
+                       jnp.asarray(PROMPT_LENGTHS[row:row + 1]), config=model.config)
 
 
 def test_describe_gives_depths_and_ancestors():
@@ -67,9 +76,8 @@ def test_a_tree_forward_gives_each_node_the_logits_of_its_path_forwarded_as_a_ch
   out, _ = tree_forward(tiny.params, block_tokens, cache, jnp.asarray(PARENTS), config=tiny.config)
   for row in range(2):
     for j, path in enumerate(block_paths(PARENTS[row])):
-      chain = chain_forward(tiny.params, block_tokens[row:row + 1, np.array(path)], jax.tree.map(
-          lambda a: a[row:row + 1], cache), jnp.asarray(PROMPT_LENGTHS[row:row + 1]), config=tiny.config)
-      np.testing.assert_allclose(out.logits[row, j], chain.logits[0, -1], rtol=1e-4, atol=1e-4)
+      chain = path_forward(tiny, block_tokens, cache, row, path)
+      np.testing.assert_allclose(out.logits[row, j], chain.logits[0, len(path) - 1], rtol=1e-4, atol=1e-4)
 
 
 def test_the_accepted_path_leaves_the_cache_a_chain_of_its_tokens_would(tiny, prefilled):
@@ -83,8 +91,7 @@ def test_the_accepted_path_leaves_the_cache_a_chain_of_its_tokens_would(tiny, pr
   moved = trees.move_path(out.cache, jnp.asarray(PROMPT_LENGTHS), block_path)
   for row, depth in enumerate([3, 4]):
     path = np.asarray(block_path[row, :depth + 1])
-    chain = chain_forward(tiny.params, block_tokens[row:row + 1, path], jax.tree.map(lambda a: a[row:row + 1], cache),
-                          jnp.asarray(PROMPT_LENGTHS[row:row + 1]), config=tiny.config)
+    chain = path_forward(tiny, block_tokens, cache, row, path)
     start = PROMPT_LENGTHS[row]
     for layer in range(tiny.config.num_layers):
       for got, want in [(moved.k[layer], chain.cache.k[layer]), (moved.v[layer], chain.cache.v[layer])]:
