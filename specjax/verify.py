@@ -101,5 +101,6 @@ def speculative_verify(key: jax.Array, draft_tokens: jax.Array, draft_probs: jax
     p = jnp.where(accept[:, None], target_probs[:, i + 1], jnp.where(child[:, None], residual, p))
     return jnp.where(accept, i + 1, current), p
 
-  end, p = jax.lax.fori_loop(0, nodes, test, (jnp.zeros(batch, jnp.int32), target_probs[:, 0]))
+  start = (jnp.zeros(batch, jnp.int32), target_probs[:, 0])
+  end, p = jax.lax.fori_loop(0, nodes, test, start) if nodes else start  # a plain step verifies no draft
   return end, sample_from_probs(residual_key, p)
