@@ -6,8 +6,8 @@ Public API:
   make_drafter(name, model, **options) -> Drafter  ("mtp_parallel", "mtp_sequential", "layer_skip", "draft_model",
                                                     "prompt_lookup")
   make_mesh(data, model) -> jax.sharding.Mesh  (pass as generate(..., mesh=mesh))
-  generate(model, prompts, *, max_new_tokens, temperature, top_k, top_p, seed, drafter, gamma, adaptive, mesh,
-           max_len, stop_ids) -> Output
+  generate(model, prompts, *, max_new_tokens, temperature, top_k, top_p, seed, drafter, gamma, adaptive, tree_nodes,
+           mesh, max_len, stop_ids) -> Output
   AdaptiveDrafting(min_confidence, forward_costs, prior_alpha, memory, plain_memory, optimism), FixedGamma()
                    drafting policies (generate(..., adaptive=...))
 """

@@ -151,7 +151,7 @@ _autoregressive_program = compilation.Program(_generate_autoregressive, "autoreg
 
 def generate(model: Model, prompts: Sequence[str | Sequence[int]], *, max_new_tokens: int,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-             drafter=None, gamma: int = 4, adaptive: bool | Policy = True, mesh=None,
+             drafter=None, gamma: int = 4, adaptive: bool | Policy = True, tree_nodes: int | None = None, mesh=None,
              max_len: int | None = None, stop_ids: Sequence[int] | None = None) -> Output:
   """Generates up to `max_new_tokens` per prompt; rows stop at a stop token (EOS, end of turn).
 
@@ -167,6 +167,8 @@ def generate(model: Model, prompts: Sequence[str | Sequence[int]], *, max_new_to
       stops drafting at a slot where the draft is unsure; `specjax.AdaptiveDrafting(min_confidence=,
       forward_costs=, prior_alpha=, memory=, plain_memory=, optimism=)` sets its options. False:
       `specjax.FixedGamma()`, gamma tokens every round. Lossless either way.
+    tree_nodes: N drafts a tree of N nodes, gamma deep, every round, verified in one target forward (specjax/trees.py;
+      drafters that draft trees: mtp_parallel, mtp_sequential; with adaptive=False). None: a chain of gamma tokens.
     mesh: a `jax.sharding.Mesh` from `specjax.sharding.make_mesh` to run sharded (rows over "data", heads /
       MLP / vocab over "model"; the batch must divide the data axis). Parameters are placed on the mesh
       each call unless already there: pass `sharding.shard_model(model, mesh)` to place them once.
@@ -180,13 +182,15 @@ def generate(model: Model, prompts: Sequence[str | Sequence[int]], *, max_new_to
     (new_tokens / seconds, so compilation is not in it).
   """
   sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+  if tree_nodes is not None and drafter is None:
+    raise ValueError("tree_nodes drafts trees for a drafter: pass drafter= too")
   if stop_ids is None:
     stop_ids = model.tokenizer.stop_ids if model.tokenizer else ()
   stop_ids = tuple(sorted(int(t) for t in stop_ids))
   if drafter is not None:
     return speculative.generate(model, prompts, drafter=drafter, gamma=gamma, sampling=sampling,
                                 max_new_tokens=max_new_tokens, seed=seed, mesh=mesh, max_len=max_len,
-                                stop_ids=stop_ids, adaptive=adaptive)
+                                stop_ids=stop_ids, adaptive=adaptive, tree_nodes=tree_nodes)
   batch = prepare_batch(model, prompts, max_new_tokens, max_len=max_len)
   start = time.perf_counter()
   params, prompt_tokens, lengths, cache_sharding = place_on_mesh(model, batch, mesh)

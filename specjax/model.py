@@ -143,12 +143,15 @@ def qkv(layer: Params, x: jax.Array, positions: jax.Array, config: ModelConfig):
 
 
 def attention_block(layer: Params, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
-                    config: ModelConfig):
-  """Pre-norm grouped-query self-attention over the cache. Returns (residual update, k_cache, v_cache)."""
-  q, k, v = qkv(layer, x, positions, config)
+                    config: ModelConfig, *, rope_positions: jax.Array | None = None, mask: jax.Array | None = None):
+  """Pre-norm grouped-query self-attention over the cache: x [B, T, D] written at cache slots `positions` [B, T],
+  each seeing slots up to its own (and only those where mask [B, T, S] is True, when given). `rope_positions`
+  [B, T]: the positions RoPE encodes, where they differ from the slots (a draft tree's nodes, `BlockMask`).
+  Returns (residual update, k_cache, v_cache)."""
+  q, k, v = qkv(layer, x, positions if rope_positions is None else rope_positions, config)
   k_cache = _write(k_cache, k, positions)
   v_cache = _write(v_cache, v, positions)
-  out = ops.attention(q, k_cache, v_cache, positions)
+  out = ops.attention(q, k_cache, v_cache, positions, mask=mask)
   return merge_heads(out, layer["wo"]), k_cache, v_cache
 
 
@@ -179,24 +182,41 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
   return jnp.take(params["embed"], tokens, axis=0)
 
 
+class BlockMask(NamedTuple):
+  """The tokens of a block that do not form one sequence: a draft tree verified in one forward (SpecInfer, Miao et
+  al. 2024; Medusa, Cai et al. 2024). Token t of the block sits at depths[b, t] after the block's first position
+  (RoPE) and sees, of the block, only the tokens u <= t where visible[b, t, u] (its ancestors and itself); the
+  slots before the block it sees as a causal block would."""
+  depths: jax.Array  # [B, T] int32
+  visible: jax.Array  # [B, T, T] bool
+
+
 def forward(params: Params, tokens: jax.Array | None, cache: KVCache, positions: jax.Array, config: ModelConfig, *,
             layers: Sequence[int] | None = None, compute_logits: bool = True, return_layer_hidden: bool = False,
-            hidden: jax.Array | None = None) -> ForwardOutput:
+            hidden: jax.Array | None = None, block: BlockMask | None = None) -> ForwardOutput:
   """Runs tokens [B, T] written at per-row offsets `positions` [B] through the decoder.
 
   `layers` (static) selects which layers run, in order (default: all); layers not run keep their cache.
   Layer-skip drafters use it to run the first k layers, or all but a skipped set. `hidden` [B, T, D] is the
   residual stream entering the first layer run, in place of the tokens' embeddings (tokens may then be None):
-  layers k..L-1 continue what layers 0..k-1 computed.
+  layers k..L-1 continue what layers 0..k-1 computed. `block`: the T tokens form a tree, not a sequence
+  (`BlockMask`); token t is still written at cache slot positions[b] + t.
   """
   x = embed(params, tokens) if hidden is None else hidden
   t = x.shape[1]
   pos = positions[:, None].astype(jnp.int32) + jnp.arange(t, dtype=jnp.int32)[None, :]
+  rope_positions = mask = None
+  if block is not None:
+    rope_positions = positions[:, None].astype(jnp.int32) + block.depths
+    slot = jnp.arange(cache.k[0].shape[1])[None, :] - positions[:, None]  # [B, S]: slot - the block's first
+    in_block = jnp.take_along_axis(block.visible, jnp.clip(slot, 0, t - 1)[:, None, :], axis=2)  # [B, T, S]
+    mask = (slot < 0)[:, None, :] | ((slot < t)[:, None, :] & in_block)
   k_all, v_all = list(cache.k), list(cache.v)
   layer_hidden = []
   for i in (range(config.num_layers) if layers is None else layers):
     layer = params["layers"][i]
-    attn, k_all[i], v_all[i] = attention_block(layer, x, k_all[i], v_all[i], pos, config)
+    attn, k_all[i], v_all[i] = attention_block(layer, x, k_all[i], v_all[i], pos, config,
+                                               rope_positions=rope_positions, mask=mask)
     x = x + attn
     x = x + mlp_block(layer, x, config)
     if return_layer_hidden:

@@ -13,6 +13,10 @@ One round, for every row at once:
      at the first rejection, or the bonus token when all the row's drafts were accepted);
   4. x_1..x_a and that token are committed; the new pending token is the last of them. The target cache now
      holds valid K/V up to the old pending position + a; slots past it are overwritten in later rounds;
+     with `tree_nodes=N` the drafter proposes a tree of N nodes instead (specjax/trees.py), verified in one
+     forward over [pending, its N nodes] under a tree mask; the accepted root-to-leaf path is committed, and its
+     K/V and the target's outputs along it are moved where a chain of its tokens would have put them, so what
+     follows sees a chain;
   5. the drafter updates its state from the verification, and the policy observes what the round drafted and
      what was accepted.
 Rows accept different numbers of tokens; a finished row (stop token, max_new_tokens) stops changing.
@@ -31,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax import compilation, control, distributed, sharding
+from specjax import compilation, control, distributed, sharding, trees
 from specjax.adaptive import AdaptiveDrafting, Choice, FixedGamma, Outcome, Policy, is_policy, width_index
 from specjax.drafters import Drafter, DraftInputs, PromptInfo, Proposal, RoundResult
 from specjax.decoding import (Output, decode_draft_params, decode_outputs, describe_shapes, is_stop, place_on_mesh,
@@ -107,12 +111,12 @@ def _commit(state: SpecState, draft_tokens, accepted_len, next_token, lengths, m
 
 
 @functools.partial(jax.jit, static_argnames=("config", "drafter", "policy", "sampling", "max_new_tokens",
-                                             "cache_len", "stop_ids", "cache_sharding"))
+                                             "cache_len", "stop_ids", "cache_sharding", "tree_nodes"))
 def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, config, drafter: Drafter,
                           policy: Policy, sampling: SamplingParams, max_new_tokens, cache_len, stop_ids,
-                          cache_sharding=None):
+                          cache_sharding=None, tree_nodes: int | None = None):
   batch, width = prompt_tokens.shape
-  gamma = policy.gamma  # the most tokens a round drafts: the width of the draft buffers
+  gamma = policy.gamma  # the most tokens a round drafts (a tree's depth): the width of the draft buffers
   rows = jnp.arange(batch)
   cache = sharding.constrain_cache(init_cache(config, batch, cache_len), cache_sharding)
   with_layers = bool(drafter.feature_layers)
@@ -143,53 +147,69 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
     """Draft up to `choice.budget` tokens (drafting=False: none, a plain target step), verify and commit them; the
     drafter updates, and the policy observes the round."""
     key, draft_key, verify_key = jax.random.split(s.key, 3)
-    proposal = (_propose(params, draft_params, drafter, s, draft_key, gamma, choice, sampling) if drafting
-                else _no_proposal(params, draft_params, drafter, s, draft_key, gamma, sampling))
+    proposal = (_propose(params, draft_params, drafter, s, draft_key, gamma, choice, sampling, tree_nodes)
+                if drafting else _no_proposal(params, draft_params, drafter, s, draft_key, gamma, sampling, tree_nodes))
     live = ~s.done
-    drafted = jnp.where(live, jnp.minimum(proposal.lengths, choice.budget), 0)
+    # Nodes drafted (a chain's are its slots, at most the budget), and the depth they reach.
+    drafted = jnp.where(live, proposal.lengths if tree_nodes else jnp.minimum(proposal.lengths, choice.budget), 0)
+    tree = None if proposal.parents is None else trees.describe(proposal.parents, batch, tree_nodes)
+    depth = drafted if tree is None else _depth_of(tree, drafted)
     # The cache and the drafter's state travel through the verification below; the rest of the proposal is read only.
     verified = (s.replace(cache=proposal.target_cache, draft_state=proposal.state), jnp.zeros_like(drafted),
                 jnp.zeros_like(live))
-    verify_round = functools.partial(verify, s, proposal._replace(target_cache=None, state=None), drafted,
-                                     verify_key, drafting)
-    # In the narrowest compiled width that holds [pending, x_1..x_n], n the longest draft a row made.
-    widths = policy.widths
+    verify_round = functools.partial(verify, s, proposal._replace(target_cache=None, state=None), tree, drafted,
+                                     depth, verify_key, drafting)
+    # In the narrowest compiled width that holds [pending, x_1..x_n], n the longest draft a row made (a tree: all
+    # its nodes).
+    widths = policy.widths if tree_nodes is None else (tree_nodes + 1,)
     chosen = width_index(widths, jnp.max(drafted)) if drafting and len(widths) > 1 else 0
     for i, width in enumerate(widths):
       verified = control.run_if(chosen == i, functools.partial(verify_round, width=width), verified)
     s, accepted, rejected = verified
-    outcome = Outcome(budget=choice.budget, drafted=drafted, accepted=accepted, rejected=rejected,
-                      stopped=live & (drafted < choice.budget))
+    outcome = Outcome(budget=choice.budget, drafted=depth, accepted=accepted, rejected=rejected,
+                      stopped=live & (depth < choice.budget))
     return s.replace(policy=policy.observe(s.policy, outcome), key=key, rounds=s.rounds + 1,
-                     counts=s.counts.add(live, drafted, accepted, rejected, jnp.asarray(drafting), proposal.steps))
+                     counts=s.counts.add(live, depth, accepted, rejected, jnp.asarray(drafting), proposal.steps))
 
-  def verify(before: SpecState, proposal: Proposal, drafted, key, drafting: bool, carry, width: int):
-    """The target over the first `width` of [pending, x_1..x_gamma] in one forward; the accepted drafts and the
-    next token committed, and the drafter's update. Returns (state, accepted [B], rejected [B])."""
+  def verify(before: SpecState, proposal: Proposal, tree: trees.Tree | None, drafted, depth, key, drafting: bool,
+             carry, width: int):
+    """The target over the first `width` of [pending, x_1..x_gamma] (or over [pending, the tree's nodes]) in one
+    forward; the accepted drafts and the next token committed, and the drafter's update. Returns (state, accepted
+    [B], rejected [B])."""
     s, live = carry[0], ~before.done
     tokens = jnp.concatenate([before.sequence[rows, before.position][:, None], proposal.tokens], axis=1)
     out = _verify_forward(params, config, tokens, proposal, s.cache, before.position, width, drafter.reuse_layers,
-                          with_layers, jnp.max(drafted) if drafting else None)
+                          with_layers, jnp.max(drafted) if drafting else None,
+                          None if tree is None else tree.block_mask())
     # No row drafted past slot width - 1, so verification reads the first width - 1 drafts only (none in a plain
     # step: the next token is the target's own).
     drafts = proposal.tokens[:, :width - 1]
+    parents = None if tree is None else tree.parents
     if sampling.greedy:
-      accepted_len, next_token = greedy_verify(drafts, out.logits, drafted)
+      end, next_token = greedy_verify(drafts, out.logits, drafted, parents)
     else:
-      accepted_len, next_token = speculative_verify(key, drafts, proposal.probs[:, :width - 1],
-                                                    probabilities(out.logits, sampling), drafted)
-    sequence, position, done = _commit(s, proposal.tokens, accepted_len, next_token, lengths, max_new_tokens,
-                                       stop_ids)
+      end, next_token = speculative_verify(key, drafts, proposal.probs[:, :width - 1],
+                                           probabilities(out.logits, sampling), drafted, parents)
+    features = _features(out, drafter.feature_layers)
+    if tree is None:  # a chain's accepted path is its first `end` drafts, already where the commit puts them
+      accepted_len, path_tokens, cache, hidden = end, proposal.tokens, out.cache, out.hidden
+    else:
+      block_path = trees.path(tree, end, gamma)
+      accepted_len = jnp.take_along_axis(tree.depths, end[:, None], axis=1)[:, 0]
+      path_tokens = trees.along_path(tokens, block_path)[:, 1:]
+      cache = trees.move_path(out.cache, before.position, block_path)
+      hidden = trees.along_path(out.hidden, block_path)
+      features = None if features is None else trees.along_path(features, block_path)
+    sequence, position, done = _commit(s, path_tokens, accepted_len, next_token, lengths, max_new_tokens, stop_ids)
     accepted = jnp.where(live, accepted_len, 0)
-    # The drafter's update sees the `width` verified positions only (a plain step: the pending one): the sequential
-    # MTP module runs its block over every position it is handed.
-    result = RoundResult(sequence=sequence, position=position, accepted=accepted, verify_hidden=out.hidden,
-                         features=_features(out, drafter.feature_layers), verify_position=before.position,
-                         drafted=drafting)
+    # The drafter's update sees the `width` verified positions only (a plain step: the pending one; a tree: its
+    # accepted path, gamma + 1 positions): the sequential MTP module runs its block over every position it is handed.
+    result = RoundResult(sequence=sequence, position=position, accepted=accepted, verify_hidden=hidden,
+                         features=features, verify_position=before.position, drafted=drafting)
     s = s.replace(sequence=sequence, position=position, done=done,
-                  cache=sharding.constrain_cache(out.cache, cache_sharding),
+                  cache=sharding.constrain_cache(cache, cache_sharding),
                   draft_state=drafter.update(params, draft_params, drafter.options, s.draft_state, result))
-    return s, accepted, live & (accepted_len < drafted)
+    return s, accepted, live & (accepted_len < depth)
 
   s = jax.lax.while_loop(cond, body, state)
   num_generated = s.position - lengths + 1
@@ -197,20 +217,28 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
   return tokens, num_generated, {"rounds": s.rounds, **dataclasses.asdict(s.counts)}
 
 
-def _propose(params, draft_params, drafter: Drafter, s: SpecState, key, gamma: int, choice: Choice, sampling):
-  """The drafter's proposal of up to `choice.budget` (>= 1) tokens, with lengths and steps filled in."""
+def _propose(params, draft_params, drafter: Drafter, s: SpecState, key, gamma: int, choice: Choice, sampling,
+             tree_nodes: int | None = None):
+  """The drafter's proposal of up to `choice.budget` (>= 1) tokens (or a tree of `tree_nodes` nodes), with lengths
+  and steps filled in."""
   inputs = DraftInputs(sequence=s.sequence, position=s.position, target_cache=s.cache, key=key,
-                       budget=jnp.asarray(choice.budget), keep_bars=choice.keep_bars, go_bars=choice.go_bars)
+                       budget=jnp.asarray(choice.budget), keep_bars=choice.keep_bars, go_bars=choice.go_bars,
+                       tree_nodes=tree_nodes)
   proposal = drafter.propose(params, draft_params, drafter.options, s.draft_state, inputs, gamma, sampling)
+  if (proposal.parents is None) != (tree_nodes is None):
+    raise ValueError(f"drafter {drafter.name!r} proposed a {'chain' if proposal.parents is None else 'tree'} "
+                     f"where the round drafts a {'chain' if tree_nodes is None else 'tree'}")
   return proposal._replace(
-      lengths=jnp.full(s.position.shape, gamma, jnp.int32) if proposal.lengths is None else proposal.lengths,
+      lengths=(jnp.full(s.position.shape, tree_nodes or gamma, jnp.int32) if proposal.lengths is None
+               else proposal.lengths),
       steps=jnp.asarray(gamma if proposal.steps is None else proposal.steps, jnp.int32))
 
 
-def _no_proposal(params, draft_params, drafter: Drafter, s: SpecState, key, gamma: int, sampling) -> Proposal:
+def _no_proposal(params, draft_params, drafter: Drafter, s: SpecState, key, gamma: int, sampling,
+                 tree_nodes: int | None = None) -> Proposal:
   """What a round that does not draft passes on: zeros shaped like a proposal, the drafter's state unchanged."""
   inputs = DraftInputs(sequence=s.sequence, position=s.position, target_cache=s.cache, key=key,
-                       budget=jnp.asarray(1))
+                       budget=jnp.asarray(1), tree_nodes=tree_nodes)
   shapes = jax.eval_shape(lambda: drafter.propose(params, draft_params, drafter.options, s.draft_state, inputs,
                                                   gamma, sampling))
   empty = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
@@ -218,8 +246,14 @@ def _no_proposal(params, draft_params, drafter: Drafter, s: SpecState, key, gamm
                         steps=jnp.zeros((), jnp.int32))
 
 
+def _depth_of(tree: trees.Tree, drafted: jax.Array) -> jax.Array:
+  """[B] the depth the first `drafted` [B] nodes of `tree` reach."""
+  drafted_block = jnp.arange(tree.nodes + 1)[None, :] <= drafted[:, None]
+  return jnp.max(jnp.where(drafted_block, tree.depths, 0), axis=1)
+
+
 def _verify_forward(params, config, tokens, proposal: Proposal, cache, position, width: int, reuse_layers: int,
-                    with_layers: bool, longest: jax.Array | None):
+                    with_layers: bool, longest: jax.Array | None, block=None):
   """The target over the first `width` of tokens [B, gamma+1] = [pending, x_1..x_gamma] written from `position`;
   outputs over those `width` positions. `longest`: the longest draft a row made (None: a plain step).
 
@@ -230,11 +264,12 @@ def _verify_forward(params, config, tokens, proposal: Proposal, cache, position,
   every row stopped going on). A draft whose every row dropped the last step's token ran one step past the longest
   draft, so every position verification reads already has its layer k-1 output. No row drafted past x_longest,
   and causal attention keeps the positions after it (whose inputs are left as zeros or are tokens no row kept) out
-  of the logits that verification reads.
+  of the logits that verification reads. `block`: the tree mask of a tree's block (`specjax.trees`; drafters that
+  reuse layers draft chains).
   """
   tokens = tokens[:, :width]
   if longest is None or not reuse_layers:
-    out = forward(params, tokens, cache, position, config, return_layer_hidden=with_layers)
+    out = forward(params, tokens, cache, position, config, return_layer_hidden=with_layers, block=block)
   else:
     steps, rows = proposal.steps, jnp.arange(tokens.shape[0])
     hidden = jnp.pad(proposal.hidden, ((0, 0), (0, 1), (0, 0)))[:, :width]
@@ -261,12 +296,14 @@ def _features(out, layers: tuple[int, ...]):
 
 
 def generate(model, prompts, *, drafter: Drafter, gamma: int, sampling: SamplingParams, max_new_tokens: int,
-             seed: int, mesh, max_len, stop_ids, adaptive: bool | Policy = True) -> Output:
+             seed: int, mesh, max_len, stop_ids, adaptive: bool | Policy = True,
+             tree_nodes: int | None = None) -> Output:
   """Speculative counterpart of `specjax.generate` (which resolves the sampling and stop arguments and calls this).
 
   gamma is the most tokens a round drafts; `adaptive` is the drafting policy (specjax/adaptive.py): True
   (`AdaptiveDrafting()`: fewer tokens where that pays, and unsure rows stop early), False (`FixedGamma()`: gamma
-  every round), or a policy object.
+  every round), or a policy object. `tree_nodes=N`: every round drafts a tree of N nodes, gamma deep (a drafter
+  with `Drafter.trees`, and `adaptive=False`: no policy chooses among trees yet); None drafts chains.
   """
   if not isinstance(drafter, Drafter):
     raise TypeError(f"drafter must come from specjax.make_drafter, got {type(drafter).__name__}")
@@ -279,10 +316,21 @@ def generate(model, prompts, *, drafter: Drafter, gamma: int, sampling: Sampling
   if not is_policy(policy):
     raise TypeError(f"adaptive must be True, False or a drafting policy (specjax.AdaptiveDrafting, "
                     f"specjax.FixedGamma), got {adaptive!r}")
+  if tree_nodes is not None:
+    if not isinstance(tree_nodes, (int, np.integer)) or tree_nodes < 1:
+      raise ValueError(f"tree_nodes must be a positive integer (or None: a chain), got {tree_nodes!r}")
+    if not drafter.trees:
+      raise ValueError(f"drafter {drafter.name!r} drafts chains only: tree_nodes needs a drafter that drafts trees "
+                       "(mtp_parallel, mtp_sequential)")
+    if not isinstance(policy, FixedGamma):
+      raise ValueError("tree rounds draft the whole tree every round: pass adaptive=False with tree_nodes (no "
+                       "drafting policy chooses among trees yet)")
   if drafter.reuse_layers and any(i < drafter.reuse_layers - 1 for i in drafter.feature_layers):
     raise ValueError(f"drafter {drafter.name!r} reuses the target's first {drafter.reuse_layers} layers, so "
                      f"verification has no features of layers {drafter.feature_layers} over all positions")
-  batch = prepare_batch(model, prompts, max_new_tokens, extra_positions=gamma + 1, max_len=max_len)
+  # A round writes its block past the committed tokens: gamma drafts, or a tree's nodes, and the pending token.
+  batch = prepare_batch(model, prompts, max_new_tokens, extra_positions=max(gamma, tree_nodes or 0) + 1,
+                        max_len=max_len)
   # The round costs depend on the rows one forward processes: the batch over the mesh's "data" axis.
   rows_per_forward = max(1, len(batch.lengths) // (mesh.shape.get("data", 1) if mesh is not None else 1))
   policy = policy.plan(drafter.cost, int(gamma), rows_per_forward)
@@ -290,9 +338,11 @@ def generate(model, prompts, *, drafter: Drafter, gamma: int, sampling: Sampling
   params, prompt_tokens, lengths, cache_sharding = place_on_mesh(model, batch, mesh)
   (tokens, num_generated, stats), compile_seconds = _speculative_program(
       params, _place_draft_params(drafter, mesh), prompt_tokens, lengths, jax.random.PRNGKey(seed),
-      describe=f"{drafter.name}, gamma {gamma}, {type(policy).__name__}, {describe_shapes(batch)}",
+      describe=(f"{drafter.name}, gamma {gamma}{f', trees of {tree_nodes} nodes' if tree_nodes else ''}, "
+                f"{type(policy).__name__}, {describe_shapes(batch)}"),
       config=model.config, drafter=drafter.static(), policy=policy, sampling=sampling,
-      max_new_tokens=int(max_new_tokens), cache_len=batch.cache_len, stop_ids=stop_ids, cache_sharding=cache_sharding)
+      max_new_tokens=int(max_new_tokens), cache_len=batch.cache_len, stop_ids=stop_ids, cache_sharding=cache_sharding,
+      tree_nodes=None if tree_nodes is None else int(tree_nodes))
   tokens, num_generated, stats = distributed.to_host((tokens, num_generated, stats))  # also multi-process arrays
   seconds = time.perf_counter() - start - compile_seconds
   rows, texts = decode_outputs(model, tokens, num_generated, stop_ids)

@@ -106,12 +106,12 @@ ADAPTIVE = specjax.AdaptiveDrafting(min_confidence=0.3, prior_alpha=0.5, forward
 
 
 def speculative_samples(target, draft, sampling, seed=0, gamma=3, samples=SAMPLES, drafter="draft_model",
-                        adaptive=ADAPTIVE):
+                        adaptive=ADAPTIVE, tree_nodes=None):
   drafter = DRAFTERS[drafter](target, draft)
   drafter = dataclasses.replace(drafter, cost=dataclasses.replace(drafter.cost, step=0.1))
   out = specjax.generate(target, [PROMPT] * samples, max_new_tokens=3, drafter=drafter, gamma=gamma, seed=seed,
                          temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, stop_ids=[],
-                         max_len=16, adaptive=adaptive)
+                         max_len=16, adaptive=adaptive, tree_nodes=tree_nodes)
   return np.array(out.tokens), out.stats
 
 
@@ -163,18 +163,18 @@ def test_autoregressive_sampling_matches_the_target_distribution(target):
   assert chi_square_pvalue(np.array(out.tokens), exact_joint(target, sampling)) > 1e-3
 
 
-def always_accept(key, draft_tokens, draft_probs, target_probs, lengths):
+def always_accept(key, draft_tokens, draft_probs, target_probs, lengths, parents=None):
   rows = jnp.arange(draft_tokens.shape[0])
   return lengths, sample_from_probs(key, target_probs[rows, lengths])
 
 
-def correct_from_p(key, draft_tokens, draft_probs, target_probs, lengths):
+def correct_from_p(key, draft_tokens, draft_probs, target_probs, lengths, parents=None):
   accepted, _ = verify.speculative_verify(key, draft_tokens, draft_probs, target_probs, lengths)
   rows = jnp.arange(draft_tokens.shape[0])
   return accepted, sample_from_probs(jax.random.fold_in(key, 1), target_probs[rows, accepted])
 
 
-def residual_where_a_row_stopped(key, draft_tokens, draft_probs, target_probs, lengths):
+def residual_where_a_row_stopped(key, draft_tokens, draft_probs, target_probs, lengths, parents=None):
   """Where a row stopped drafting (its draft was unsure of slot i), draws from the residual max(0, p - q) of the
   draft distribution computed there, as if slot i had been drafted and rejected, instead of from p."""
   accepted, _ = verify.speculative_verify(key, draft_tokens, draft_probs, target_probs, lengths)
@@ -197,6 +197,17 @@ def test_the_test_detects_a_broken_verifier(broken, target, draft, monkeypatch):
     monkeypatch.undo()
     speculative._speculative_program.clear()
   assert chi_square_pvalue(samples, exact_joint(target, sampling)) < 1e-6
+
+
+# Trees of 6 nodes, 2 deep (the first round covers the joint's tokens 2 and 3): siblings at both depths, tested one
+# after another with the residual left by each rejected one.
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter", ["mtp_parallel_truncated", "mtp_sequential"])
+def test_tree_speculative_sampling_matches_the_target_distribution(drafter, target, draft):
+  samples, s = speculative_samples(target, draft, SETTINGS[1], drafter=drafter, gamma=2, adaptive=False,
+                                   tree_nodes=6)
+  assert sum(s["accepted_per_row"]) >= 300 and sum(s["rejections_per_row"]) >= 300
+  assert chi_square_pvalue(samples, exact_joint(target, SETTINGS[1])) > 1e-3
 
 
 def test_verify_rule_emits_p_for_one_slot():

@@ -17,7 +17,7 @@ from specjax.adaptive import Choice, verify_widths
 from specjax.drafters import DraftCost
 from specjax.loading import Model
 from specjax.model import init_params
-from tests.task_drafters import ragged_prompts
+from tests.task_drafters import perturbed, ragged_prompts
 
 # test id -> (drafter name, options given the target and an independent draft model)
 DRAFTERS = {
@@ -131,6 +131,51 @@ def test_greedy_speculative_equals_autoregressive(name, gamma, batch, chooser, t
     assert out.stats["draft_calls"] == 0  # an n-gram search runs no model
   elif chooser == "fixed_gamma":
     assert out.stats["draft_calls"] == gamma * out.stats["rounds"]
+
+
+# Drafters that draft trees, with random heads or modules (drafts wrong in varied ways, accepted now and then).
+TREE_DRAFTERS = {
+    "mtp_parallel": dict(path=None, num_heads=3),
+    "mtp_sequential": dict(path=None, depth=3),
+    "mtp_sequential_recurrent": dict(path=None, depth=3, recurrent=True),
+}
+# (drafter, gamma: the depth, tree_nodes, batch): trees of one level, of a chain's size, and bushy ones.
+TREE_GRID = [("mtp_parallel", 3, 20, 4), ("mtp_sequential_recurrent", 2, 6, 1),  # the fast tier
+             ("mtp_sequential", 3, 3, 4), ("mtp_parallel", 1, 8, 1), ("mtp_sequential_recurrent", 3, 32, 4)]
+
+
+@pytest.mark.parametrize("name, gamma, nodes, batch", [
+    row if i < 2 else pytest.param(*row, marks=pytest.mark.slow) for i, row in enumerate(TREE_GRID)],
+    ids=[f"{name}-depth{gamma}-nodes{nodes}-batch{batch}" for name, gamma, nodes, batch in TREE_GRID])
+def test_greedy_tree_speculative_equals_autoregressive(name, gamma, nodes, batch, target):
+  prompts = ragged_prompts(batch)
+  expected = specjax.generate(target, prompts, max_new_tokens=24, stop_ids=[])
+  drafter = perturbed(specjax.make_drafter(name.removesuffix("_recurrent"), target, **TREE_DRAFTERS[name]), seed=3,
+                      scale=0.1)
+  out = specjax.generate(target, prompts, max_new_tokens=24, drafter=drafter, gamma=gamma, stop_ids=[],
+                         adaptive=False, tree_nodes=nodes)
+  assert out.tokens == expected.tokens
+  s = out.stats
+  produced, accepted = np.array(s["new_tokens_per_row"]) - 1, np.array(s["accepted_per_row"])
+  rounds = np.array(s["rounds_per_row"])
+  assert np.all(produced <= accepted + rounds) and np.all(produced >= accepted + rounds - (gamma + 1))
+  assert accepted.sum() > 0 and s["plain_steps"] == 0
+  # Per depth: rounds whose tree reached it, and of those, the ones that accepted it.
+  assert len(s["acceptance_per_position"]) == gamma and s["proposed_per_position"][0] == rounds.sum()
+
+
+def test_tree_nodes_need_a_drafter_that_drafts_trees_and_a_fixed_policy(target):
+  prompts = ragged_prompts(1)
+  with pytest.raises(ValueError, match="drafts chains only"):
+    specjax.generate(target, prompts, max_new_tokens=4, drafter=specjax.make_drafter("prompt_lookup", target),
+                     gamma=2, adaptive=False, tree_nodes=4)
+  heads = specjax.make_drafter("mtp_parallel", target, path=None, num_heads=2)
+  with pytest.raises(ValueError, match="pass adaptive=False"):
+    specjax.generate(target, prompts, max_new_tokens=4, drafter=heads, gamma=2, tree_nodes=4)
+  with pytest.raises(ValueError, match="tree_nodes must be a positive integer"):
+    specjax.generate(target, prompts, max_new_tokens=4, drafter=heads, gamma=2, adaptive=False, tree_nodes=0)
+  with pytest.raises(ValueError, match="pass drafter="):
+    specjax.generate(target, prompts, max_new_tokens=4, tree_nodes=4)
 
 
 def test_target_as_its_own_draft_accepts_every_draft(target):

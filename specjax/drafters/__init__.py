@@ -20,6 +20,10 @@ skip runs the target's layers and owns nothing; an MTP head owns its head and re
       (`result.drafted` False: a plain target step, one position), so a drafter that keeps its own cache can
       follow.
 
+A drafter that drafts trees (`Drafter.trees`) proposes, when `inputs.tree_nodes` is N, a tree of N nodes at most
+gamma deep (`Proposal.parents`, specjax/trees.py) instead of a chain; `draft_tree.grow` builds EAGLE-2's trees from
+any drafter that can score the children of a set of nodes.
+
 A drafter that runs the target's own first k layers on [pending, x_1, ...] (`reuse_layers = k`, early exit)
 writes the target's K/V for those layers as it drafts and hands over their output (`Proposal.hidden`), so
 verification runs layers 0..k-1 only for the token the draft did not process (LayerSkip's cache reuse).
@@ -73,6 +77,7 @@ class DraftInputs:
   # the slot, and to draft the next one
   keep_bars: jax.Array | float = 0.0
   go_bars: jax.Array | float = 0.0
+  tree_nodes: int | None = struct.field(pytree_node=False, default=None)  # N: draft a tree of N nodes (None: a chain)
 
 
 class Proposal(NamedTuple):
@@ -83,6 +88,9 @@ class Proposal(NamedTuple):
   lengths: jax.Array | None = None  # [B] slots drafted per row; later slots are never accepted (None: all gamma)
   steps: jax.Array | None = None  # scalar: draft steps run (None: gamma), for `draft_calls`
   hidden: jax.Array | None = None  # [B, gamma, D] output of layers 0..k-1 at [pending, x_1..] (`reuse_layers`)
+  # [B, N] a tree's parents (block indices, specjax/trees.py): tokens and probs are then over its N nodes, and
+  # lengths counts nodes drafted (None: a chain)
+  parents: jax.Array | None = None
 
 
 @struct.dataclass
@@ -131,6 +139,7 @@ class Drafter:
   max_gamma: int | None = None  # most draft tokens one round can propose (None: unbounded)
   reuse_layers: int = 0  # k > 0: drafts run the target's layers 0..k-1 and hand over their output (see above)
   cost: DraftCost = DraftCost()  # for the drafting policy (`specjax.adaptive`)
+  trees: bool = False  # propose drafts a tree when `DraftInputs.tree_nodes` is set
 
   def static(self) -> "Drafter":
     return dataclasses.replace(self, params=None, param_specs=None)

@@ -11,6 +11,10 @@ over a truncated draft vocabulary (`draft_head`). Head k predicts token t+1+k. T
 hidden state the verification forward already produced (`RoundResult.verify_hidden` at the last accepted
 position), so drafting costs K small matrix-vector products and one head over V' tokens: no target call.
 
+Trees (Medusa's): head k's top tokens are the candidates at depth k under every node of depth k - 1, and the tree
+keeps the N paths of highest product of the heads' probabilities (`draft_tree.grow`; the heads read one hidden
+state, so expanding a node costs nothing).
+
 Training (self-distillation, `loss`): at every position t of a cached sequence, head k learns the target's
 next-token distribution at position t+k, with loss weight 0.8^(k-1) (Medusa's decay).
 """
@@ -26,7 +30,7 @@ from specjax.config import ModelConfig
 from specjax import leviathan
 from specjax.drafters import (DraftCost, Drafter, DraftInputs, PromptInfo, Proposal, RoundResult, choose_tokens,
                               confidence, draft_lengths)
-from specjax.drafters import draft_head
+from specjax.drafters import draft_head, draft_tree
 from specjax.model import ParamSpec
 from specjax.sampling import SamplingParams
 
@@ -74,6 +78,14 @@ def propose(target_params, params, options: Options, hidden, inputs: DraftInputs
   if gamma > options.num_heads:  # static; generate() checks max_gamma first with a clearer message
     raise ValueError(f"{NAME} has {options.num_heads} heads, gamma={gamma}")
   logits = draft_head.logits(target_params, params, heads(params, hidden, gamma), options.config)  # [B, g, V']
+  if inputs.tree_nodes:
+    def expand(d, tokens, payload):  # head d scores the children of every node of depth d - 1 alike
+      return jnp.broadcast_to(logits[:, None, d - 1], tokens.shape + logits.shape[-1:]), payload
+
+    tokens, probs, parents = draft_tree.grow(logits[:, 0], (), expand, gamma, inputs.tree_nodes, sampling,
+                                             params.get("token_map"), options.config.vocab_size)
+    return Proposal(tokens=tokens, probs=probs, state=hidden, target_cache=inputs.target_cache,
+                    steps=jnp.ones((), jnp.int32), parents=parents)
   tokens, probs = choose_tokens(logits, inputs.key, sampling, params.get("token_map"), options.config.vocab_size)
   # All heads run at once (one small product each), so stopping early trims the verification, not drafting.
   return Proposal(tokens=tokens, probs=probs, state=hidden, target_cache=inputs.target_cache,
@@ -135,7 +147,7 @@ def make(model, path: str | None = "default", num_heads: int = 4, token_map=None
   if options.draft_vocab is not None:
     params["head"] = draft_head.head_columns(model.params, config, params["token_map"])
   return Drafter(name=NAME, init=init, propose=propose, update=update, options=options, params=params,
-                 param_specs=param_specs(options), loss=loss, max_gamma=options.num_heads,
+                 param_specs=param_specs(options), loss=loss, max_gamma=options.num_heads, trees=True,
                  cost=cost(model, options, params))
 
 

@@ -21,6 +21,12 @@ Drafting step k (k >= 2) runs at position q = p - 2 + k and attends to the commi
 this round wrote at positions p..q: with a recurrent module those are its own earlier drafting steps; with
 distinct modules, only module k's own position q.
 
+Trees (EAGLE-2's dynamic trees, `draft_tree.grow`): expanding a node of depth d - 1 is drafting step d over it: the
+module reads the node's token and the output that drafted it, at position p - 2 + d, attending to the committed
+slots and (recurrent) to the K/V of the steps that drafted its ancestors, or (distinct modules) to its own only,
+exactly what a chain through that node would see. The k nodes a step expands run as k queries of one call; their
+K/V travel with the nodes, so the module caches hold committed positions only.
+
 Training (`loss`, self-distillation on cached features) follows exactly that visibility (EAGLE-3's
 "training-time test"): depth k at position j reads g^{k-1}_{j-1} from depth k-1, attends to true-feature
 K/V at positions <= j-k+1 and to the drafted K/V of depths 2..k at positions j-k+2..j (recurrent) or only
@@ -38,7 +44,7 @@ import jax.numpy as jnp
 from specjax.config import ModelConfig
 from specjax import leviathan, ops
 from specjax.drafters import (DraftCost, Drafter, DraftInputs, PromptInfo, Proposal, RoundResult, choose_tokens,
-                              confidence, draft_head, keeps)
+                              confidence, draft_head, draft_tree, keeps)
 from specjax.model import ParamSpec, embed, merge_heads, mlp_block, qkv, rms_norm
 from specjax.sampling import SamplingParams
 
@@ -165,6 +171,8 @@ def propose(target_params, params, options: Options, state, inputs: DraftInputs,
   config = options.config
   if not options.recurrent and gamma > options.depth:
     raise ValueError(f"{NAME} has {options.depth} modules, gamma={gamma}")
+  if inputs.tree_nodes:
+    return _propose_tree(target_params, params, options, state, inputs, gamma, sampling)
   keys = jax.random.split(inputs.key, gamma)
   p = inputs.position
   token_map = params.get("token_map")
@@ -210,6 +218,37 @@ def propose(target_params, params, options: Options, state, inputs: DraftInputs,
   state = {**state, "k": carry[4], "v": carry[5]}
   return Proposal(tokens=jnp.stack(tokens, axis=1), probs=None if sampling.greedy else jnp.stack(probs, axis=1),
                   state=state, target_cache=inputs.target_cache, lengths=lengths, steps=steps)
+
+
+def _propose_tree(target_params, params, options: Options, state, inputs: DraftInputs, gamma: int,
+                  sampling: SamplingParams) -> Proposal:
+  """A tree of `inputs.tree_nodes` nodes, at most gamma deep (the module docstring)."""
+  config, p = options.config, inputs.position
+  b = p.shape[0]
+  kv_shape = (b, 0, config.num_kv_heads, config.head_dim)
+  # A node carries the output that drafted it and the K/V of the steps that drafted its ancestors (recurrent).
+  first = {"hidden": state["hidden"], "k": jnp.zeros(kv_shape, state["k"].dtype),
+           "v": jnp.zeros(kv_shape, state["v"].dtype)}
+
+  def expand(d, tokens, node):
+    m = 0 if options.recurrent else d - 1
+    mp = _module(params, m)
+    x = module_input(mp, embed(target_params, tokens), node["hidden"], config)
+    q_, k, v = qkv(mp, x, jnp.broadcast_to((p + d - 2)[:, None], tokens.shape), config)
+    ancestors_k = jnp.concatenate([node["k"], k[:, :, None]], axis=2) if options.recurrent else k[:, :, None]
+    ancestors_v = jnp.concatenate([node["v"], v[:, :, None]], axis=2) if options.recurrent else v[:, :, None]
+    committed = jnp.broadcast_to((p - 1)[:, None], tokens.shape)  # the cache slots every node sees
+    hidden = finish(mp, x, ops.attention(q_, state["k"][m], state["v"][m], committed, extra_keys=ancestors_k,
+                                         extra_values=ancestors_v), config)
+    children = {"hidden": hidden, "k": ancestors_k if options.recurrent else node["k"],
+                "v": ancestors_v if options.recurrent else node["v"]}
+    return draft_head.logits(target_params, params, hidden, config), children
+
+  tokens, probs, parents = draft_tree.grow(draft_head.logits(target_params, params, state["hidden"], config), first,
+                                           expand, gamma, inputs.tree_nodes, sampling, params.get("token_map"),
+                                           config.vocab_size)
+  return Proposal(tokens=tokens, probs=probs, state=state, target_cache=inputs.target_cache,
+                  steps=jnp.asarray(gamma, jnp.int32), parents=parents)
 
 
 def update(target_params, params, options: Options, state, result: RoundResult):
@@ -326,7 +365,7 @@ def make(model, path: str | None = "default", depth: int = 4, recurrent: bool = 
     params["head"] = draft_head.head_columns(model.params, config, params["token_map"])
   return Drafter(name=NAME, init=init, propose=propose, update=update, options=options, params=params,
                  param_specs=param_specs(options), loss=loss, feature_layers=options.feature_layers,
-                 max_gamma=None if options.recurrent else options.depth, cost=cost(model, options, params))
+                 max_gamma=None if options.recurrent else options.depth, cost=cost(model, options, params), trees=True)
 
 
 def cost(model, options: Options, params) -> DraftCost:

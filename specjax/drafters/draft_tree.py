@@ -1,0 +1,76 @@
+"""Draft trees grown from a drafter's own distributions: EAGLE-2's expand and rerank (Li et al. 2024, "EAGLE-2: Faster
+Inference of Language Models with Dynamic Draft Trees").
+
+A node's value is the product of the draft's probabilities along its path, about the chance that the target accepts
+the whole path. Depth 1 holds the top-k tokens of the draft's first distribution. Each further depth expands the k
+nodes of the previous depth with the highest value (one draft step over k positions), each proposing its top-k
+children: k^2 candidates. The tree is the N candidates of highest value over all depths. A child's value never
+exceeds its parent's and a parent is a candidate before its children (ties go to the earlier candidate), so the N
+hold the parent of each of theirs; they are put in the order they were drafted, every parent before its children
+(`specjax.trees`).
+
+Tokens are chosen deterministically, so when sampling each node's q is one-hot at its token: the rule of
+specjax/verify.py for deterministic siblings (accept x with probability p(x), and a rejected x leaves p without x,
+renormalised). The tree's shape depends on the draft alone, never on the target's draws, which keeps that exact.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from specjax.sampling import SamplingParams
+
+TOP_K = 8  # children per expanded node, and nodes expanded per depth (EAGLE-2 uses 8-10)
+
+
+def grow(first_logits: jax.Array, payload: Any, expand: Callable, depth: int, nodes: int, sampling: SamplingParams,
+         token_map: jax.Array | None = None, vocab_size: int | None = None, top_k: int = TOP_K):
+  """A tree of `nodes` nodes at most `depth` deep: (tokens [B, N], probs [B, N, V] (None when greedy), parents [B, N]
+  block indices).
+
+  first_logits [B, V']: the draft's distribution after the pending token. payload: what the drafter carries for a
+  node of depth 1, per row ([B, ...] arrays, shared by all depth-1 nodes). expand(d, tokens [B, k], payload
+  [B, k, ...]) -> (logits [B, k, V'], payload [B, k, ...]): one draft step over k nodes of depth d - 1, giving the
+  distribution of their children (depth d) and the payload the children carry. With a truncated draft vocabulary
+  the logits are over `token_map` [V'] (token ids).
+  """
+  batch, vocab = first_logits.shape
+  k = min(top_k, vocab)
+  candidates = k + (depth - 1) * k * k
+  if nodes > candidates:
+    raise ValueError(f"a tree of {depth} levels expanding {k} nodes a level holds at most {candidates} nodes, got "
+                     f"tree_nodes={nodes}")
+
+  def children(logits, base):  # the top-k children of each node: (values [B, M * k], vocabulary indices [B, M * k])
+    logp, index = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), k)
+    return (base[..., None] + logp).reshape(batch, -1), index.reshape(batch, -1)
+
+  def take(tree, index):  # [B, M, ...] -> [B, k, ...] at index [B, k]
+    return jax.tree.map(lambda a: jnp.take_along_axis(a, index.reshape(index.shape + (1,) * (a.ndim - 2)), axis=1),
+                        tree)
+
+  values, index = children(first_logits[:, None], jnp.zeros((batch, 1), jnp.float32))
+  layer_payload = jax.tree.map(lambda a: jnp.repeat(a[:, None], k, axis=1), payload)
+  layer_ids = jnp.broadcast_to(jnp.arange(k), (batch, k))
+  all_values, all_index, all_parents = [values], [index], [jnp.full((batch, k), -1)]
+  for d in range(2, depth + 1):
+    best = jax.lax.top_k(values, k)[1]  # the layer's k most valuable nodes
+    chosen = take(index, best)
+    logits, child_payload = expand(d, chosen if token_map is None else token_map[chosen], take(layer_payload, best))
+    values, index = children(logits, take(values, best))
+    parent_ids = jnp.repeat(take(layer_ids, best), k, axis=1)
+    layer_payload = jax.tree.map(lambda a: jnp.repeat(a, k, axis=1), child_payload)
+    layer_ids = sum(v.shape[1] for v in all_values) + jnp.broadcast_to(jnp.arange(k * k), (batch, k * k))
+    all_values, all_index, all_parents = all_values + [values], all_index + [index], all_parents + [parent_ids]
+  # Rerank: the N most valuable (top_k keeps the earlier of equal values), in the order drafted.
+  selected = jnp.sort(jax.lax.top_k(jnp.concatenate(all_values, axis=1), nodes)[1], axis=1)
+  tokens = jnp.take_along_axis(jnp.concatenate(all_index, axis=1), selected, axis=1)
+  tokens = tokens if token_map is None else token_map[tokens]
+  parent_ids = jnp.take_along_axis(jnp.concatenate(all_parents, axis=1), selected, axis=1)
+  # A parent's block index: 1 + how many selected candidates come before it (0: the pending token).
+  parents = jnp.where(parent_ids < 0, 0, 1 + jnp.sum(selected[:, None, :] < parent_ids[:, :, None], axis=2))
+  probs = None if sampling.greedy else jax.nn.one_hot(tokens, vocab_size or vocab, dtype=jnp.float32)
+  return tokens.astype(jnp.int32), probs, parents.astype(jnp.int32)

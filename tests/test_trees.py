@@ -1,0 +1,164 @@
+"""Draft trees: the tree-masked forward, the accepted path's K/V, and the verification rules over trees."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import trees, verify
+from specjax.model import forward, init_cache
+from specjax.sampling import sample_from_probs
+
+# Two rows, each its own tree over 7 nodes (block indices of the parents: 0 is the pending token).
+PARENTS = np.array([[0, 0, 1, 2, 2, 5, 0],  # siblings at depths 1 and 2; block 6 three deep through second siblings
+                    [0, 1, 2, 3, 4, 5, 6]], np.int32)  # a chain of 7
+PROMPT_LENGTHS = np.array([9, 5])  # ragged: each row's block at its own offset
+
+
+def block_paths(parents_row):
+  """Each block index's path from the pending token (block indices)."""
+  paths = [[0]]
+  for i, parent in enumerate(parents_row):
+    paths.append(paths[parent] + [i + 1])
+  return paths
+
+
+@pytest.fixture(scope="module")
+def prefilled(tiny):
+  """The tiny model's cache after ragged prompts, and a random block [pending, 7 nodes] per row."""
+  rng = np.random.default_rng(0)
+  vocab = tiny.config.vocab_size
+  prompts = rng.integers(0, vocab, (2, PROMPT_LENGTHS.max()))
+  cache = chain_forward(tiny.params, jnp.asarray(prompts), init_cache(tiny.config, 2, 32), jnp.zeros(2, jnp.int32),
+                        config=tiny.config).cache
+  return prompts, cache, jnp.asarray(rng.integers(0, vocab, (2, PARENTS.shape[1] + 1)), jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def tree_forward(params, block_tokens, cache, parents, *, config):
+  tree = trees.describe(parents, *parents.shape)
+  return forward(params, block_tokens, cache, jnp.asarray(PROMPT_LENGTHS), config, block=tree.block_mask()), tree
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def chain_forward(params, tokens, cache, position, *, config):
+  return forward(params, tokens, cache, position, config)
+
+
+def path_forward(model, block_tokens, cache, row, path):
+  """A causal forward of the block's tokens along `path` in `row`, padded to the block's length (one compilation;
+  what follows a path's tokens changes neither their logits nor their K/V)."""
+  tokens = np.zeros((1, block_tokens.shape[1]), np.int32)
+  tokens[0, :len(path)] = np.asarray(block_tokens[row])[np.asarray(path)]
+  return chain_forward(model.params, jnp.asarray(tokens), jax.tree.map(lambda a: a[row:row + 1], cache),
+                       jnp.asarray(PROMPT_LENGTHS[row:row + 1]), config=model.config)
+
+
+def test_describe_gives_depths_and_ancestors():
+  tree = trees.describe(jnp.asarray(PARENTS), *PARENTS.shape)
+  np.testing.assert_array_equal(tree.depths, [[0, 1, 1, 2, 2, 2, 3, 1], list(range(8))])
+  for row in range(2):
+    for j, path in enumerate(block_paths(PARENTS[row])):
+      assert np.flatnonzero(tree.ancestors[row, j]).tolist() == path
+  chain = trees.describe(None, 2, 7)
+  np.testing.assert_array_equal(chain.depths, tree.depths[1:].repeat(2, axis=0))
+  np.testing.assert_array_equal(chain.ancestors[0], tree.ancestors[1])
+
+
+def test_a_tree_forward_gives_each_node_the_logits_of_its_path_forwarded_as_a_chain(tiny, prefilled):
+  """Every node sees the committed cache and its ancestors at position offset + depth: exactly a causal forward of
+  [pending, ..., node] from the same cache."""
+  _, cache, block_tokens = prefilled
+  out, _ = tree_forward(tiny.params, block_tokens, cache, jnp.asarray(PARENTS), config=tiny.config)
+  for row in range(2):
+    for j, path in enumerate(block_paths(PARENTS[row])):
+      chain = path_forward(tiny, block_tokens, cache, row, path)
+      np.testing.assert_allclose(out.logits[row, j], chain.logits[0, len(path) - 1], rtol=1e-4, atol=1e-4)
+
+
+def test_the_accepted_path_leaves_the_cache_a_chain_of_its_tokens_would(tiny, prefilled):
+  """After the move, slots offset .. offset + depth hold the K/V a causal forward of the path writes there; the
+  committed slots before the block are untouched."""
+  _, cache, block_tokens = prefilled
+  out, tree = tree_forward(tiny.params, block_tokens, cache, jnp.asarray(PARENTS), config=tiny.config)
+  end = jnp.asarray([6, 4])  # block 6 (depth 3, through siblings that are not first) and block 4 of the chain
+  block_path = trees.path(tree, end, 4)
+  np.testing.assert_array_equal(block_path, [[0, 2, 5, 6, 6], [0, 1, 2, 3, 4]])
+  moved = trees.move_path(out.cache, jnp.asarray(PROMPT_LENGTHS), block_path)
+  for row, depth in enumerate([3, 4]):
+    path = np.asarray(block_path[row, :depth + 1])
+    chain = path_forward(tiny, block_tokens, cache, row, path)
+    start = PROMPT_LENGTHS[row]
+    for layer in range(tiny.config.num_layers):
+      for got, want in [(moved.k[layer], chain.cache.k[layer]), (moved.v[layer], chain.cache.v[layer])]:
+        np.testing.assert_allclose(got[row, :start + depth + 1], want[0, :start + depth + 1], rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_tree_verify_accepts_the_deepest_path_of_argmax_matches():
+  vocab = 8
+  # Row 0 (the tree of PARENTS[0]), the target's argmax after each block index: blocks 1 and 2 (both children of
+  # the pending token) match, block 1's child 3 does not, block 2's first child 4 does not, its second child 5 and
+  # 5's child 6 do.
+  target_tokens = np.array([[3, 5, 4, 1, 2, 6, 7, 0], [1, 2, 3, 4, 0, 0, 0, 0]])
+  drafts = np.array([[3, 3, 0, 1, 4, 6, 2], [1, 2, 3, 1, 0, 0, 0]])
+  logits = jax.nn.one_hot(target_tokens, vocab) * 5.0
+  end, next_token = verify.greedy_verify(jnp.asarray(drafts), logits, parents=jnp.asarray(PARENTS))
+  np.testing.assert_array_equal(end, [6, 3])  # row 0: block 6 at depth 3; row 1: three drafts then a mismatch
+  np.testing.assert_array_equal(next_token, [7, 4])
+  # Only the first 5 nodes drafted in row 0: node 5 (block 6) is not, so the deepest accepted is block 5.
+  end, _ = verify.greedy_verify(jnp.asarray(drafts), logits, jnp.asarray([5, 7]), jnp.asarray(PARENTS))
+  np.testing.assert_array_equal(end, [5, 3])
+
+
+def residual_kept_after_a_rejected_sibling(key, draft_tokens, draft_probs, target_probs, lengths=None, parents=None):
+  """A broken tree verifier: a rejected sibling leaves p unchanged for the siblings after it (the residual is
+  taken only once no child is left)."""
+  accept_key, residual_key = jax.random.split(key)
+  batch, nodes = draft_tokens.shape
+  parents = trees.describe(parents, batch, nodes).parents
+  u = jax.random.uniform(accept_key, draft_tokens.shape, jnp.float32)
+  rows = jnp.arange(batch)
+  current, p, residual = jnp.zeros(batch, jnp.int32), target_probs[:, 0], target_probs[:, 0]
+  for i in range(nodes):
+    x, q = draft_tokens[:, i], draft_probs[:, i]
+    child = (parents[:, i] == current) & verify.drafted(draft_tokens, lengths)[:, i]
+    accept = child & (u[:, i] * q[rows, x] < p[rows, x])
+    left = jnp.maximum(residual - q, 0.0)
+    left = left / jnp.sum(left, axis=-1, keepdims=True)
+    p = jnp.where(accept[:, None], target_probs[:, i + 1], p)
+    residual = jnp.where(accept[:, None], target_probs[:, i + 1], jnp.where(child[:, None], left, residual))
+    current = jnp.where(accept, i + 1, current)
+  return current, sample_from_probs(residual_key, residual)
+
+
+def sibling_samples(rule, n=200_000):
+  """One depth, three siblings drawn without replacement from q (Gumbel top-3), each tested with q renormalised
+  without the siblings before it: the emitted token."""
+  p = jnp.asarray([0.4, 0.25, 0.2, 0.1, 0.05, 0.0])
+  q = jnp.asarray([0.05, 0.1, 0.3, 0.3, 0.15, 0.1])
+  key_draft, key_verify = jax.random.split(jax.random.PRNGKey(5))
+  gumbel = jax.random.gumbel(key_draft, (n, 6))
+  siblings = jax.lax.top_k(jnp.log(q) + gumbel, 3)[1].astype(jnp.int32)
+  removed = jnp.cumsum(jax.nn.one_hot(siblings, 6), axis=1) - jax.nn.one_hot(siblings, 6)  # earlier siblings
+  draft_probs = jnp.where(removed > 0, 0.0, q)
+  draft_probs = draft_probs / jnp.sum(draft_probs, axis=-1, keepdims=True)
+  target_probs = jnp.broadcast_to(p, (n, 4, 6))
+  end, next_token = jax.jit(rule)(key_verify, siblings, draft_probs, target_probs, None,
+                                  jnp.zeros((n, 3), jnp.int32))
+  emitted = jnp.where(end > 0, siblings[jnp.arange(n), jnp.maximum(end - 1, 0)], next_token)
+  return np.bincount(np.asarray(emitted), minlength=6) / n, np.asarray(end)
+
+
+def test_recursive_rejection_over_siblings_emits_p():
+  observed, end = sibling_samples(verify.speculative_verify)
+  np.testing.assert_allclose(observed, [0.4, 0.25, 0.2, 0.1, 0.05, 0.0], atol=4e-3)
+  assert {0, 1, 2, 3} <= set(end.tolist())  # every sibling accepted sometimes, and all rejected
+
+
+def test_the_sibling_rule_test_detects_a_residual_not_updated_after_a_rejected_sibling():
+  observed, _ = sibling_samples(residual_kept_after_a_rejected_sibling)
+  assert np.max(np.abs(observed - np.array([0.4, 0.25, 0.2, 0.1, 0.05, 0.0]))) > 0.02
