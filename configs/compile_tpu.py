@@ -88,9 +88,9 @@ def get_config(arg=None):
   if arg == "small":
     config.runs = ({"models": ("smollm2-135m",), "topologies": ("v5e:2x4",), "programs": DECODING,
                     "drafters": ("prompt_lookup", "mtp_sequential")},)
-  elif arg == "cover":  # every program on every topology (one model), and every model on v5e:2x4
+  elif arg == "cover":  # every program on every topology (SmolLM2), and every model on v5e:2x4
     config.train_drafters = ("exit_adapter", "draft_model", "mtp_parallel", "mtp_sequential")
-    config.runs = (dict(everything, models=("llama-3.2-1b",)), dict(everything, topologies=("v5e:2x4",)))
+    config.runs = (dict(everything, models=("smollm2-135m",)), dict(everything, topologies=("v5e:2x4",)))
   elif arg == "full":  # the whole cross product
     config.train_drafters = ("exit_adapter", "draft_model", "mtp_parallel", "mtp_sequential")
     config.runs = (everything,)

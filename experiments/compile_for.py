@@ -53,6 +53,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import importlib.metadata
 import json
 import math
 import os
@@ -494,8 +495,9 @@ def programs_of(s: Shapes, config: ml_collections.ConfigDict, which: str, drafte
 
 
 def compile_all(config: ml_collections.ConfigDict, progress: Callable[[str], None] = print,
-                model_configs: dict[str, ModelConfig] | None = None) -> list[dict]:
-  """Every program of the config's blocks, compiled one at a time; their records. A model is
+                model_configs: dict[str, ModelConfig] | None = None, log_path: str | None = None) -> list[dict]:
+  """Every program of the config's blocks, compiled one at a time; their records (each also appended to `log_path`
+  as a JSON line as soon as it is made, so a long run that stops keeps what it compiled). A model is
   `specjax.config.shaped_config(name)` unless `model_configs` gives its config."""
   acceptance = measured_acceptance(config.acceptance)
   unknown = sorted({r["acceptance_of"] for r in config.drafters} - set(acceptance))
@@ -518,6 +520,9 @@ def compile_all(config: ml_collections.ConfigDict, progress: Callable[[str], Non
       record = compile_program(lowering, s.target)
       record.update(model=model, topology=topology, mesh=[data, model_axis], kind=which)
       records.append(record)
+      if log_path:
+        with open(log_path, "a") as f:
+          f.write(json.dumps(record) + "\n")
       progress(f"{model} {topology} {lowering.name}{' ' + lowering.drafter if lowering.drafter else ''}: "
                f"{record['status']} in {record['seconds']:.1f} s"
                + (f", {record['bytes_per_device'] / 2**30:.2f} GiB per device ({record['hbm_fraction']:.0%} of HBM)"
@@ -674,6 +679,13 @@ def plot(results: dict, path: str) -> None:
   plt.close(fig)
 
 
+def libtpu_version() -> str | None:
+  try:
+    return importlib.metadata.version("libtpu")
+  except importlib.metadata.PackageNotFoundError:
+    return None
+
+
 def machine() -> dict[str, Any]:
   """The CPU model, its cores and memory (what compiling ran on)."""
   model = ""
@@ -692,7 +704,10 @@ def run(config: ml_collections.ConfigDict, workdir: str, name: str = "compile_tp
   code_commit()  # the checkout's commit as of the start
   os.makedirs(workdir, exist_ok=True)
   load_before, start, cpu_start = os.getloadavg(), time.perf_counter(), time.process_time()
-  records = compile_all(config)
+  log_path = os.path.join(workdir, "records.jsonl")  # the records so far, while compiling; results.json after
+  if os.path.exists(log_path):
+    os.remove(log_path)
+  records = compile_all(config, log_path=log_path)
   wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
   targets = {}
   for topology, data, model_axis in config.topologies:
@@ -702,7 +717,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, name: str = "compile_tp
                            "bf16_flops_per_second": t.bf16_flops_per_second,
                            "source": CHIPS[topology.split(":")[0]].source}
   results = {"name": name, "command": command, "config": config.to_dict(), "environment": environment(),
-             "libtpu": _libtpu_version(), "machine": machine(), "started": time.strftime(
+             "libtpu": libtpu_version(), "machine": machine(), "started": time.strftime(
                  "%Y-%m-%d %H:%M", time.gmtime(time.time() - wall)), "wall_seconds": wall, "cpu_seconds": cpu,
              # 1-minute load averages: the machine may be shared, and compiling is CPU work
              "load_average": {"start": load_before[0], "end": os.getloadavg()[0]},
@@ -715,6 +730,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, name: str = "compile_tp
   with open(os.path.join(workdir, "RUN.md"), "w") as f:
     f.write(run_md(results))
   plot(results, os.path.join(workdir, "compile_tpu.png"))
+  if os.path.exists(log_path):
+    os.remove(log_path)
   return results
 
 

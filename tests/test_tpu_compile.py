@@ -151,6 +151,34 @@ def test_the_projection_is_tau_decode_steps_over_a_round_of_draft_verify_and_upd
   assert by_drafter["loop"]["projected_speedup"] == pytest.approx(2 * 1e-3 / (4e-3 + 2.0))
 
 
+def test_a_run_writes_its_results_tables_plot_and_run_record(tmp_path, monkeypatch):
+  config = compile_tpu.get_config()
+  config.drafters = ({"name": "heads", "acceptance_of": "mtp_parallel"},)
+  config.topologies = (("v5e:2x4", 2, 4),)
+  program = {"kind": "speculative", "status": "compiled", "model": "m", "topology": "v5e:2x4", "mesh": [2, 4],
+             "program": "speculative", "drafter": "heads", "seconds": 30.0, "cpu_seconds": 20.0,
+             "memory": {"arguments": 2**30, "outputs": 0, "temporaries": 2**30, "code": 0, "aliased": 0},
+             "bytes_per_device": 2**31, "hbm_fraction": 0.125, "flops": 1e9, "bytes_accessed": 1e9}
+  too_big = dict(program, drafter=None, program="train", kind="train", status="does_not_fit",
+                 error="RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm")
+  steps = [dict(step_record(*args), mesh=[2, 4], seconds=1.0, cpu_seconds=1.0, memory=program["memory"])
+           for args in (("decode_step", None, 1e9, 819e6), ("verify_5", None, 1e9, 819e6),
+                        ("propose_4", "heads", 0, 81.9e6))]
+  monkeypatch.setattr(compile_for, "compile_all", lambda config, log_path=None: [program, too_big] + steps)
+  v5e = compile_for.CHIPS["v5e"]
+  monkeypatch.setattr(compile_for, "tpu_target", lambda topology, data, model: compile_for.Target(
+      topology, sharding.make_mesh(1, 1), v5e.hbm_bytes, v5e.hbm_bytes_per_second, v5e.bf16_flops_per_second))
+  results = compile_for.run(config, str(tmp_path), command="python -m experiments.compile_for --config=x")
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["RUN.md", "compile_tpu.png", "results.json", "results.md"]
+  table, run_md = (tmp_path / "results.md").read_text(), (tmp_path / "RUN.md").read_text()
+  assert "| m | v5e:2x4 | 2 x 4 | speculative heads | compiled | 30.0 | 2.00 | 12% |" in table
+  assert "train: does_not_fit: `RESOURCE_EXHAUSTED" in table
+  tau = compile_for.measured_acceptance(config.acceptance)["mtp_parallel"]["tau"]
+  assert results["projections"][0]["projected_speedup"] == pytest.approx(tau * 1e-3 / (0.1e-3 + 1e-3))
+  assert "python -m experiments.compile_for --config=x" in run_md
+  assert "5 programs: 4 compiled, 1 do not fit in HBM, 0 failed" in run_md
+
+
 def test_the_acceptance_comes_from_a_fixed_gamma_run():
   acceptance = compile_for.measured_acceptance(compile_tpu.get_config().acceptance)
   assert acceptance["mtp_sequential"]["gamma"] == 4 and 1.0 < acceptance["mtp_sequential"]["tau"] < 5.0
