@@ -79,7 +79,7 @@ from specjax import sharding, speculative, train, train_drafter
 from specjax.adaptive import ACCELERATOR_FORWARD_COSTS, AdaptiveDrafting, make_plan
 from specjax.config import ModelConfig, shaped_config
 from specjax.decoding import prefill
-from specjax.drafters import (Drafter, DraftInputs, PromptInfo, RoundResult, keep_state, make_drafter)
+from specjax.drafters import Drafter, DraftInputs, PromptInfo, RoundResult, keep_state, make_drafter
 from specjax.loading import Model
 from specjax.model import KVCache, forward, init_cache
 from specjax.sampling import SamplingParams, argmax
@@ -577,8 +577,8 @@ def projections(records: list[dict], config: ml_collections.ConfigDict,
                   "tau": tau, "decode_step_seconds": decode["projected_seconds"],
                   "draft_seconds": draft, "draft_counted": "propose(gamma)" if counted_whole else "gamma x propose(1)",
                   "verify_seconds": verify["projected_seconds"], "update_seconds": update_seconds,
-                  "round_seconds": round_seconds, "projected_speedup": tau * decode["projected_seconds"] / round_seconds,
-                  "batch": config.batch_size})
+                  "round_seconds": round_seconds, "batch": config.batch_size,
+                  "projected_speedup": tau * decode["projected_seconds"] / round_seconds})
   return out
 
 

@@ -51,7 +51,8 @@ def test_every_program_compiles_for_a_v5e_slice_without_a_tpu():
   drafters = {d["name"] for d in config.drafters}
   assert {r["drafter"] for r in records if r["program"] == "speculative"} == drafters
   assert {r["drafter"] for r in records if r["program"] == "train_drafter"} == set(config.train_drafters)
-  assert {"prefill", "autoregressive", "train", "decode_step", "verify_5", "verify_3"} <= {r["program"] for r in records}
+  programs = {r["program"] for r in records}
+  assert {"prefill", "autoregressive", "train", "decode_step", "verify_5", "verify_3"} <= programs
   for r in records:
     assert 0 < r["bytes_per_device"] < 16 * 2**30 and r["bytes_accessed"] > 0
   # The step programs count one step: a verification of 5 tokens does more arithmetic than a decode step.
