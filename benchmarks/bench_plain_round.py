@@ -1,21 +1,21 @@
 r"""What a speculative round that does not draft costs against an autoregressive step, per drafter.
 
-  python benchmarks/bench_plain_round.py [--new_tokens=64] [--repeats=5] [--batch=1] [--catch_up=8]
+  python benchmarks/bench_plain_round.py [--new_tokens=64] [--repeats=5] [--batch=1]
       [--drafters=prompt_lookup,layer_skip,mtp_parallel,mtp_sequential,draft_model,exit_adapter]
 
 With adaptive drafting a drafter that cannot pay falls back to plain target steps inside the speculative loop; this
 is the floor of its speed. Each drafter decodes one Spec-Bench prompt (writing, chat template) greedily with
-adaptive drafting told that drafting costs 100 target steps, so no round drafts (checked: every round is a plain
-step); autoregressive `generate` decodes the same prompt. `--batch=B` decodes the first B writing prompts
-together instead. A drafter with its own cache (the distilled draft model, the exit adapter, sequential MTP)
-follows the plain steps `--catch_up` = W at a time (`AdaptiveDrafting.catch_up`); several values
-(`--catch_up=1,8`) time each such drafter at each W, side by side. Per method, seconds per decode step =
+adaptive drafting and a draft step priced at 100 target steps (`Drafter.cost`), so no round drafts (checked: every
+round is a plain step); autoregressive `generate` decodes the same prompt. `--batch=B` decodes the first B writing
+prompts together instead. A drafter with its own cache (the distilled draft model, the exit adapter, sequential
+MTP) follows every plain step (its `update` over the step's token). Per method, seconds per decode step =
 (t(new_tokens) - t(8)) / (new_tokens - 8), so prefill and per-call overhead cancel; the methods run interleaved,
 medians over `--repeats` rounds, after a first call of each length that compiles.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
@@ -23,13 +23,10 @@ from absl import app, flags
 
 import specjax
 from experiments import spec_bench
-from specjax.adaptive import AdaptiveDrafting
-from specjax.drafters import keep_state
 
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 64, "Tokens per call (more than 8).")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Interleaved timing rounds.")
 _BATCH = flags.DEFINE_integer("batch", 1, "Prompts decoded together (Spec-Bench writing prompts).")
-_CATCH_UP = flags.DEFINE_list("catch_up", ["8"], "Plain steps a drafter with its own cache follows at once.")
 _DRAFTERS = flags.DEFINE_list(
     "drafters", ["prompt_lookup", "layer_skip", "mtp_parallel", "mtp_sequential", "draft_model", "exit_adapter"],
     "Drafters to time.")
@@ -47,20 +44,15 @@ def main(argv):
   model = specjax.load("smollm2-135m")
   questions = spec_bench.select(spec_bench.load_questions(), categories=["writing"], per_category=_BATCH.value)
   prompts = [spec_bench.prompt_ids(question, model.tokenizer, chat=True) for question in questions]
-  windows = [int(w) for w in _CATCH_UP.value]
 
-  def decode(drafter, window=AdaptiveDrafting.catch_up):
-    never = AdaptiveDrafting(draft_cost=100.0, catch_up=window)
-    return lambda tokens: specjax.generate(model, prompts, max_new_tokens=tokens, stop_ids=(), drafter=drafter,
-                                           adaptive=never if drafter else False)
+  def decode(drafter):
+    if drafter is not None:  # a draft step priced at 100 target steps: no round drafts
+      drafter = dataclasses.replace(drafter, cost=dataclasses.replace(drafter.cost, step=100.0))
+    return lambda tokens: specjax.generate(model, prompts, max_new_tokens=tokens, stop_ids=(), drafter=drafter)
   runs = {"autoregressive": decode(None)}
   for name in _DRAFTERS.value:
     drafter_name, options = _DRAFTER_OPTIONS.get(name, (name, {}))
-    drafter = specjax.make_drafter(drafter_name, model, **options)
-    if drafter.update is keep_state:  # nothing to follow: W does not matter
-      runs[name] = decode(drafter)
-    else:
-      runs.update({name if len(windows) == 1 else f"{name} W={w}": decode(drafter, w) for w in windows})
+    runs[name] = decode(specjax.make_drafter(drafter_name, model, **options))
   for run in runs.values():
     run(n), run(8)
   seconds = {name: [] for name in runs}

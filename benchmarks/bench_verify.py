@@ -1,12 +1,12 @@
 r"""What a forward over T tokens and B rows costs against a 1-token, 1-row step, with and without specjax's CPU
-kernels (`specjax.cpu_kernels`: matrix products over packed weights, decode attention), on SmolLM2-135M.
+kernels (`specjax.backends.cpu`: matrix products over packed weights, decode attention), on SmolLM2-135M.
 
   python benchmarks/bench_verify.py [--tokens=1,2,5,8,16,32,64] [--batch_sizes=1,4,8] [--repeats=5]
 
 Verification over gamma + 1 tokens and decoding over B rows both multiply a few rows by every weight; while the
 weights' bytes dominate, each should cost about one step. For each implementation ("xla": XLA only, on the
 weights as loaded; "kernel": the CPU kernels on the packed weights `generate` reads, for every product and for
-attention of up to `cpu_kernels.MAX_QUERY_TOKENS` tokens per row) and each (B, T), the cost of one forward at
+attention of up to `cpu.MAX_QUERY_TOKENS` tokens per row) and each (B, T), the cost of one forward at
 position `--position` over a cache of `--cache_len` is timed inside a compiled loop, as `experiments.costs` does:
 (t(long loop) - t(short loop)) / (long - short), so per-call overhead cancels. All cases run interleaved,
 medians over `--repeats` rounds. Reported: ms per forward, r = t(B, T) / t(1, 1) of the
@@ -28,7 +28,8 @@ from absl import app, flags
 
 import specjax
 from experiments.costs import interleaved_seconds
-from specjax import cpu_kernels, sampling
+from specjax import sampling
+from specjax.backends import cpu
 from specjax.decoding import decode_params
 from specjax.model import forward, init_cache
 
@@ -43,7 +44,7 @@ _MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model name or path for sp
 
 @functools.partial(jax.jit, static_argnames=("config", "kernel"), donate_argnums=(1,))
 def _loop(params, cache, tokens, position, calls, *, config, kernel):
-  with cpu_kernels.enabled(kernel):
+  with cpu.enabled(kernel):
     def body(i, carry):
       tokens, cache = carry
       out = forward(params, tokens, cache, position, config)
@@ -53,7 +54,7 @@ def _loop(params, cache, tokens, position, calls, *, config, kernel):
 
 @functools.partial(jax.jit, static_argnames=("config", "kernel"))
 def _logits(params, cache, tokens, position, *, config, kernel):
-  with cpu_kernels.enabled(kernel):
+  with cpu.enabled(kernel):
     return forward(params, tokens, cache, position, config).logits
 
 
@@ -61,8 +62,8 @@ def main(argv):
   del argv
   model = specjax.load(_MODEL.value)
   config = model.config
-  if not cpu_kernels.available():
-    raise SystemExit(f"the CPU kernel is not available here: {cpu_kernels.status()}")
+  if not cpu.available():
+    raise SystemExit(f"the CPU kernel is not available here: {cpu.status()}")
   weights = {False: model.params, True: decode_params(model)}  # the kernel reads packed weights
   rng = np.random.default_rng(0)
   context = rng.integers(3, config.vocab_size, size=_POSITION.value).astype(np.int32)
@@ -106,7 +107,7 @@ def main(argv):
     print(f"{b:>3} {t:>3} {1e3 * x:>8.2f} {1e3 * k:>10.2f} {x / base['xla']:>7.2f} {k / base['kernel']:>9.2f} "
           f"{k / x:>11.2f} {diffs[(b, t)]:>13.1e}")
   print(f"\nr: the forward's time over the same implementation's 1-row, 1-token forward. The kernels serve products "
-        f"and attention of up to {cpu_kernels.MAX_QUERY_TOKENS} tokens per row (beyond, XLA's attention).")
+        f"and attention of up to {cpu.MAX_QUERY_TOKENS} tokens per row (beyond, XLA's attention).")
   # Adaptive drafting's cost model on this machine: f(n), a forward over n = B x T rows over a 1-row one.
   by_rows: dict[int, list[float]] = {}
   for b, t in shapes:

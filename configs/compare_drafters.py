@@ -26,7 +26,7 @@ acceptance per position is measured at a fixed chain length).
 import os
 
 from configs import bench_peers, common
-from specjax import layer_skip_search
+from specjax.drafters import layer_skip
 
 SKIP_SET = os.path.join(os.path.dirname(os.path.abspath(__file__)), "layer_skip_sets", "smollm2-135m.json")
 # The multi-layer search on ShareGPT training text (teacher-forced, `--method=teacher_forced`).
@@ -36,8 +36,8 @@ VARIANTS = ("small", "sampling", "both", "adaptive")
 
 def best_skip_set(path: str = SKIP_SET, name: str = "layer_skip_best_set") -> dict:
   """A searched layer-skip set as a method: its options and the gamma it was searched for."""
-  record = layer_skip_search.read_skip_set(path)
-  return {"name": name, "drafter": "layer_skip", "options": layer_skip_search.load_skip_set(path),
+  record = layer_skip.read_skip_set(path)
+  return {"name": name, "drafter": "layer_skip", "options": layer_skip.load_skip_set(path),
           "gamma": int(record["gamma"])}
 
 

@@ -76,7 +76,7 @@ from jax.experimental.layout import Format, Layout
 from ml_collections import config_flags
 
 from specjax import sharding, speculative, train, train_drafter
-from specjax.adaptive import ACCELERATOR_FORWARD_COSTS, AdaptiveDrafting, make_plan
+from specjax.adaptive import ACCELERATOR_FORWARD_COSTS, AdaptiveDrafting
 from specjax.config import ModelConfig, shaped_config
 from specjax.decoding import prefill
 from specjax.drafters import Drafter, DraftInputs, PromptInfo, RoundResult, keep_state, make_drafter
@@ -331,13 +331,13 @@ def generate_programs(s: Shapes, config: ml_collections.ConfigDict, which: str,
   programs = []
   rows_per_device = max(1, s.batch // s.target.mesh.shape["data"])
   # generate's default on an accelerator: adaptive drafting with the accelerator's forward costs.
-  options = AdaptiveDrafting(forward_costs=ACCELERATOR_FORWARD_COSTS)
+  policy = AdaptiveDrafting(forward_costs=ACCELERATOR_FORWARD_COSTS)
   for name in drafters:
     drafter = s.drafters[name]
-    plan = make_plan(options, drafter, s.params, s.config, config.gamma, batch=rows_per_device)
     programs.append(Lowering("speculative", name, speculative._generate_speculative,
                              (s.params, s.draft_params[name], tokens, lengths, key),
-                             dict(common, drafter=drafter.static(), gamma=config.gamma, plan=plan)))
+                             dict(common, drafter=drafter.static(),
+                                  policy=policy.plan(drafter.cost, config.gamma, rows_per_device))))
   return programs
 
 

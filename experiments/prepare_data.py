@@ -2,13 +2,14 @@ r"""Builds drafter training data: train and held-out feature caches of the froze
 
   python -m experiments.prepare_data --config=configs/train_data.py [--config.workdir=DIR]
 
-For each side of the split (train, held_out): read ShareGPT, take the configured number of conversations,
-render them into sequences (`specjax.sequences.make_sequences`; saved to <workdir>/<split>.sequences.npz so a
-rerun does not render or regenerate them again; a killed regeneration resumes from the answers it saved, at
-most a minute old), and run the target over them
-(`specjax.features.build_feature_cache` into <workdir>/<split>/). Prints the read statistics, the masked
-positions, how much of the target's greedy tokens truncated draft vocabularies cover, and the wall time;
-writes the same to <workdir>/summary.json.
+For each side of the split (train, held_out): read ShareGPT, take the configured number of conversations and
+build the split's feature cache in <workdir>/<split>/: either render the data's exchanges into sequences
+(`specjax.sequences.make_sequences`, saved to <workdir>/<split>.sequences.npz) and run the target over them
+(`specjax.features.build_feature_cache`), or, with `regenerate`, render only the prompts
+(`specjax.sequences.make_prompts`) and let the target answer them, keeping its features while it decodes
+(`specjax.features.build_regenerated_cache`). Both builds resume a killed run. Prints the read statistics, the
+masked positions, how much of the target's greedy tokens truncated draft vocabularies cover, and the wall
+time; writes the same to <workdir>/summary.json.
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ def source_description(config: ml_collections.ConfigDict, split: str, stats: sha
       "conversations": config.num_train if split == "train" else config.num_held_out,
       "max_pairs_per_conversation": config.max_pairs_per_conversation,
       "regenerate": config.regenerate,
-      "max_new_tokens": config.max_new_tokens if config.regenerate else None,
-      "min_answer_tokens": sequences.MIN_ANSWER_TOKENS,
+      "regenerate_temperature": config.regenerate_temperature if config.regenerate else None,
+      "regenerate_seed": config.regenerate_seed if config.regenerate and config.regenerate_temperature else None,
+      "min_answer_tokens": None if config.regenerate else sequences.MIN_ANSWER_TOKENS,
       "seq_len": config.seq_len,
       "model": config.model,
       "dtype": config.dtype,
@@ -53,7 +55,8 @@ def source_description(config: ml_collections.ConfigDict, split: str, stats: sha
 
 def split_sequences(config: ml_collections.ConfigDict, model: specjax.Model, conversations: Sequence[dict],
                     source: dict[str, Any], path: str) -> list[sequences.Sequence]:
-  """The split's sequences: loaded from `path` when made from the same source, else made and saved there."""
+  """The split's sequences of the data's own answers: loaded from `path` when made from the same source, else
+  made and saved there."""
   if os.path.exists(path):
     saved, saved_source = sequences.load_sequences(path)
     if saved_source == json.loads(json.dumps(source)):
@@ -61,15 +64,32 @@ def split_sequences(config: ml_collections.ConfigDict, model: specjax.Model, con
       return saved
     raise ValueError(f"{path} holds sequences made from another source ({saved_source}); delete it or choose "
                      "another workdir")
-  progress = f"{path}.answers-progress.npz"  # a killed regeneration resumes from it
-  made = sequences.make_sequences(
-      model, conversations, seq_len=config.seq_len, max_pairs_per_conversation=config.max_pairs_per_conversation,
-      regenerate=config.regenerate, max_new_tokens=config.max_new_tokens or None,
-      batch_size=config.regenerate_batch_size, progress_path=progress)
+  made = sequences.make_sequences(model, conversations, seq_len=config.seq_len,
+                                  max_pairs_per_conversation=config.max_pairs_per_conversation)
   sequences.save_sequences(path, made, source)
-  if os.path.exists(progress):
-    os.remove(progress)
   return made
+
+
+def split_cache(config: ml_collections.ConfigDict, model: specjax.Model, conversations: Sequence[dict],
+                source: dict[str, Any], workdir: str, split: str, feature_layers: tuple[int, ...]
+                ) -> tuple[features.FeatureCache, float]:
+  """The split's feature cache, and the seconds spent making its sequences or prompts: of the target's own
+  answers (`config.regenerate`: decoded with the features kept) or of the data's (a forward over them)."""
+  start = time.perf_counter()
+  out_dir = os.path.join(workdir, split)
+  kwargs = dict(seq_len=config.seq_len, feature_layers=feature_layers, top_k=config.top_k,
+                dtype=config.feature_dtype, source=source)
+  if config.regenerate:
+    prompts = sequences.make_prompts(model, conversations, seq_len=config.seq_len,
+                                     max_pairs_per_conversation=config.max_pairs_per_conversation)
+    rendered = time.perf_counter() - start
+    return features.build_regenerated_cache(
+        model, prompts, out_dir, batch_size=config.regenerate_batch_size,
+        temperature=config.regenerate_temperature, seed=config.regenerate_seed, **kwargs), rendered
+  seqs = split_sequences(config, model, conversations, source, os.path.join(workdir, f"{split}.sequences.npz"))
+  rendered = time.perf_counter() - start
+  return features.build_feature_cache(model, seqs, out_dir, batch_size=config.batch_size,
+                                      chunk_batches=config.chunk_batches, **kwargs), rendered
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
@@ -87,15 +107,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   for split in SPLITS:
     if wanted[split] > len(sides[split]):
       raise ValueError(f"{split} has {len(sides[split])} conversations, {wanted[split]} asked for")
-    split_start = time.perf_counter()
     source = source_description(config, split, stats)
-    seqs = split_sequences(config, model, sides[split][:wanted[split]], source,
-                           os.path.join(workdir, f"{split}.sequences.npz"))
-    sequences_seconds = time.perf_counter() - split_start
-    cache = features.build_feature_cache(
-        model, seqs, os.path.join(workdir, split), seq_len=config.seq_len, feature_layers=feature_layers,
-        top_k=config.top_k, batch_size=config.batch_size, dtype=config.feature_dtype,
-        chunk_batches=config.chunk_batches, source=source)
+    cache, sequences_seconds = split_cache(config, model, sides[split][:wanted[split]], source, workdir, split,
+                                           feature_layers)
     caches[split] = cache
     disk = sum(os.path.getsize(os.path.join(cache.path, f)) for f in os.listdir(cache.path))
     summary[split] = {"path": os.path.abspath(cache.path), "sequences": len(cache),
@@ -103,8 +117,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                       "sequences_seconds": round(sequences_seconds, 1),
                       "features_seconds": cache.meta["build_seconds"]}
     print(f"{split}: {len(cache):,} sequences, {cache.meta['masked_positions']:,} masked positions, "
-          f"{disk / 1e9:.2f} GB in {cache.path} (sequences {sequences_seconds:.0f} s, target features "
-          f"{cache.meta['build_seconds']:.0f} s)")
+          f"{disk / 1e9:.2f} GB in {cache.path} (rendering {sequences_seconds:.0f} s, the target "
+          f"{cache.meta['build_seconds']:.0f} s{' answering' if config.regenerate else ''})")
 
   # Truncated draft vocabularies from the train cache's greedy-token counts, and how much they cover.
   stop_ids = caches["train"].meta["stop_ids"]

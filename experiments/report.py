@@ -78,18 +78,14 @@ def _pooled(records: Sequence[dict], gamma: int) -> dict[str, Any]:
           # Adaptive drafting: rounds by the draft length used (index 0: a plain target step).
           "gamma_histogram": [int(sum(c)) for c in zip(*(r["gamma_histogram"] for r in records))]
           if all(r.get("gamma_histogram") for r in records) else None,
-          **_plain_steps(records)}
+          "plain_share": plain_share(records)}
 
 
-def _plain_steps(records: Sequence[dict]) -> dict[str, Any]:
-  """Adaptive drafting's plain steps: their share of all rounds, and how many of them were scored as one-token
-  drafts (`AdaptiveDrafting.shadow`) with what pooled acceptance."""
+def plain_share(records: Sequence[dict]) -> float | None:
+  """Adaptive drafting's plain steps (rounds that did not draft) over all rounds (None: a call did not count them)."""
   rounds = sum(r["target_calls"] - 1 for r in records)
   plain = [r.get("plain_steps") for r in records]
-  tested = sum(r.get("shadow_tested") or 0 for r in records)
-  accepted = sum(r["shadow_alpha"] * r["shadow_tested"] for r in records if r.get("shadow_tested"))
-  return {"plain_share": sum(plain) / rounds if rounds and None not in plain else None, "shadow_tested": tested,
-          "shadow_alpha": accepted / tested if tested else None}
+  return sum(plain) / rounds if rounds and None not in plain else None
 
 
 def paired_speedups(records: Sequence[dict], method: str, baseline: str) -> list[float]:
@@ -152,8 +148,7 @@ def summarize(records: Sequence[dict], methods: Sequence[str], baseline: str,
     drafted = gamma is not None and all(r.get("rounds_per_row") is not None for r in rs)
     acceptance = _pooled(rs, gamma) if drafted else {
         "mean_accepted": _median(r["mean_accepted"] for r in rs), "acceptance_rate": None, "alpha": None,
-        "acceptance_per_position": None, "gamma_histogram": None, "plain_share": None, "shadow_tested": 0,
-        "shadow_alpha": None}
+        "acceptance_per_position": None, "gamma_histogram": None, "plain_share": None}
     summary[method] = {
         "drafter": meta.get("drafter"), "family": meta.get("family", method), "options": meta.get("options", {}),
         "gamma": gamma, "adaptive": meta.get("adaptive"),
@@ -281,15 +276,13 @@ def acceptance_table(summary: dict[str, Any]) -> str:
 
 
 def adaptive_rounds_table(summary: dict[str, Any]) -> str:
-  """Per adaptive drafter: the share of rounds that were plain target steps, the acceptance of the drafts it made,
-  and that of the plain steps it scored (`AdaptiveDrafting.shadow`: a one-token draft at each followed step)."""
-  rows = ["| method | plain steps | alpha (drafted) | alpha (scored plain steps) | plain steps scored |",
-          "|---|---:|---:|---:|---:|"]
+  """Per adaptive drafter: the share of rounds that were plain target steps, and the acceptance of the drafts it
+  made."""
+  rows = ["| method | plain steps | alpha (drafted) |", "|---|---:|---:|"]
   for method, s in summary["methods"].items():
     if not s.get("adaptive") or s.get("plain_share") is None:
       continue
-    rows.append(f"| {method} | {s['plain_share']:.0%} | {_fmt(s.get('alpha'), '.3f')} | "
-                f"{_fmt(s.get('shadow_alpha'), '.3f')} | {s.get('shadow_tested') or 0} |")
+    rows.append(f"| {method} | {s['plain_share']:.0%} | {_fmt(s.get('alpha'), '.3f')} |")
   return "\n".join(rows) if len(rows) > 2 else ""
 
 
@@ -596,9 +589,8 @@ def write(workdir: str, results: dict[str, Any]) -> str:
   rounds = adaptive_rounds_table(summary)
   if rounds:
     lines += ["", "## Adaptive rounds", "",
-              "Rounds that did not draft (plain target steps: drafting could not pay), the acceptance of the drafts "
-              "made, and that of the plain steps the drafter followed, each scored as the one-token draft it would "
-              "have made there (pooled over every call):", "", rounds]
+              "Rounds that did not draft (plain target steps: drafting could not pay) and the acceptance of the "
+              "drafts made (pooled over every call):", "", rounds]
   by_category = category_table(summary)
   if by_category:
     confidence = next(i["confidence"] for per in summary["category_intervals"].values() for i in per.values())

@@ -71,7 +71,7 @@ from ml_collections import config_flags
 from tqdm import tqdm
 
 import specjax
-from specjax import compilation, distributed, sharding
+from specjax import compilation, distributed, drafters, sharding
 from specjax.decoding import prepare_batch
 from specjax.drafters import draft_head
 from specjax.sampling import SamplingParams
@@ -105,8 +105,10 @@ class PromptBatch:
   prompts: tuple[tuple[int, ...], ...]  # token ids
 
 
-def make_methods(config: ml_collections.ConfigDict, model: specjax.Model) -> list[Method]:
-  """The methods to run, the autoregressive baseline (the first method without a drafter) first."""
+def check_methods(config: ml_collections.ConfigDict) -> list[dict]:
+  """The method specs `make_methods` builds, the autoregressive baseline (the first method without a drafter) first
+  and `config.only` applied, each checked as far as it can be without the model: its keys, a known drafter or peer
+  (not both), a unique name, its adaptive drafting options."""
   specs = [dict(m) for m in config.methods]
   for spec in specs:
     if "name" not in spec or set(spec) - METHOD_KEYS:
@@ -116,6 +118,8 @@ def make_methods(config: ml_collections.ConfigDict, model: specjax.Model) -> lis
       raise ValueError(f"a method names a drafter or a peer, not both: {spec}")
     if spec.get("peer") and spec["peer"] not in peers.PEERS:
       raise ValueError(f"unknown peer {spec['peer']!r} in {spec}; peers: {', '.join(peers.PEERS)}")
+    if spec.get("drafter") and spec["drafter"] not in drafters.available():
+      raise ValueError(f"unknown drafter {spec['drafter']!r} in {spec}; drafters: {', '.join(drafters.available())}")
   names = [s["name"] for s in specs]
   if len(set(names)) != len(names):
     raise ValueError(f"method names must be unique, got {names}")
@@ -127,6 +131,15 @@ def make_methods(config: ml_collections.ConfigDict, model: specjax.Model) -> lis
   if unknown:
     raise ValueError(f"config.only names unknown methods {unknown}; methods: {names}")
   chosen = [baselines[0]] + [s for s in specs if s is not baselines[0] and (not only or s["name"] in only)]
+  for spec in chosen:
+    if not spec.get("peer"):
+      adaptive_drafting(spec.get("adaptive", config.get("adaptive", True)), spec["name"])
+  return chosen
+
+
+def make_methods(config: ml_collections.ConfigDict, model: specjax.Model) -> list[Method]:
+  """The methods to run (`check_methods`' specs), the autoregressive baseline first."""
+  chosen = check_methods(config)
   unshipped = unshipped_checkpoints(chosen, model)
   for method, missing in unshipped.items():
     logging.warning("leaving out method %s: its shipped checkpoint(s) %s are not in specjax/checkpoints yet",
@@ -173,7 +186,7 @@ def adaptive_drafting(value: Any, method: str) -> bool | specjax.AdaptiveDraftin
   if not isinstance(value, dict):
     raise ValueError(f"method {method!r}: 'adaptive' is True, False or a dict of specjax.AdaptiveDrafting options, "
                      f"got {value!r}")
-  known = [field.name for field in dataclasses.fields(specjax.AdaptiveDrafting)]
+  known = [field.name for field in dataclasses.fields(specjax.AdaptiveDrafting) if field.name != "costs"]
   unknown = sorted(set(value) - set(known))
   if unknown:
     raise ValueError(f"method {method!r}: unknown adaptive drafting option(s) {unknown}; options: {known}")
@@ -355,7 +368,6 @@ def _record(method: Method, batch: PromptBatch, repeat: int, temperature: float,
       "accepted_per_row": stats.get("accepted_per_row"), "rejections_per_row": stats.get("rejections_per_row"),
       "proposed_per_row": stats.get("proposed_per_row"), "proposed_per_position": stats.get("proposed_per_position"),
       "gamma_histogram": stats.get("gamma_histogram"), "plain_steps": stats.get("plain_steps"),
-      "shadow_tested": stats.get("shadow_tested"), "shadow_alpha": stats.get("shadow_alpha"),
       "compile_call_seconds": compile_call_seconds,
       "matches_baseline": matches, "agreement": agreement}
 
@@ -368,7 +380,9 @@ def _method_info(methods: Sequence[Method]) -> dict[str, dict[str, Any]]:
 
 def _adaptive_info(adaptive: bool | specjax.AdaptiveDrafting) -> bool | dict[str, Any]:
   """For results.json: True or False, or the options of adaptive drafting (a dict, which reads as true)."""
-  return dataclasses.asdict(adaptive) if isinstance(adaptive, specjax.AdaptiveDrafting) else adaptive
+  if isinstance(adaptive, specjax.AdaptiveDrafting):
+    return {k: v for k, v in dataclasses.asdict(adaptive).items() if k != "costs"}  # `costs`: set per program
+  return adaptive
 
 
 def _measure_costs(config: ml_collections.ConfigDict, model: specjax.Model, methods: Sequence[Method],

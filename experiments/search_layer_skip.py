@@ -1,4 +1,4 @@
-r"""Searches which layers a layer-skip drafter should skip, and saves the record (`specjax.layer_skip_search`).
+r"""Searches which layers a layer-skip drafter should skip, and saves the record (experiments/layer_skip_search.py).
 
   python -m experiments.search_layer_skip --model=smollm2-135m --out=configs/layer_skip_sets/smollm2-135m.json \
       --prompts=4 --max_new_tokens=48 --budget=10 [--objective=measured|proxy] [--gamma=2]
@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 import specjax
 from specjax.decoding import prepare_batch
-from specjax.layer_skip_search import deep_search, drafter_options, save_skip_set, search, training_sequences
+from experiments.layer_skip_search import deep_search, drafter_options, save_skip_set, search, training_sequences
 from experiments import spec_bench
 
 

@@ -8,11 +8,11 @@ Public API:
   make_mesh(data, model) -> jax.sharding.Mesh  (pass as generate(..., mesh=mesh))
   generate(model, prompts, *, max_new_tokens, temperature, top_k, top_p, seed, drafter, gamma, adaptive, mesh,
            max_len, stop_ids) -> Output
-  AdaptiveDrafting(min_confidence, draft_cost, forward_costs, prior_alpha, memory, plain_memory, catch_up,
-                   optimism)  (generate(..., adaptive=...))
+  AdaptiveDrafting(min_confidence, forward_costs, prior_alpha, memory, plain_memory, optimism), FixedGamma()
+                   drafting policies (generate(..., adaptive=...))
 """
 
-from specjax.adaptive import AdaptiveDrafting
+from specjax.adaptive import AdaptiveDrafting, FixedGamma
 from specjax.config import ModelConfig
 from specjax.drafters import Drafter, make_drafter
 from specjax.generate import Output, generate, logits
@@ -20,5 +20,5 @@ from specjax.loading import CheckpointError, Model, load
 from specjax.sampling import SamplingParams
 from specjax.sharding import make_mesh
 
-__all__ = ["AdaptiveDrafting", "CheckpointError", "Drafter", "Model", "ModelConfig", "Output", "SamplingParams",
-           "generate", "load", "logits", "make_drafter", "make_mesh"]
+__all__ = ["AdaptiveDrafting", "CheckpointError", "Drafter", "FixedGamma", "Model", "ModelConfig", "Output",
+           "SamplingParams", "generate", "load", "logits", "make_drafter", "make_mesh"]

@@ -14,9 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import cpu_kernels, sharding
+from specjax import sharding
+from specjax.backends import cpu
 from specjax.loading import Model
-from specjax.model import KVCache, forward, lm_head, pack_layer, pack_params
+from specjax.model import KVCache, forward, lm_head
 
 
 @dataclasses.dataclass
@@ -104,28 +105,18 @@ def _packed_once(owner, pack):
 
 
 def decode_params(model: Model):
-  """model.params as the decode loop reads them on one device: packed for specjax.cpu_kernels where they run
-  (`specjax.model.pack_params`). Packed once per parameter tree and kept on the model: assigning new params to
-  model.params packs those on the next call."""
-  return _packed_once(model, lambda params: pack_params(params, model.config))
-
-
-def _pack_draft(params):
-  if not isinstance(params, dict) or not cpu_kernels.available():
-    return params
-  packed = dict(params)
-  if isinstance(params.get("layers"), list):
-    packed["layers"] = [pack_layer(layer) for layer in params["layers"]]
-  if "head" in params:
-    packed["head"] = cpu_kernels.pack(params["head"])
-  return packed
+  """model.params as the decode loop reads them on one device: packed for the CPU kernels where the process decodes
+  on its CPU (`specjax.backends.cpu.pack_params`). Packed once per parameter tree and kept on the model: assigning
+  new params to model.params packs those on the next call."""
+  return _packed_once(model, lambda params: cpu.pack_params(params, model.config))
 
 
 def decode_draft_params(drafter):
-  """drafter.params as the decode loop reads them on one device: a draft model's layers (`pack_layer`) and a
-  truncated draft vocabulary's output head ("head") packed for specjax.cpu_kernels where they run; the rest
-  as it is. Packed once per parameter tree and kept on the drafter."""
-  return _packed_once(drafter, _pack_draft)
+  """drafter.params as the decode loop reads them on one device: a draft model's layers and a truncated draft
+  vocabulary's output head packed for the CPU kernels where the process decodes on its CPU
+  (`specjax.backends.cpu.pack_draft_params`); the rest as it is. Packed once per parameter tree and kept on the
+  drafter."""
+  return _packed_once(drafter, cpu.pack_draft_params)
 
 
 def place_on_mesh(model: Model, batch: Batch, mesh):

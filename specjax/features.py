@@ -16,8 +16,10 @@ A cache is a directory of `.npy` files (open them with `np.load(..., mmap_mode="
   teacher_probs float16 [N, T, K]     their probabilities (softmax of the float32 logits, temperature 1)
   token_counts  int64   [V]           how often each token is the target's greedy next token at masked positions
 
-Padding positions hold zeros. Building is atomic and resumable: arrays are written into
-`<out_dir>.tmp-<pid>`, progress is recorded after each chunk of batches, and the directory is renamed to
+Padding positions hold zeros. Two builders write it: `build_feature_cache` runs the target over given
+sequences (the data's own answers), `build_regenerated_cache` lets the target answer given prompts and keeps
+the same arrays while it decodes (no second forward). Building is atomic and resumable: arrays are written
+into `<out_dir>.tmp-<pid>`, progress is recorded after each chunk of batches, and the directory is renamed to
 `out_dir` when complete; a rerun after a kill continues from the last finished chunk.
 """
 
@@ -39,8 +41,10 @@ from absl import logging
 from tqdm.auto import tqdm
 
 from specjax.config import ModelConfig
+from specjax.generate import RecordSpec, generate_recorded
 from specjax.loading import CheckpointError, Model
 from specjax.model import forward, init_cache, lm_head
+from specjax.sampling import top_k_probabilities
 
 FORMAT_VERSION = 1
 ARRAYS = ("tokens", "lengths", "mask", "features", "teacher_ids", "teacher_probs", "token_counts")
@@ -88,8 +92,8 @@ def sequences_fingerprint(sequences: Sequence) -> str:
 
 # What must agree for a cache (or a partial build) to be this build's; the rest of meta is description.
 _IDENTITY = ("format_version", "model", "params_fingerprint", "vocab_size", "hidden_size", "num_layers", "seq_len",
-             "feature_layers", "top_k", "dtype", "num_sequences", "sequences_fingerprint", "batch_size",
-             "chunk_batches")
+             "feature_layers", "top_k", "dtype", "num_sequences", "sequences_fingerprint", "prompts_fingerprint",
+             "generation", "batch_size", "chunk_batches")
 
 
 def _identity(meta: dict[str, Any]) -> dict[str, Any]:
@@ -109,10 +113,8 @@ def _target_outputs(params, tokens: jax.Array, *, config: ModelConfig, feature_l
   out = forward(params, tokens, init_cache(config, batch, seq_len), jnp.zeros(batch, jnp.int32), config,
                 compute_logits=False, return_layer_hidden=True)
   features = jnp.stack([out.layer_hidden[i] for i in feature_layers], axis=2).astype(dtype)
-  logits = lm_head(params, out.hidden, config)
-  top_logits, top_ids = jax.lax.top_k(logits, top_k)
-  top_probs = jnp.exp(top_logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True))
-  return features, top_ids.astype(jnp.int32), top_probs.astype(jnp.float16)
+  top_probs, top_ids = top_k_probabilities(lm_head(params, out.hidden, config), top_k)
+  return features, top_ids, top_probs.astype(jnp.float16)
 
 
 def _write_json(path: str, payload: dict[str, Any]) -> None:
@@ -166,6 +168,111 @@ def _claim_partial_build(out_dir: str, identity: dict[str, Any]) -> str:
   return mine
 
 
+def _check_layers(config: ModelConfig, feature_layers: Sequence[int], top_k: int, dtype: str) -> tuple[int, ...]:
+  feature_layers = tuple(int(i) for i in feature_layers)
+  bad = [i for i in feature_layers if not 0 <= i < config.num_layers]
+  if bad or len(set(feature_layers)) != len(feature_layers) or not feature_layers:
+    raise ValueError(f"feature_layers must be distinct layers in [0, {config.num_layers}), got {feature_layers}")
+  if dtype not in ("float16", "float32"):
+    raise ValueError(f"dtype must be float16 or float32, got {dtype!r}")
+  if not 1 <= top_k <= config.vocab_size:
+    raise ValueError(f"top_k must be in [1, {config.vocab_size}], got {top_k}")
+  return feature_layers
+
+
+def _meta(model: Model, seq_len: int, feature_layers: tuple[int, ...], top_k: int, dtype: str, num_sequences: int,
+          batch_size: int, chunk_batches: int, source: dict[str, Any] | None, stop_ids: Sequence[int] | None = None,
+          **identity: Any) -> dict[str, Any]:
+  config = model.config
+  if stop_ids is None:
+    stop_ids = model.tokenizer.stop_ids if model.tokenizer else ()
+  return {
+      "format_version": FORMAT_VERSION, "model": model.name, "params_fingerprint": params_fingerprint(model),
+      "vocab_size": config.vocab_size, "hidden_size": config.hidden_size, "num_layers": config.num_layers,
+      "seq_len": seq_len, "feature_layers": list(feature_layers), "top_k": top_k, "dtype": dtype,
+      "num_sequences": num_sequences, **identity, "batch_size": batch_size, "chunk_batches": chunk_batches,
+      "stop_ids": sorted(int(i) for i in stop_ids), "source": source or {},
+  }
+
+
+def _build(out_dir: str, meta: dict[str, Any], batches: Sequence[Sequence[int]], compute_batch,
+           description: str) -> FeatureCache:
+  """Writes the cache `meta` describes into out_dir, `compute_batch(number, rows)` giving the arrays of the rows
+  of batch `number` of `batches` (tokens, lengths, mask, features, teacher_ids, teacher_probs; zeros past each
+  row's length). Returns the cache already there if it is this one (an error if it is another); resumes a dead
+  process's partial build of the same cache after its last progress record (one per `meta["chunk_batches"]`
+  batches)."""
+  identity = _identity(meta)
+  if os.path.exists(out_dir):
+    meta_path = os.path.join(out_dir, _META)
+    if not os.path.isfile(meta_path):
+      raise CheckpointError(f"{out_dir} exists but has no {_META}: not a finished feature cache; delete it")
+    with open(meta_path) as f:
+      found = json.load(f)
+    if _identity(found) != identity:
+      raise CheckpointError(f"{out_dir} holds a different feature cache: {_mismatch(found, identity)}; "
+                            "delete it or choose another out_dir")
+    logging.info("%s already holds this feature cache", out_dir)
+    return FeatureCache.open(out_dir)
+
+  tmp_dir = _claim_partial_build(out_dir, identity)
+  specs = _array_specs(meta)
+  resuming = os.path.isdir(tmp_dir)
+  done = 0  # rows written: those of the first batches
+  if resuming:
+    with open(os.path.join(tmp_dir, _PROGRESS)) as f:
+      done = json.load(f)["done"]
+    try:
+      arrays = {name: np.lib.format.open_memmap(os.path.join(tmp_dir, f"{name}.npy"), mode="r+")
+                for name in ARRAYS if name != "token_counts"}
+    except (OSError, ValueError) as e:
+      raise CheckpointError(f"cannot resume the partial build {tmp_dir} ({e}); delete it to start over") from e
+    wrong = [name for name, a in arrays.items() if (a.shape, a.dtype) != specs[name]]
+    if wrong:
+      raise CheckpointError(f"the partial build {tmp_dir} has arrays of other shapes ({wrong}); delete it")
+  else:
+    os.makedirs(tmp_dir)
+    arrays = {name: np.lib.format.open_memmap(os.path.join(tmp_dir, f"{name}.npy"), mode="w+", dtype=d, shape=s)
+              for name, (s, d) in specs.items() if name != "token_counts"}
+    _write_json(os.path.join(tmp_dir, _PROGRESS), {"done": 0, "meta": meta})
+
+  start = time.perf_counter()
+  resumed_from = done if resuming else None  # rows a killed build had finished
+  n = meta["num_sequences"]
+  first_batch = int(np.searchsorted(np.cumsum([len(rows) for rows in batches]), done, side="right"))
+  with tqdm(total=n, initial=done, desc=description, unit="seq") as progress:
+    for number in range(first_batch, len(batches)):
+      rows = np.asarray(batches[number], np.int64)
+      computed = compute_batch(number, rows)
+      if not np.isfinite(computed["features"]).all():
+        raise ValueError(f"the target's hidden states overflow {meta['dtype']} (max |h| beyond its range); "
+                         "build with dtype='float32'")
+      for name, array in arrays.items():
+        array[rows] = computed[name]
+      progress.update(len(rows))
+      done += len(rows)
+      if (number + 1) % meta["chunk_batches"] == 0 or number == len(batches) - 1:
+        for array in arrays.values():
+          array.flush()
+        _write_json(os.path.join(tmp_dir, _PROGRESS), {"done": done, "meta": meta})
+
+  # The greedy (top-1) next token at every masked position.
+  counts = np.zeros(meta["vocab_size"], np.int64)
+  for first in range(0, n, 1024):
+    greedy = arrays["teacher_ids"][first:first + 1024, :, 0]
+    counts += np.bincount(greedy[arrays["mask"][first:first + 1024]], minlength=meta["vocab_size"])
+  np.save(os.path.join(tmp_dir, "token_counts.npy"), counts)
+  del arrays  # closes the memmaps
+  meta = {**meta, "masked_positions": int(counts.sum()), "build_seconds": round(time.perf_counter() - start, 1),
+          "resumed_from": resumed_from}
+  _write_json(os.path.join(tmp_dir, _META), meta)
+  os.remove(os.path.join(tmp_dir, _PROGRESS))
+  os.rename(tmp_dir, out_dir)
+  logging.info("wrote %s: %d sequences, %d masked positions, %.0f s", out_dir, n, meta["masked_positions"],
+               meta["build_seconds"])
+  return FeatureCache.open(out_dir)
+
+
 def build_feature_cache(model: Model, sequences: Sequence, out_dir: str, *, seq_len: int,
                         feature_layers: Sequence[int], top_k: int = 32, batch_size: int = 8, dtype: str = "float16",
                         chunk_batches: int = 16, source: dict[str, Any] | None = None) -> FeatureCache:
@@ -187,14 +294,7 @@ def build_feature_cache(model: Model, sequences: Sequence, out_dir: str, *, seq_
     The finished cache, opened.
   """
   config = model.config
-  feature_layers = tuple(int(i) for i in feature_layers)
-  bad = [i for i in feature_layers if not 0 <= i < config.num_layers]
-  if bad or len(set(feature_layers)) != len(feature_layers) or not feature_layers:
-    raise ValueError(f"feature_layers must be distinct layers in [0, {config.num_layers}), got {feature_layers}")
-  if dtype not in ("float16", "float32"):
-    raise ValueError(f"dtype must be float16 or float32, got {dtype!r}")
-  if not 1 <= top_k <= config.vocab_size:
-    raise ValueError(f"top_k must be in [1, {config.vocab_size}], got {top_k}")
+  feature_layers = _check_layers(config, feature_layers, top_k, dtype)
   if not sequences:
     raise ValueError("no sequences")
   for i, (tokens, loss_mask) in enumerate(sequences):
@@ -203,96 +303,92 @@ def build_feature_cache(model: Model, sequences: Sequence, out_dir: str, *, seq_
                        f"expected 1..{seq_len} of each")
     if np.any((np.asarray(tokens) < 0) | (np.asarray(tokens) >= config.vocab_size)):
       raise ValueError(f"sequence {i} has token ids outside [0, {config.vocab_size})")
+  meta = _meta(model, seq_len, feature_layers, top_k, dtype, len(sequences), batch_size, chunk_batches, source,
+               sequences_fingerprint=sequences_fingerprint(sequences))
 
-  stop_ids = list(model.tokenizer.stop_ids) if model.tokenizer else []
-  meta = {
-      "format_version": FORMAT_VERSION, "model": model.name, "params_fingerprint": params_fingerprint(model),
-      "vocab_size": config.vocab_size, "hidden_size": config.hidden_size, "num_layers": config.num_layers,
-      "seq_len": seq_len, "feature_layers": list(feature_layers), "top_k": top_k, "dtype": dtype,
-      "num_sequences": len(sequences), "sequences_fingerprint": sequences_fingerprint(sequences),
-      "batch_size": batch_size, "chunk_batches": chunk_batches, "stop_ids": stop_ids, "source": source or {},
-  }
-  identity = _identity(meta)
-  if os.path.exists(out_dir):
-    meta_path = os.path.join(out_dir, _META)
-    if not os.path.isfile(meta_path):
-      raise CheckpointError(f"{out_dir} exists but has no {_META}: not a finished feature cache; delete it")
-    with open(meta_path) as f:
-      found = json.load(f)
-    if _identity(found) != identity:
-      raise CheckpointError(f"{out_dir} holds a different feature cache: {_mismatch(found, identity)}; "
-                            "delete it or choose another out_dir")
-    logging.info("%s already holds this feature cache", out_dir)
-    return FeatureCache.open(out_dir)
+  def second_forward(number: int, rows: np.ndarray) -> dict[str, np.ndarray]:
+    tokens = np.zeros((batch_size, seq_len), np.int32)  # the last batch is padded to the compiled shape
+    mask = np.zeros((len(rows), seq_len), bool)
+    lengths = np.asarray([len(sequences[i][0]) for i in rows], np.int32)
+    for j, i in enumerate(rows):
+      tokens[j, :lengths[j]], mask[j, :lengths[j]] = sequences[i]
+    features, top_ids, top_probs = jax.device_get(_target_outputs(
+        model.params, jnp.asarray(tokens), config=config, feature_layers=feature_layers, top_k=top_k, dtype=dtype))
+    valid = np.arange(seq_len)[None, :] < lengths[:, None]  # [rows, T]
+    return {"tokens": tokens[:len(rows)], "lengths": lengths, "mask": mask,
+            "features": np.where(valid[:, :, None, None], features[:len(rows)], 0),
+            "teacher_ids": np.where(valid[:, :, None], top_ids[:len(rows)], 0),
+            "teacher_probs": np.where(valid[:, :, None], top_probs[:len(rows)], 0)}
 
-  tmp_dir = _claim_partial_build(out_dir, identity)
-  specs = _array_specs(meta)
-  resuming = os.path.isdir(tmp_dir)
-  done = 0
-  if resuming:
-    with open(os.path.join(tmp_dir, _PROGRESS)) as f:
-      done = json.load(f)["done"]
-    try:
-      arrays = {name: np.lib.format.open_memmap(os.path.join(tmp_dir, f"{name}.npy"), mode="r+")
-                for name in ARRAYS if name != "token_counts"}
-    except (OSError, ValueError) as e:
-      raise CheckpointError(f"cannot resume the partial build {tmp_dir} ({e}); delete it to start over") from e
-    wrong = [name for name, a in arrays.items() if (a.shape, a.dtype) != specs[name]]
-    if wrong:
-      raise CheckpointError(f"the partial build {tmp_dir} has arrays of other shapes ({wrong}); delete it")
-  else:
-    os.makedirs(tmp_dir)
-    arrays = {name: np.lib.format.open_memmap(os.path.join(tmp_dir, f"{name}.npy"), mode="w+", dtype=d, shape=s)
-              for name, (s, d) in specs.items() if name != "token_counts"}
-    for i, (tokens, loss_mask) in enumerate(sequences):
-      arrays["tokens"][i, :len(tokens)] = tokens
-      arrays["mask"][i, :len(tokens)] = loss_mask
-      arrays["lengths"][i] = len(tokens)
-    for array in arrays.values():
-      array.flush()
-    _write_json(os.path.join(tmp_dir, _PROGRESS), {"done": 0, "meta": meta})
+  batches = [range(first, min(first + batch_size, len(sequences))) for first in range(0, len(sequences), batch_size)]
+  return _build(out_dir, meta, batches, second_forward, f"features {os.path.basename(out_dir)}")
 
-  start = time.perf_counter()
-  resumed_from = done if resuming else None  # sequences a killed build had finished
-  n = len(sequences)
-  chunk = batch_size * chunk_batches
-  with tqdm(total=n, initial=done, desc=f"features {os.path.basename(out_dir)}", unit="seq") as progress:
-    while done < n:
-      for first in range(done, min(done + chunk, n), batch_size):
-        rows = range(first, min(first + batch_size, n))
-        tokens = np.zeros((batch_size, seq_len), np.int32)  # the last batch is padded to the compiled shape
-        tokens[:len(rows)] = arrays["tokens"][rows.start:rows.stop]
-        features, top_ids, top_probs = jax.device_get(_target_outputs(
-            model.params, jnp.asarray(tokens), config=config, feature_layers=feature_layers, top_k=top_k,
-            dtype=dtype))
-        if not np.isfinite(features).all():
-          raise ValueError(f"the target's hidden states overflow {dtype} (max |h| beyond its range); "
-                           "build with dtype='float32'")
-        valid = np.arange(seq_len)[None, :] < arrays["lengths"][rows.start:rows.stop, None]  # [rows, T]
-        arrays["features"][rows.start:rows.stop] = np.where(valid[:, :, None, None], features[:len(rows)], 0)
-        arrays["teacher_ids"][rows.start:rows.stop] = np.where(valid[:, :, None], top_ids[:len(rows)], 0)
-        arrays["teacher_probs"][rows.start:rows.stop] = np.where(valid[:, :, None], top_probs[:len(rows)], 0)
-        progress.update(len(rows))
-      done = min(done + chunk, n)
-      for array in arrays.values():
-        array.flush()
-      _write_json(os.path.join(tmp_dir, _PROGRESS), {"done": done, "meta": meta})
 
-  # The greedy (top-1) next token at every masked position.
-  counts = np.zeros(config.vocab_size, np.int64)
-  for first in range(0, n, chunk):
-    greedy = arrays["teacher_ids"][first:first + chunk, :, 0]
-    counts += np.bincount(greedy[arrays["mask"][first:first + chunk]], minlength=config.vocab_size)
-  np.save(os.path.join(tmp_dir, "token_counts.npy"), counts)
-  del arrays  # closes the memmaps
-  meta.update(masked_positions=int(counts.sum()), build_seconds=round(time.perf_counter() - start, 1),
-              resumed_from=resumed_from)
-  _write_json(os.path.join(tmp_dir, _META), meta)
-  os.remove(os.path.join(tmp_dir, _PROGRESS))
-  os.rename(tmp_dir, out_dir)
-  logging.info("wrote %s: %d sequences, %d masked positions, %.0f s", out_dir, n, meta["masked_positions"],
-               meta["build_seconds"])
-  return FeatureCache.open(out_dir)
+def prompts_fingerprint(prompts: Sequence[Sequence[int]]) -> str:
+  digest = hashlib.sha256()
+  for prompt in prompts:
+    digest.update(np.asarray(prompt, np.int32).tobytes())
+    digest.update(b"|")
+  return digest.hexdigest()
+
+
+def build_regenerated_cache(model: Model, prompts: Sequence[Sequence[int]], out_dir: str, *, seq_len: int,
+                            feature_layers: Sequence[int], top_k: int = 32, batch_size: int = 32,
+                            dtype: str = "float16", temperature: float = 0.0, seed: int = 0,
+                            stop_ids: Sequence[int] | None = None, source: dict[str, Any] | None = None
+                            ) -> FeatureCache:
+  """The target answers each prompt itself and a feature cache of prompt + answer is written to `out_dir`
+  (the module doc's format; one row per prompt, in prompt order).
+
+  Each answer takes what fits in seq_len after its prompt, up to the end-of-turn token; its loss mask marks
+  the positions from the prompt's last token to the answer's last but one. The features and the target's top-K
+  are kept while decoding (`specjax.generate.generate_recorded`): the prompt's prefill and the decode steps
+  compute them anyway, so there is no second forward. Prompts of similar lengths are answered `batch_size` at
+  a time; a progress record follows every batch, so a killed build redoes at most one.
+
+  Args:
+    prompts: chat prompts as token ids (`specjax.sequences.make_prompts`), each shorter than seq_len.
+    temperature: 0 answers greedily; above 0 samples from the target's softmax at that temperature, with the
+      PRNG key of batch b `fold_in(PRNGKey(seed), b)`: the same prompts, batch size and seed give the same
+      answers.
+    stop_ids: tokens that end an answer (default: the tokenizer's EOS and end-of-turn tokens).
+    Others: as `build_feature_cache`.
+  """
+  config = model.config
+  feature_layers = _check_layers(config, feature_layers, top_k, dtype)
+  if not prompts:
+    raise ValueError("no prompts")
+  for i, prompt in enumerate(prompts):
+    if not 0 < len(prompt) < seq_len:
+      raise ValueError(f"prompt {i} has {len(prompt)} tokens; expected 1..{seq_len - 1} (room for an answer)")
+    if np.any((np.asarray(prompt) < 0) | (np.asarray(prompt) >= config.vocab_size)):
+      raise ValueError(f"prompt {i} has token ids outside [0, {config.vocab_size})")
+  if not temperature >= 0:
+    raise ValueError(f"temperature must be >= 0, got {temperature}")
+  if stop_ids is None:
+    stop_ids = model.tokenizer.stop_ids if model.tokenizer else ()
+  stop_ids = sorted(int(i) for i in stop_ids)
+  generation = {"temperature": float(temperature), "seed": int(seed) if temperature else None, "stop_ids": stop_ids}
+  meta = _meta(model, seq_len, feature_layers, top_k, dtype, len(prompts), batch_size, 1, source, stop_ids,
+               prompts_fingerprint=prompts_fingerprint(prompts), generation=generation)
+  record = RecordSpec(feature_layers=feature_layers, top_k=top_k, length=seq_len, dtype=dtype)
+
+  def answered(number: int, rows: np.ndarray) -> dict[str, np.ndarray]:
+    key = jax.random.fold_in(jax.random.PRNGKey(seed), number)
+    out = generate_recorded(model, [prompts[i] for i in rows], record, temperature=temperature, key=key,
+                            stop_ids=stop_ids)
+    positions = np.arange(seq_len)[None, :]
+    mask = (positions >= out.prompt_lengths[:, None] - 1) & (positions < out.lengths[:, None] - 1)
+    logging.info("batch %d of %d: %d prompts of up to %d tokens, %d answer tokens in %d steps, %.1f s (%.1f "
+                 "answer tokens/s)", number + 1, len(batches), len(rows), out.prompt_lengths.max(),
+                 out.stats["new_tokens"], out.stats["steps"], out.stats["seconds"],
+                 out.stats["new_tokens"] / out.stats["seconds"])
+    return {"tokens": out.tokens, "lengths": out.lengths, "mask": mask, "features": out.features,
+            "teacher_ids": out.top_ids, "teacher_probs": out.top_probs.astype(np.float16)}
+
+  order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a batch
+  batches = [order[first:first + batch_size] for first in range(0, len(order), batch_size)]
+  return _build(out_dir, meta, batches, answered, f"answers {os.path.basename(out_dir)}")
 
 
 @dataclasses.dataclass(frozen=True)

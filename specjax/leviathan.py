@@ -66,9 +66,3 @@ def draft_cost(params, config: ModelConfig, layers: Sequence[int], own=None, hea
   draft_head = head if head_columns is None else head * head_columns / config.vocab_size
   draft = draft_head + norm + sum(layer_bytes[i] for i in layers) + (_weight_bytes(own) if own is not None else 0)
   return draft / (head + norm + sum(layer_bytes))
-
-
-def head_cost(params, config: ModelConfig, head_columns: int | None = None) -> float:
-  """Weights read by the target's LM head, or `head_columns` of its columns (a truncated draft vocabulary), over
-  those of a full target step: what scoring positions with it adds to a drafter's pass over them."""
-  return draft_cost(params, config, (), head_columns=head_columns) - draft_cost(params, config, (), head_columns=0)

@@ -7,6 +7,10 @@ Parameters are a plain nested dict (see `param_shapes` for every array's shape a
     attn_norm [embed], wq [embed, heads, head_dim], wk/wv [embed, kv_heads, head_dim],
     wo [heads, head_dim, embed], mlp_norm [embed], w_gate/w_up [embed, mlp], w_down [mlp, embed].
 
+Decoding on a CPU reads them laid out for its kernels (`specjax.backends.cpu.pack_params`): a layer's "wqkv" and
+"w_gate_up" (the products that read the same input, side by side) and "lm_head_packed"; `forward` reads either
+layout. Products and attention go through `specjax.ops`, which chooses by the platform a program is compiled for.
+
 The KV cache is an explicit pytree passed in and returned; each row writes its T new positions at its own
 offset (`positions[b]`), so rows of a batch may have different lengths. Query at absolute position p
 attends to cache slots 0..p, so stale entries past a row's length are never read before being overwritten.
@@ -21,9 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax import cpu_kernels
+from specjax import ops
 from specjax.config import ModelConfig, rope_inv_freq
-from specjax.cpu_kernels import as_matrix, dense
 
 Params = dict[str, Any]
 
@@ -117,50 +120,45 @@ def _write(cache_arr: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Ar
 
 def project_heads(h: jax.Array, w: jax.Array) -> jax.Array:
   """h [B, T, D] @ w [D, N, hd] -> [B, T, N, hd]."""
-  return dense(h, as_matrix(w, 1)).reshape(*h.shape[:-1], *w.shape[1:])
+  return ops.matmul(h, w.reshape(w.shape[0], -1)).reshape(*h.shape[:-1], *w.shape[1:])
 
 
 def merge_heads(out: jax.Array, w: jax.Array) -> jax.Array:
   """out [B, T, N, hd] @ w [N, hd, D] -> [B, T, D]."""
-  return dense(out.reshape(*out.shape[:-2], -1), as_matrix(w, 2))
+  return ops.matmul(out.reshape(*out.shape[:-2], -1), w.reshape(-1, w.shape[-1]))
 
 
-def attention_block(layer: Params, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-                    positions: jax.Array, inv_freq: jax.Array, config: ModelConfig):
-  """Pre-norm grouped-query self-attention over the cache. Returns (residual update, k_cache, v_cache)."""
+def qkv(layer: Params, x: jax.Array, positions: jax.Array, config: ModelConfig):
+  """Queries [B, T, H, hd] and keys/values [B, T, KV, hd] of a layer's attention over the residual stream x
+  [B, T, D] at `positions` [B, T], RoPE applied: the target's layers, the MTP modules' blocks and the exit adapter."""
   h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
-  if "wqkv" in layer:  # packed for decoding: one product for the three projections
+  if "wqkv" in layer:  # laid out for decoding (backends.cpu.pack_layer): one product for the three
     heads = (config.num_heads, config.num_kv_heads, config.num_kv_heads)
-    q, k, v = (a.reshape(*h.shape[:-1], n, config.head_dim) for a, n in
-               zip(jnp.split(dense(h, layer["wqkv"]), np.cumsum(heads[:2]) * config.head_dim, axis=-1), heads))
+    parts = jnp.split(ops.matmul(h, layer["wqkv"]), np.cumsum(heads[:2]) * config.head_dim, axis=-1)
+    q, k, v = (a.reshape(*h.shape[:-1], n, config.head_dim) for a, n in zip(parts, heads))
   else:
     q, k, v = project_heads(h, layer["wq"]), project_heads(h, layer["wk"]), project_heads(h, layer["wv"])
-  q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+  inv_freq = jnp.asarray(rope_inv_freq(config), jnp.float32)
+  return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+
+def attention_block(layer: Params, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
+                    config: ModelConfig):
+  """Pre-norm grouped-query self-attention over the cache. Returns (residual update, k_cache, v_cache)."""
+  q, k, v = qkv(layer, x, positions, config)
   k_cache = _write(k_cache, k, positions)
   v_cache = _write(v_cache, v, positions)
-  out = cpu_kernels.attention(q, k_cache, v_cache, positions, attend)
+  out = ops.attention(q, k_cache, v_cache, positions)
   return merge_heads(out, layer["wo"]), k_cache, v_cache
-
-
-def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array) -> jax.Array:
-  """Causal grouped-query attention: q [B, T, H, hd] at `positions` [B, T] over caches [B, S, KV, hd]."""
-  b, t, h, hd = q.shape
-  kv = k_cache.shape[2]
-  q = q.reshape(b, t, kv, h // kv, hd)
-  scores = jnp.einsum("btkgh,bskh->bkgts", q, k_cache, preferred_element_type=jnp.float32) / np.sqrt(hd)
-  visible = jnp.arange(k_cache.shape[1])[None, None, :] <= positions[:, :, None]  # [B, T, S]
-  scores = jnp.where(visible[:, None, None], scores, -1e30)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
-  return jnp.einsum("bkgts,bskh->btkgh", probs, v_cache).reshape(b, t, h, hd)
 
 
 def mlp_block(layer: Params, x: jax.Array, config: ModelConfig) -> jax.Array:
   h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
-  if "w_gate_up" in layer:  # packed for decoding: one product for both
-    gate, up = jnp.split(dense(h, layer["w_gate_up"]), 2, axis=-1)
+  if "w_gate_up" in layer:  # laid out for decoding (backends.cpu.pack_layer): one product for both
+    gate, up = jnp.split(ops.matmul(h, layer["w_gate_up"]), 2, axis=-1)
   else:
-    gate, up = dense(h, layer["w_gate"]), dense(h, layer["w_up"])
-  return dense(jax.nn.silu(gate) * up, layer["w_down"])
+    gate, up = ops.matmul(h, layer["w_gate"]), ops.matmul(h, layer["w_up"])
+  return ops.matmul(jax.nn.silu(gate) * up, layer["w_down"])
 
 
 def lm_head(params: Params, hidden: jax.Array, config: ModelConfig) -> jax.Array:
@@ -170,39 +168,11 @@ def lm_head(params: Params, hidden: jax.Array, config: ModelConfig) -> jax.Array
 
 def output_projection(params: Params, h: jax.Array, config: ModelConfig) -> jax.Array:
   """float32 logits of normed hidden states h [..., D]: the LM head, or the tied embedding table."""
-  if "lm_head_packed" in params:
-    return dense(h, params["lm_head_packed"], preferred_element_type=jnp.float32)
+  if "lm_head_packed" in params:  # laid out for decoding (backends.cpu.pack_params)
+    return ops.matmul(h, params["lm_head_packed"], preferred_element_type=jnp.float32)
   if config.tie_embeddings:
     return jnp.einsum("...d,vd->...v", h, params["embed"], preferred_element_type=jnp.float32)
-  return dense(h, params["lm_head"], preferred_element_type=jnp.float32)
-
-
-def pack_layer(layer: Params) -> Params:
-  """A layer's matrices as `cpu_kernels.Packed` panels, as decoding reads them: "wqkv" (wq, wk and wv side by
-  side, one product for the three), "wo", "w_gate_up" (w_gate, w_up side by side) and "w_down"; norms as they
-  are."""
-  d = layer["wq"].shape[0]
-  packed = {name: w for name, w in layer.items() if w.ndim == 1}  # the norms
-  packed["wqkv"] = cpu_kernels.pack(jnp.concatenate([layer[n].reshape(d, -1) for n in ("wq", "wk", "wv")], axis=1))
-  packed["wo"] = cpu_kernels.pack(layer["wo"], k_dims=2)
-  packed["w_gate_up"] = cpu_kernels.pack(jnp.concatenate([layer["w_gate"], layer["w_up"]], axis=1))
-  packed["w_down"] = cpu_kernels.pack(layer["w_down"])
-  return packed
-
-
-def pack_params(params: Params, config: ModelConfig) -> Params:
-  """The parameters as the decode loop reads them where `specjax.cpu_kernels` runs: every layer's matrices
-  packed (`pack_layer`), and the output projection (the LM head, or the tied embedding table transposed)
-  packed as "lm_head_packed" beside the arrays it comes from (the embedding lookup and drafters read those).
-  `forward` gives the same results from either tree (to float32 rounding); the packed tree is a second copy of
-  the weights. Returned unchanged where the kernels do not run (cpu_kernels.available())."""
-  if "lm_head_packed" in params or not cpu_kernels.available():
-    return params
-  packed = dict(params)
-  packed["layers"] = [pack_layer(layer) for layer in params["layers"]]
-  head = params["embed"].T if config.tie_embeddings else params["lm_head"]
-  packed["lm_head_packed"] = cpu_kernels.pack(head)
-  return packed
+  return ops.matmul(h, params["lm_head"], preferred_element_type=jnp.float32)
 
 
 def embed(params: Params, tokens: jax.Array) -> jax.Array:
@@ -222,12 +192,11 @@ def forward(params: Params, tokens: jax.Array | None, cache: KVCache, positions:
   x = embed(params, tokens) if hidden is None else hidden
   t = x.shape[1]
   pos = positions[:, None].astype(jnp.int32) + jnp.arange(t, dtype=jnp.int32)[None, :]
-  inv_freq = jnp.asarray(rope_inv_freq(config), jnp.float32)
   k_all, v_all = list(cache.k), list(cache.v)
   layer_hidden = []
   for i in (range(config.num_layers) if layers is None else layers):
     layer = params["layers"][i]
-    attn, k_all[i], v_all[i] = attention_block(layer, x, k_all[i], v_all[i], pos, inv_freq, config)
+    attn, k_all[i], v_all[i] = attention_block(layer, x, k_all[i], v_all[i], pos, config)
     x = x + attn
     x = x + mlp_block(layer, x, config)
     if return_layer_hidden:

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import cpu_kernels
+from specjax.backends import cpu
 from specjax.config import ModelConfig
 from specjax.drafters import DraftInputs, Drafter
 from specjax.model import KVCache, forward
@@ -69,9 +69,9 @@ def verify_cost_bytes(params, config: ModelConfig, positions_in_use: float, gamm
 
 def compiled_bytes(fn, *args, **static) -> float:
   """XLA's "bytes accessed" of `jax.jit(fn, static_argnames=static)(*args, **static)` as compiled here, with XLA's
-  own ops throughout: XLA cannot see what the CPU kernels (`specjax.cpu_kernels`) read, so they are off while
+  own ops throughout: XLA cannot see what the CPU kernels (`specjax.backends.cpu`) read, so they are off while
   this traces (`fn` should be a fresh function: jax reuses an earlier trace of the same one)."""
-  with cpu_kernels.enabled(False):
+  with cpu.enabled(False):
     compiled = jax.jit(fn, static_argnames=tuple(static)).lower(*args, **static).compile()
   analysis = compiled.cost_analysis()
   if isinstance(analysis, (list, tuple)):  # older jax: one dict per computation

@@ -76,6 +76,15 @@ def argmax(logits: jax.Array) -> jax.Array:
   return (block * ARGMAX_BLOCK + jnp.argmax(inside, axis=-1)).astype(jnp.int32)
 
 
+def top_k_probabilities(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """(probabilities [..., k] float32, ids [..., k] int32): the k most likely tokens of logits [..., V], most likely
+  first, with their probabilities under the whole softmax at temperature 1 (not renormalised over the k): the
+  target's next-token distribution as drafters distil it."""
+  top_logits, top_ids = jax.lax.top_k(logits, k)
+  log_normaliser = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1, keepdims=True)
+  return jnp.exp(top_logits.astype(jnp.float32) - log_normaliser), top_ids.astype(jnp.int32)
+
+
 def sample(key: jax.Array, logits: jax.Array, params: SamplingParams) -> jax.Array:
   """Next tokens from logits [..., V]: argmax when greedy, else a draw from `probabilities`."""
   if params.greedy:

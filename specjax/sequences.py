@@ -4,26 +4,23 @@ A drafter learns to predict what the target would say next in an assistant answe
 (user, assistant) exchange rendered with the target's chat template, and its loss mask marks the positions t
 whose next token t+1 belongs to the answer (its end-of-turn token included): position t's hidden state and
 the target's distribution there are what predicts token t+1. The answer is either the one in the data
-(teacher forcing on human-written text) or the target's own greedy answer to the same prompt
-(`regenerate=True`, EAGLE's choice), which is the text the drafter will meet at inference.
+(`make_sequences`: teacher forcing on human-written text) or the target's own answer to the same prompt
+(`make_prompts`, answered by `specjax.features.build_regenerated_cache`; EAGLE's choice), which is the text
+the drafter will meet at inference.
 """
 
 from __future__ import annotations
 
 import collections
-import hashlib
 import json
 import os
-import time
 from typing import NamedTuple, Sequence as Seq
 
 import numpy as np
 from absl import logging
-from tqdm.auto import tqdm
 
-from specjax.generate import generate
 from specjax import sharegpt
-from specjax.loading import CheckpointError, Model
+from specjax.loading import Model
 from specjax.tokenizer import Tokenizer
 
 MIN_ANSWER_TOKENS = 16
@@ -95,11 +92,43 @@ def exchanges(messages: Seq[dict], max_pairs: int) -> list[tuple[str, str]]:
   return pairs
 
 
+def _rendered_exchanges(tokenizer: Tokenizer, conversations: Seq[dict | Seq[dict]], seq_len: int,
+                        max_pairs_per_conversation: int, with_answers: bool, skipped: collections.Counter):
+  """(prompt ids, answer ids or None) of each usable exchange, in conversation order; counts the others in
+  `skipped`. Answers are rendered only `with_answers`, and only then does their text have to be usable."""
+  specials = _special_strings(tokenizer)
+  for conversation in conversations:
+    messages = sharegpt.to_messages(conversation) if isinstance(conversation, dict) else list(conversation)
+    pairs = exchanges(messages, max_pairs_per_conversation)
+    if not pairs:
+      skipped["conversations without a (user, assistant) exchange"] += 1
+    for user_text, answer_text in pairs:
+      if any(s in user_text or (with_answers and s in answer_text) for s in specials):
+        skipped["special token spelled in the text"] += 1
+        continue
+      rendered = render_prompt(tokenizer, user_text[:_CHARS_PER_POSITION * seq_len], seq_len // 2)
+      if rendered is None:
+        skipped["template alone longer than seq_len // 2"] += 1
+        continue
+      prompt, user_text = rendered
+      answer = None
+      if with_answers:
+        answer = render_answer(tokenizer, prompt, user_text, answer_text[:_CHARS_PER_POSITION * seq_len])
+        if answer is None:
+          skipped["prompt tokens change when the answer follows"] += 1
+          continue
+      yield prompt, answer
+
+
+def _tokenizer_of(model: Model) -> Tokenizer:
+  if model.tokenizer is None:
+    raise ValueError("rendering chat text needs the model's tokenizer")
+  return model.tokenizer
+
+
 def make_sequences(model: Model, conversations: Seq[dict | Seq[dict]], *, seq_len: int,
-                   max_pairs_per_conversation: int = 1, regenerate: bool = False, max_new_tokens: int | None = None,
-                   batch_size: int = 16, min_answer_tokens: int = MIN_ANSWER_TOKENS,
-                   progress_path: str | None = None) -> list[Sequence]:
-  """Training sequences from conversations, in conversation order.
+                   max_pairs_per_conversation: int = 1, min_answer_tokens: int = MIN_ANSWER_TOKENS) -> list[Sequence]:
+  """Training sequences from conversations' own answers, in conversation order.
 
   Each (user, assistant) exchange (the first `max_pairs_per_conversation` of a conversation, each on its own
   after the template's default system prompt) becomes one sequence of at most seq_len tokens. A user message
@@ -111,111 +140,35 @@ def make_sequences(model: Model, conversations: Seq[dict | Seq[dict]], *, seq_le
     model: the target, with a tokenizer.
     conversations: ShareGPT dicts (see `sharegpt.to_messages`) or lists of chat messages.
     seq_len: the longest sequence, prompt included.
-    regenerate: replace each answer by the target's greedy answer to the same prompt (`specjax.generate`,
-      `batch_size` prompts of similar lengths per call).
-    max_new_tokens: the longest regenerated answer (default: what fits in seq_len after the prompt).
-    progress_path: where regeneration saves the answers made so far, so that a killed run resumes (see
-      `_greedy_answers`).
   """
-  tokenizer = model.tokenizer
-  if tokenizer is None:
-    raise ValueError("make_sequences renders chat text: the model needs a tokenizer")
+  tokenizer = _tokenizer_of(model)
   if seq_len < 2 * min_answer_tokens:
     raise ValueError(f"seq_len {seq_len} leaves no room for a {min_answer_tokens}-token answer")
-  specials = _special_strings(tokenizer)
   skipped: collections.Counter = collections.Counter()
-  prompts, answers = [], []  # one entry per kept exchange
-  for conversation in conversations:
-    messages = sharegpt.to_messages(conversation) if isinstance(conversation, dict) else list(conversation)
-    pairs = exchanges(messages, max_pairs_per_conversation)
-    if not pairs:
-      skipped["conversations without a (user, assistant) exchange"] += 1
-    for user_text, answer_text in pairs:
-      if any(s in user_text or s in answer_text for s in specials):
-        skipped["special token spelled in the text"] += 1
-        continue
-      rendered = render_prompt(tokenizer, user_text[:_CHARS_PER_POSITION * seq_len], seq_len // 2)
-      if rendered is None:
-        skipped["template alone longer than seq_len // 2"] += 1
-        continue
-      prompt, user_text = rendered
-      answer = None
-      if not regenerate:
-        answer = render_answer(tokenizer, prompt, user_text, answer_text[:_CHARS_PER_POSITION * seq_len])
-        if answer is None:
-          skipped["prompt tokens change when the answer follows"] += 1
-          continue
-      prompts.append(prompt)
-      answers.append(answer)
-  if regenerate:
-    answers = _greedy_answers(model, prompts, seq_len, max_new_tokens, batch_size, progress_path)
   sequences = []
-  for prompt, answer in zip(prompts, answers):
+  for prompt, answer in _rendered_exchanges(tokenizer, conversations, seq_len, max_pairs_per_conversation, True,
+                                            skipped):
     sequence = sequence_from_ids(prompt, answer, seq_len)
     if sequence.loss_mask.sum() < min_answer_tokens:
       skipped[f"fewer than {min_answer_tokens} answer tokens"] += 1
       continue
     sequences.append(sequence)
-  logging.info("%d sequences from %d conversations (%s); skipped: %s", len(sequences), len(conversations),
-               "target-generated answers" if regenerate else "answers from the data", dict(skipped) or "none")
+  logging.info("%d sequences from %d conversations; skipped: %s", len(sequences), len(conversations),
+               dict(skipped) or "none")
   return sequences
 
 
-def _greedy_answers(model: Model, prompts: list[list[int]], seq_len: int, max_new_tokens: int | None,
-                    batch_size: int, progress_path: str | None = None,
-                    save_every_seconds: float = 60.0) -> list[list[int]]:
-  """The target's greedy answer to every prompt, batched by similar prompt length to limit padding.
-
-  With `progress_path`, the answers made so far are saved there (atomically, at most every
-  `save_every_seconds` and after the last batch), and a rerun over the same prompts and settings starts from
-  them: a killed regeneration loses at most that much work. Saved progress of other prompts is an error.
-  """
-  order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-  answers: list[list[int] | None] = [None] * len(prompts)
-  settings = [repr(model.config), [list(map(int, p)) for p in prompts], seq_len, max_new_tokens, batch_size]
-  fingerprint = hashlib.sha256(json.dumps(settings).encode()).hexdigest()
-  if progress_path and os.path.exists(progress_path):
-    for i, tokens in _load_progress(progress_path, fingerprint).items():
-      answers[i] = tokens
-    logging.info("resuming greedy answers: %d of %d from %s", sum(a is not None for a in answers), len(prompts),
-                 progress_path)
-  last_save = time.monotonic()
-  batches = range(0, len(order), batch_size)
-  for number, start in enumerate(tqdm(batches, desc="greedy answers", unit="batch")):
-    rows = order[start:start + batch_size]
-    if all(answers[i] is not None for i in rows):
-      continue
-    room = seq_len - min(len(prompts[i]) for i in rows)
-    # Rounded up so that batches share a few compiled shapes; answers are cut to seq_len afterwards.
-    new_tokens = max_new_tokens or min(seq_len, -(-room // 32) * 32)
-    out = generate(model, [prompts[i] for i in rows], max_new_tokens=new_tokens)
-    for i, tokens in zip(rows, out.tokens):
-      answers[i] = tokens
-    if progress_path and (number == len(batches) - 1 or time.monotonic() - last_save >= save_every_seconds):
-      _save_progress(progress_path, fingerprint, answers)
-      last_save = time.monotonic()
-  return answers
-
-
-def _save_progress(path: str, fingerprint: str, answers: Seq[Seq[int] | None]) -> None:
-  done = [i for i, a in enumerate(answers) if a is not None]
-  tmp = f"{path}.tmp.npz"
-  np.savez(tmp, fingerprint=np.asarray(fingerprint), indices=np.asarray(done, np.int64),
-           lengths=np.asarray([len(answers[i]) for i in done], np.int64),
-           tokens=np.concatenate([np.zeros(0, np.int32)] + [np.asarray(answers[i], np.int32) for i in done]))
-  os.replace(tmp, path)
-
-
-def _load_progress(path: str, fingerprint: str) -> dict[int, list[int]]:
-  try:
-    with np.load(path) as data:
-      saved, indices, lengths, tokens = str(data["fingerprint"]), data["indices"], data["lengths"], data["tokens"]
-  except (OSError, ValueError, KeyError, EOFError) as e:
-    raise CheckpointError(f"{path}: unreadable progress of a regeneration ({e}); delete it to start over") from e
-  if saved != fingerprint:
-    raise CheckpointError(f"{path} holds answers to other prompts or settings; delete it or choose another workdir")
-  starts = np.cumsum(lengths) - lengths
-  return {int(i): tokens[s:s + n].tolist() for i, s, n in zip(indices, starts, lengths)}
+def make_prompts(model: Model, conversations: Seq[dict | Seq[dict]], *, seq_len: int,
+                 max_pairs_per_conversation: int = 1) -> list[list[int]]:
+  """The chat prompts (generation prompt included) of the exchanges `make_sequences` would take, for the target
+  to answer itself (`specjax.features.build_regenerated_cache`): a user message is cut so that the prompt takes
+  at most seq_len // 2 tokens; the conversation's own answer is not read."""
+  skipped: collections.Counter = collections.Counter()
+  prompts = [prompt for prompt, _ in _rendered_exchanges(_tokenizer_of(model), conversations, seq_len,
+                                                         max_pairs_per_conversation, False, skipped)]
+  logging.info("%d prompts from %d conversations; skipped: %s", len(prompts), len(conversations),
+               dict(skipped) or "none")
+  return prompts
 
 
 def save_sequences(path: str, sequences: Seq[Sequence], source: dict) -> None:

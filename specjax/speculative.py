@@ -1,18 +1,20 @@
 """The speculative decoding loop: one jit-compiled program, a `jax.lax.while_loop` over rounds.
 
 One round, for every row at once:
-  1. the drafter proposes up to gamma tokens x_1..x_gamma (and their draft distributions q when sampling);
-     with adaptive drafting (specjax/adaptive.py) the round drafts the length that pays, none at all (a plain
-     target step) where drafting cannot pay, and a row stops early where the draft is unsure; a drafter with its
-     own cache follows plain steps several at once (`PlainSteps`);
-  2. the target scores [pending, x_1..x_gamma] in ONE forward at the row's own position (a causal mask makes
-     that gamma+1 next-token predictions), or only the pending token when no row drafted; a drafter that ran
-     the target's own first k layers hands over their output, and only layers k..L-1 run for all positions;
-     with adaptive drafting a narrower forward runs when every row drafted at most one token;
+  0. the drafting policy (specjax/adaptive.py) chooses how many tokens the round drafts: gamma every round
+     (`FixedGamma`), or as many as pay by the costs (`AdaptiveDrafting`), none at all (a plain target step) where
+     drafting cannot pay, with bars on the draft's confidence at which a row stops early;
+  1. the drafter proposes up to that many tokens x_1..x_n (and their draft distributions q when sampling);
+  2. the target scores [pending, x_1..x_n] in ONE forward at the row's own position (a causal mask makes that
+     n + 1 next-token predictions), in the narrowest compiled width that holds the longest draft (only the
+     pending token in a plain step); a drafter that ran the target's own first k layers hands over their output,
+     and only layers k..L-1 run for all positions;
   3. verification (specjax/verify.py) accepts a prefix of a tokens and yields one more token (the correction
      at the first rejection, or the bonus token when all the row's drafts were accepted);
   4. x_1..x_a and that token are committed; the new pending token is the last of them. The target cache now
-     holds valid K/V up to the old pending position + a; slots past it are overwritten in later rounds.
+     holds valid K/V up to the old pending position + a; slots past it are overwritten in later rounds;
+  5. the drafter updates its state from the verification, and the policy observes what the round drafted and
+     what was accepted.
 Rows accept different numbers of tokens; a finished row (stop token, max_new_tokens) stops changing.
 Stats are carried as arrays and read once at the end.
 """
@@ -23,6 +25,7 @@ import dataclasses
 import functools
 import math
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,10 +33,8 @@ import numpy as np
 from flax import struct
 
 from specjax import compilation, control, distributed, sharding
-from specjax.adaptive import (Acceptance, AdaptiveDrafting, Plan, confidence_bars, draft_length, make_plan,
-                              verify_widths, width_index)
-from specjax.drafters import (Drafter, DraftInputs, Followed, PromptInfo, Proposal, RoundResult, confidence,
-                              draft_probabilities, greedy_draft, keep_state)
+from specjax.adaptive import AdaptiveDrafting, Choice, FixedGamma, Outcome, Policy, is_policy, width_index
+from specjax.drafters import Drafter, DraftInputs, PromptInfo, Proposal, RoundResult
 from specjax.decoding import (Output, decode_draft_params, decode_outputs, describe_shapes, is_stop, place_on_mesh,
                               prefill, prepare_batch)
 from specjax.model import KVCache, forward, init_cache
@@ -53,16 +54,12 @@ class Counts:
   width_rounds: jax.Array  # [gamma + 1] rounds by the longest draft a row made (0: a 1-token target step)
   plain_steps: jax.Array  # scalar: rounds that did not draft at all (adaptive drafting's fallback)
   draft_steps: jax.Array  # scalar: draft steps run
-  # Plain steps scored (`AdaptiveDrafting.shadow`): one-token drafts the drafter would have kept there, and their
-  # acceptance (greedy: matches; sampling: the sum of min(1, q(x) / p(x)))
-  shadow_tested: jax.Array  # scalar
-  shadow_accepted: jax.Array  # scalar float32
 
   @classmethod
   def zero(cls, batch: int, gamma: int):
     zeros = functools.partial(jnp.zeros, dtype=jnp.int32)
     return cls(zeros(batch), zeros(batch), zeros(batch), zeros(batch), zeros(gamma), zeros(gamma), zeros(gamma + 1),
-               zeros(()), zeros(()), zeros(()), jnp.zeros((), jnp.float32))
+               zeros(()), zeros(()))
 
   def add(self, live, lengths, accepted, rejected, drafted, draft_steps) -> "Counts":
     """One round: live [B] rows, lengths [B] drafted, accepted [B], rejected [B] (ended at a rejection)."""
@@ -73,44 +70,7 @@ class Counts:
         proposed_at=self.proposed_at + jnp.sum(slots < lengths[:, None], axis=0),
         accepted_at=self.accepted_at + jnp.sum(slots < accepted[:, None], axis=0),
         width_rounds=self.width_rounds.at[jnp.max(lengths)].add(1), plain_steps=self.plain_steps + ~drafted,
-        draft_steps=self.draft_steps + jnp.where(drafted, draft_steps, 0), shadow_tested=self.shadow_tested,
-        shadow_accepted=self.shadow_accepted)
-
-
-@struct.dataclass
-class PlainSteps:
-  """Plain target steps (rounds that did not draft) the drafter has not followed yet.
-
-  A drafter that keeps its own cache (a draft model, an exit adapter, MTP modules) would pay its `update` after
-  every plain step. Instead the loop keeps the target's outputs of up to W = `AdaptiveDrafting.catch_up` plain
-  steps here and hands them to `update` at once, as one result over W positions (`catch_up` below): when W
-  steps are kept, and before the next round that drafts. W consecutive plain steps of a row commit the tokens
-  after positions start..start+W-1, as a round whose W - 1 drafts were all accepted would.
-  """
-  hidden: jax.Array  # [B, W, D] the target's hidden states at positions start + i
-  features: jax.Array | None  # [B, W, F, D] after each of `Drafter.feature_layers` (or None)
-  # [B, W] p(x) of the token each step drew (sampling with `Plan.shadow`, for the evidence; else None)
-  token_prob: jax.Array | None
-  start: jax.Array  # [B] the pending position at the first kept step
-  count: jax.Array  # scalar: steps kept
-
-  @classmethod
-  def empty(cls, batch: int, window: int, hidden_size: int, num_features: int, dtype, token_probs: bool = False):
-    return cls(hidden=jnp.zeros((batch, window, hidden_size), dtype),
-               features=jnp.zeros((batch, window, num_features, hidden_size), dtype) if num_features else None,
-               token_prob=jnp.zeros((batch, window), jnp.float32) if token_probs else None,
-               start=jnp.zeros((batch,), jnp.int32), count=jnp.zeros((), jnp.int32))
-
-  def add(self, hidden: jax.Array, features: jax.Array | None, position: jax.Array,
-          token_prob: jax.Array | None = None) -> "PlainSteps":
-    """One more plain step over the pending tokens at `position` [B]: hidden [B, D], features [B, F, D], and p(x)
-    [B] of the token it drew (kept where `token_prob` is)."""
-    i = self.count
-    return PlainSteps(hidden=self.hidden.at[:, i].set(hidden.astype(self.hidden.dtype)),
-                      features=None if features is None else self.features.at[:, i].set(
-                          features.astype(self.features.dtype)),
-                      token_prob=None if self.token_prob is None else self.token_prob.at[:, i].set(token_prob),
-                      start=jnp.where(i == 0, position, self.start), count=i + 1)
+        draft_steps=self.draft_steps + jnp.where(drafted, draft_steps, 0))
 
 
 @struct.dataclass
@@ -119,12 +79,11 @@ class SpecState:
   position: jax.Array  # [B] position of the pending token (the last committed one)
   done: jax.Array  # [B]
   cache: KVCache  # target cache, valid below `position`
-  draft_state: object
+  draft_state: Any
+  policy: Any  # the drafting policy's state (e.g. `specjax.adaptive.Acceptance`)
   key: jax.Array
   rounds: jax.Array  # scalar
-  acceptance: Acceptance  # running acceptance, for the draft length of the next round
   counts: Counts
-  plain: PlainSteps | None  # plain steps the drafter has not followed yet (None: it follows every round)
 
 
 def _commit(state: SpecState, draft_tokens, accepted_len, next_token, lengths, max_new_tokens, stop_ids):
@@ -147,12 +106,13 @@ def _commit(state: SpecState, draft_tokens, accepted_len, next_token, lengths, m
   return sequence, state.position + count, done
 
 
-@functools.partial(jax.jit, static_argnames=("config", "drafter", "gamma", "sampling", "max_new_tokens",
-                                             "cache_len", "stop_ids", "plan", "cache_sharding"))
+@functools.partial(jax.jit, static_argnames=("config", "drafter", "policy", "sampling", "max_new_tokens",
+                                             "cache_len", "stop_ids", "cache_sharding"))
 def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, config, drafter: Drafter,
-                          gamma, sampling: SamplingParams, max_new_tokens, cache_len, stop_ids,
-                          plan: Plan | None = None, cache_sharding=None):
+                          policy: Policy, sampling: SamplingParams, max_new_tokens, cache_len, stop_ids,
+                          cache_sharding=None):
   batch, width = prompt_tokens.shape
+  gamma = policy.gamma  # the most tokens a round drafts: the width of the draft buffers
   rows = jnp.arange(batch)
   cache = sharding.constrain_cache(init_cache(config, batch, cache_len), cache_sharding)
   with_layers = bool(drafter.feature_layers)
@@ -166,112 +126,70 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
   state = SpecState(
       sequence=sequence, position=lengths, done=is_stop(first, stop_ids) | (max_new_tokens == 1),
       cache=sharding.constrain_cache(out.cache, cache_sharding),
-      draft_state=drafter.init(params, draft_params, drafter.options, prompt), key=key,
-      rounds=jnp.zeros((), jnp.int32), acceptance=Acceptance.zero(), counts=Counts.zero(batch, gamma),
-      plain=(PlainSteps.empty(batch, plan.catch_up, config.hidden_size, len(drafter.feature_layers), last_hidden.dtype,
-                              token_probs=plan.shadow and not sampling.greedy)
-             if plan is not None and drafter.update is not keep_state else None))
-
-  def catch_up(s: SpecState) -> SpecState:
-    """The drafter follows the kept plain steps in one `update` over W positions from `start`: a row committed
-    the tokens after the first `committed` of them (fewer than W when it finished, or when the steps are caught up
-    before W of them). With `plan.shadow` it scores them too (`shadow_evidence`)."""
-    p = s.plain
-    committed = s.position - p.start
-    result = RoundResult(sequence=s.sequence, position=s.position, accepted=jnp.maximum(committed - 1, 0),
-                         verify_hidden=p.hidden, features=p.features, verify_position=p.start, drafted=False)
-    s = s.replace(plain=p.replace(count=jnp.zeros_like(p.count)))
-    if not plan.shadow:
-      return s.replace(draft_state=drafter.update(params, draft_params, drafter.options, s.draft_state, result))
-    followed = drafter.follow(params, draft_params, drafter.options, s.draft_state, result)
-    acceptance, counts = shadow_evidence(plan, s.acceptance, s.counts, followed, s.sequence, p.start, committed,
-                                         p.token_prob, sampling, config.vocab_size)
-    return s.replace(draft_state=followed.state, acceptance=acceptance, counts=counts)
+      draft_state=drafter.init(params, draft_params, drafter.options, prompt), policy=policy.init(), key=key,
+      rounds=jnp.zeros((), jnp.int32), counts=Counts.zero(batch, gamma))
 
   def cond(s: SpecState):
     return ~jnp.all(s.done)
 
-  def round_(s: SpecState, budget, drafting: bool) -> SpecState:
-    """One round: draft up to `budget` tokens and verify them, or (drafting=False) a plain target step."""
+  def body(s: SpecState) -> SpecState:
+    choice = policy.choose(s.policy)
+    # One branch per kind of round (`control.run_if`, not `jax.lax.cond`: the cache is updated in place, not
+    # copied), so a plain step runs neither the drafter nor a choice of verify width.
+    s = control.run_if(choice.budget > 0, lambda s: round_(s, choice, drafting=True), s)
+    return control.run_if(choice.budget == 0, lambda s: round_(s, choice, drafting=False), s)
+
+  def round_(s: SpecState, choice: Choice, drafting: bool) -> SpecState:
+    """Draft up to `choice.budget` tokens (drafting=False: none, a plain target step), verify and commit them; the
+    drafter updates, and the policy observes the round."""
     key, draft_key, verify_key = jax.random.split(s.key, 3)
-    proposal = (_propose(params, draft_params, drafter, s, draft_key, gamma, budget, plan, sampling) if drafting
+    proposal = (_propose(params, draft_params, drafter, s, draft_key, gamma, choice, sampling) if drafting
                 else _no_proposal(params, draft_params, drafter, s, draft_key, gamma, sampling))
     live = ~s.done
-    draft_lengths = jnp.where(live, jnp.minimum(proposal.lengths, budget), 0)
-    verify_tokens = jnp.concatenate([s.sequence[rows, s.position][:, None], proposal.tokens], axis=1)
-    # The cache and the drafter's state travel as the state of the verification below; the rest of the
-    # proposal is read only.
-    carried = s.replace(cache=proposal.target_cache, draft_state=proposal.state)
-    proposal = proposal._replace(target_cache=None, state=None)
-
-    def verify(c: SpecState, width: int) -> SpecState:
-      """Verifies [pending, x_1..x_n] with a forward over its first `width` tokens and commits the result."""
-      out = _verify_forward(params, config, verify_tokens, proposal, c.cache, s.position, width,
-                            drafter.reuse_layers, with_layers, jnp.max(draft_lengths) if drafting else None)
-      # No row drafted past slot width - 1, so verification reads the first width - 1 drafts only (none in a plain
-      # step: the next token is the target's own).
-      drafts = proposal.tokens[:, :width - 1]
-      if sampling.greedy:
-        accepted_len, next_token = greedy_verify(drafts, out.logits, draft_lengths)
-      else:
-        p = probabilities(out.logits, sampling)
-        accepted_len, next_token = speculative_verify(verify_key, drafts, proposal.probs[:, :width - 1], p,
-                                                      draft_lengths)
-      sequence, position, done = _commit(c, proposal.tokens, accepted_len, next_token, lengths, max_new_tokens,
-                                         stop_ids)
-      accepted, rejected = jnp.where(live, accepted_len, 0), live & (accepted_len < draft_lengths)
-      # The drafter's update sees the `width` verified positions only (a plain round: the pending one): the
-      # sequential MTP module runs its block over every position it is handed.
-      features = _features(out, drafter.feature_layers)
-      draft_state, plain = c.draft_state, c.plain
-      if drafting or plain is None:
-        result = RoundResult(sequence=sequence, position=position, accepted=accepted, verify_hidden=out.hidden,
-                             features=features, verify_position=s.position, drafted=drafting)
-        draft_state = drafter.update(params, draft_params, drafter.options, draft_state, result)
-      else:  # a plain step: kept for the drafter to follow later (`catch_up`)
-        plain = plain.add(out.hidden[:, 0], None if features is None else features[:, 0], s.position,
-                          None if plain.token_prob is None else p[rows, 0, next_token])
-      return SpecState(
-          sequence=sequence, position=position, done=done, cache=sharding.constrain_cache(out.cache, cache_sharding),
-          draft_state=draft_state, key=key, rounds=s.rounds + 1,
-          acceptance=s.acceptance.update(plan, accepted, rejected, draft_lengths, live & (draft_lengths < budget),
-                                         plain=not drafting),
-          counts=s.counts.add(live, draft_lengths, accepted, rejected, jnp.asarray(drafting), proposal.steps),
-          plain=plain)
-
-    # Verify [pending, x_1..x_n], n the longest draft a row made: with adaptive drafting in the narrowest compiled
-    # width that holds it (1: a plain step when no row drafted; see adaptive.verify_widths); else all gamma + 1.
-    widths = verify_widths(gamma)
-    if not drafting:
-      carried = verify(carried, widths[0])
-      if carried.plain is None:
-        return carried
-      return control.run_if(carried.plain.count >= plan.catch_up, catch_up, carried)
-    if plan is None:
-      return verify(carried, widths[-1])
-    chosen = width_index(widths, jnp.max(draft_lengths))
+    drafted = jnp.where(live, jnp.minimum(proposal.lengths, choice.budget), 0)
+    # The cache and the drafter's state travel through the verification below; the rest of the proposal is read only.
+    verified = (s.replace(cache=proposal.target_cache, draft_state=proposal.state), jnp.zeros_like(drafted),
+                jnp.zeros_like(live))
+    verify_round = functools.partial(verify, s, proposal._replace(target_cache=None, state=None), drafted,
+                                     verify_key, drafting)
+    # In the narrowest compiled width that holds [pending, x_1..x_n], n the longest draft a row made.
+    widths = policy.widths
+    chosen = width_index(widths, jnp.max(drafted)) if drafting and len(widths) > 1 else 0
     for i, width in enumerate(widths):
-      carried = control.run_if(chosen == i, functools.partial(verify, width=width), carried)
-    return carried
+      verified = control.run_if(chosen == i, functools.partial(verify_round, width=width), verified)
+    s, accepted, rejected = verified
+    outcome = Outcome(budget=choice.budget, drafted=drafted, accepted=accepted, rejected=rejected,
+                      stopped=live & (drafted < choice.budget))
+    return s.replace(policy=policy.observe(s.policy, outcome), key=key, rounds=s.rounds + 1,
+                     counts=s.counts.add(live, drafted, accepted, rejected, jnp.asarray(drafting), proposal.steps))
 
-  def body(s: SpecState):
-    if plan is None:
-      return round_(s, gamma, drafting=True)
-    budget = draft_length(plan, s.acceptance)  # 0: a plain target step
-    if s.plain is not None:
-      # Before a round drafts, the drafter follows the plain steps kept since it last followed. Scored
-      # (`plan.shadow`), they are evidence the choice has not seen yet, so it is made again with them: choosing
-      # once, a drafter that cannot pay drafted whenever the plain steps' decay (`plain_memory`) lifted the estimate,
-      # and learned only afterwards what the steps it had followed said.
-      def follow_first(carry):
-        s = catch_up(carry[0])
-        return s, draft_length(plan, s.acceptance) if plan.shadow else carry[1]
-
-      s, budget = control.run_if((budget > 0) & (s.plain.count > 0), follow_first, (s, budget))
-    # One branch per kind of round, so a plain step runs neither the drafter nor a choice of verify width
-    # (`control.run_if`, not `jax.lax.cond`: the round's cache is updated in place, not copied).
-    s = control.run_if(budget > 0, lambda s: round_(s, budget, drafting=True), s)
-    return control.run_if(budget == 0, lambda s: round_(s, 0, drafting=False), s)
+  def verify(before: SpecState, proposal: Proposal, drafted, key, drafting: bool, carry, width: int):
+    """The target over the first `width` of [pending, x_1..x_gamma] in one forward; the accepted drafts and the
+    next token committed, and the drafter's update. Returns (state, accepted [B], rejected [B])."""
+    s, live = carry[0], ~before.done
+    tokens = jnp.concatenate([before.sequence[rows, before.position][:, None], proposal.tokens], axis=1)
+    out = _verify_forward(params, config, tokens, proposal, s.cache, before.position, width, drafter.reuse_layers,
+                          with_layers, jnp.max(drafted) if drafting else None)
+    # No row drafted past slot width - 1, so verification reads the first width - 1 drafts only (none in a plain
+    # step: the next token is the target's own).
+    drafts = proposal.tokens[:, :width - 1]
+    if sampling.greedy:
+      accepted_len, next_token = greedy_verify(drafts, out.logits, drafted)
+    else:
+      accepted_len, next_token = speculative_verify(key, drafts, proposal.probs[:, :width - 1],
+                                                    probabilities(out.logits, sampling), drafted)
+    sequence, position, done = _commit(s, proposal.tokens, accepted_len, next_token, lengths, max_new_tokens,
+                                       stop_ids)
+    accepted = jnp.where(live, accepted_len, 0)
+    # The drafter's update sees the `width` verified positions only (a plain step: the pending one): the sequential
+    # MTP module runs its block over every position it is handed.
+    result = RoundResult(sequence=sequence, position=position, accepted=accepted, verify_hidden=out.hidden,
+                         features=_features(out, drafter.feature_layers), verify_position=before.position,
+                         drafted=drafting)
+    s = s.replace(sequence=sequence, position=position, done=done,
+                  cache=sharding.constrain_cache(out.cache, cache_sharding),
+                  draft_state=drafter.update(params, draft_params, drafter.options, s.draft_state, result))
+    return s, accepted, live & (accepted_len < drafted)
 
   s = jax.lax.while_loop(cond, body, state)
   num_generated = s.position - lengths + 1
@@ -279,45 +197,10 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
   return tokens, num_generated, {"rounds": s.rounds, **dataclasses.asdict(s.counts)}
 
 
-def shadow_evidence(plan: Plan, acceptance: Acceptance, counts: Counts, followed: Followed, sequence, start,
-                    committed, token_prob, sampling: SamplingParams, vocab_size: int) -> tuple[Acceptance, Counts]:
-  """Scores the plain steps a drafter followed as one-token drafts it did not make (`AdaptiveDrafting.shadow`).
-
-  Step i of a row (i < `committed`: the steps it took) drew x, the token after position start + i, from the
-  target's p; the drafter's first-slot logits there (`followed.logits[:, i]`) give the draft it would have made.
-  Greedy, the draft is accepted iff it is x; sampling, its acceptance probability sum_y min(p(y), q(y)) is
-  estimated without bias by min(1, q(x) / p(x)) (x ~ p). As in a drafting round with a budget of one, a row keeps
-  the draft where its confidence clears the keep bar of slot 1 (`confidence_bars`; else it counts as stopped),
-  and kept drafts count as tested. The evidence is added without decay: the plain steps aged the counts already.
-  """
-  steps = followed.logits.shape[1]
-  taken = jnp.arange(steps)[None, :] < committed[:, None]  # [B, W]
-  rows = jnp.arange(sequence.shape[0])[:, None]
-  x = sequence[rows, jnp.minimum(start[:, None] + 1 + jnp.arange(steps)[None, :], sequence.shape[1] - 1)]
-  if sampling.greedy:
-    draft = greedy_draft(followed.logits, followed.token_map)
-    accepted, sure = (draft == x).astype(jnp.float32), confidence(followed.logits, None)
-  else:
-    q = draft_probabilities(followed.logits, sampling, followed.token_map, vocab_size)
-    q_x = jnp.take_along_axis(q, x[..., None], axis=-1)[..., 0]
-    accepted, sure = jnp.minimum(1.0, q_x / jnp.maximum(token_prob, 1e-30)), confidence(followed.logits, q)
-  keep_bar = confidence_bars(plan, acceptance)[0][0]
-  kept = taken & (sure >= keep_bar)
-  accepted = jnp.where(kept, accepted, 0.0)
-  acceptance = acceptance.update(None, accepted, jnp.where(kept, 1.0, 0.0) - accepted, kept, taken & ~kept)
-  counts = counts.replace(shadow_tested=counts.shadow_tested + jnp.sum(kept),
-                          shadow_accepted=counts.shadow_accepted + jnp.sum(accepted))
-  return acceptance, counts
-
-
-def _draft_inputs(s: SpecState, key, budget, bars=(0.0, 0.0)) -> DraftInputs:
-  return DraftInputs(sequence=s.sequence, position=s.position, target_cache=s.cache, key=key,
-                     budget=jnp.asarray(budget), keep_bars=bars[0], go_bars=bars[1])
-
-
-def _propose(params, draft_params, drafter: Drafter, s: SpecState, key, gamma: int, budget, plan, sampling):
-  """The drafter's proposal of up to `budget` (>= 1) tokens, with lengths and steps filled in."""
-  inputs = _draft_inputs(s, key, budget, confidence_bars(plan, s.acceptance) if plan else (0.0, 0.0))
+def _propose(params, draft_params, drafter: Drafter, s: SpecState, key, gamma: int, choice: Choice, sampling):
+  """The drafter's proposal of up to `choice.budget` (>= 1) tokens, with lengths and steps filled in."""
+  inputs = DraftInputs(sequence=s.sequence, position=s.position, target_cache=s.cache, key=key,
+                       budget=jnp.asarray(choice.budget), keep_bars=choice.keep_bars, go_bars=choice.go_bars)
   proposal = drafter.propose(params, draft_params, drafter.options, s.draft_state, inputs, gamma, sampling)
   return proposal._replace(
       lengths=jnp.full(s.position.shape, gamma, jnp.int32) if proposal.lengths is None else proposal.lengths,
@@ -326,7 +209,8 @@ def _propose(params, draft_params, drafter: Drafter, s: SpecState, key, gamma: i
 
 def _no_proposal(params, draft_params, drafter: Drafter, s: SpecState, key, gamma: int, sampling) -> Proposal:
   """What a round that does not draft passes on: zeros shaped like a proposal, the drafter's state unchanged."""
-  inputs = _draft_inputs(s, key, 1)
+  inputs = DraftInputs(sequence=s.sequence, position=s.position, target_cache=s.cache, key=key,
+                       budget=jnp.asarray(1))
   shapes = jax.eval_shape(lambda: drafter.propose(params, draft_params, drafter.options, s.draft_state, inputs,
                                                   gamma, sampling))
   empty = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
@@ -377,11 +261,12 @@ def _features(out, layers: tuple[int, ...]):
 
 
 def generate(model, prompts, *, drafter: Drafter, gamma: int, sampling: SamplingParams, max_new_tokens: int,
-             seed: int, mesh, max_len, stop_ids, adaptive: bool | AdaptiveDrafting = True) -> Output:
+             seed: int, mesh, max_len, stop_ids, adaptive: bool | Policy = True) -> Output:
   """Speculative counterpart of `specjax.generate` (which resolves the sampling and stop arguments and calls this).
 
-  gamma is the most tokens a round drafts; `adaptive` (True: `AdaptiveDrafting()` defaults; False: every
-  round drafts gamma) chooses fewer per round and stops unsure rows early (specjax/adaptive.py).
+  gamma is the most tokens a round drafts; `adaptive` is the drafting policy (specjax/adaptive.py): True
+  (`AdaptiveDrafting()`: fewer tokens where that pays, and unsure rows stop early), False (`FixedGamma()`: gamma
+  every round), or a policy object.
   """
   if not isinstance(drafter, Drafter):
     raise TypeError(f"drafter must come from specjax.make_drafter, got {type(drafter).__name__}")
@@ -390,25 +275,24 @@ def generate(model, prompts, *, drafter: Drafter, gamma: int, sampling: Sampling
   if drafter.max_gamma is not None and gamma > drafter.max_gamma:
     raise ValueError(f"drafter {drafter.name!r} proposes at most {drafter.max_gamma} tokens a round, got "
                      f"gamma={gamma}")
-  if not isinstance(adaptive, (bool, AdaptiveDrafting)):
-    raise TypeError(f"adaptive must be True, False or a specjax.AdaptiveDrafting, got {adaptive!r}")
+  policy = AdaptiveDrafting() if adaptive is True else FixedGamma() if adaptive is False else adaptive
+  if not is_policy(policy):
+    raise TypeError(f"adaptive must be True, False or a drafting policy (specjax.AdaptiveDrafting, "
+                    f"specjax.FixedGamma), got {adaptive!r}")
   if drafter.reuse_layers and any(i < drafter.reuse_layers - 1 for i in drafter.feature_layers):
     raise ValueError(f"drafter {drafter.name!r} reuses the target's first {drafter.reuse_layers} layers, so "
                      f"verification has no features of layers {drafter.feature_layers} over all positions")
-  options = AdaptiveDrafting() if adaptive is True else adaptive or None
   batch = prepare_batch(model, prompts, max_new_tokens, extra_positions=gamma + 1, max_len=max_len)
   # The round costs depend on the rows one forward processes: the batch over the mesh's "data" axis.
   rows_per_forward = max(1, len(batch.lengths) // (mesh.shape.get("data", 1) if mesh is not None else 1))
-  plan = (make_plan(options, drafter, model.params, model.config, int(gamma), batch=rows_per_forward)
-          if options else None)
+  policy = policy.plan(drafter.cost, int(gamma), rows_per_forward)
   start = time.perf_counter()
   params, prompt_tokens, lengths, cache_sharding = place_on_mesh(model, batch, mesh)
   (tokens, num_generated, stats), compile_seconds = _speculative_program(
       params, _place_draft_params(drafter, mesh), prompt_tokens, lengths, jax.random.PRNGKey(seed),
-      describe=f"{drafter.name}, gamma {gamma}{', adaptive' if plan else ''}, {describe_shapes(batch)}",
-      config=model.config, drafter=drafter.static(), gamma=int(gamma), sampling=sampling,
-      max_new_tokens=int(max_new_tokens), cache_len=batch.cache_len, stop_ids=stop_ids, plan=plan,
-      cache_sharding=cache_sharding)
+      describe=f"{drafter.name}, gamma {gamma}, {type(policy).__name__}, {describe_shapes(batch)}",
+      config=model.config, drafter=drafter.static(), policy=policy, sampling=sampling,
+      max_new_tokens=int(max_new_tokens), cache_len=batch.cache_len, stop_ids=stop_ids, cache_sharding=cache_sharding)
   tokens, num_generated, stats = distributed.to_host((tokens, num_generated, stats))  # also multi-process arrays
   seconds = time.perf_counter() - start - compile_seconds
   rows, texts = decode_outputs(model, tokens, num_generated, stop_ids)
@@ -460,9 +344,6 @@ def summarize(stats, num_generated, seconds: float, forwards_per_step: int = 1, 
       # Rounds by the gamma actually used: the longest draft a row made (index 0: a 1-token target step).
       "gamma_histogram": stats["width_rounds"].tolist(),
       "plain_steps": int(stats["plain_steps"]),  # rounds in which adaptive drafting did not draft at all
-      # Plain steps scored as one-token drafts (`AdaptiveDrafting.shadow`), and their acceptance
-      "shadow_tested": int(stats["shadow_tested"]),
-      "shadow_alpha": _ratio(float(stats["shadow_accepted"]), int(stats["shadow_tested"])),
       "new_tokens_per_row": num_generated.tolist(),
       "rounds_per_row": stats["live_rounds"].tolist(),
       "proposed_per_row": stats["proposed"].tolist(),

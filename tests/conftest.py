@@ -1,7 +1,10 @@
-"""Shared fixtures: the real SmolLM2 (ours and HF's, from the same GGUF), tiny random HF Llama checkpoints
-and a tiny random specjax model.
+"""Shared fixtures: the one tiny random specjax model of the fast tests, the real SmolLM2 (ours and HF's, from the
+same GGUF) and tiny random HF Llama checkpoints.
 
-Loading SmolLM2 takes seconds and HF's copy tens of seconds, so each is loaded once per session. Test
+Tests that need SmolLM2 or HF transformers are marked `slow` (the fast tier, `pytest -m "not slow"`, leaves them
+out); collection fails if one is not. Every fast test that needs a model takes `tiny` (or a variant of
+`tiny_config` where it needs a property `tiny` lacks), so the programs compiled for it are shared across the tests
+of a module. Loading SmolLM2 takes seconds and HF's copy tens of seconds, so each is loaded once per session. Test
 modules get everything through fixtures (they do not import this file, which pytest loads as `conftest`).
 """
 
@@ -17,6 +20,7 @@ from specjax import compilation
 from specjax.config import ModelConfig
 from specjax.loading import Model, resolve_path
 from specjax.model import init_params
+from specjax.tokenizer import Tokenizer
 
 SMOLLM2 = "smollm2-135m"
 
@@ -25,11 +29,28 @@ SMOLLM2 = "smollm2-135m"
 LLAMA3_ROPE_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                        "original_max_position_embeddings": 64}
 
-# A tiny random decoder for properties that need no trained weights: GQA (4 query heads over 2 KV heads),
-# untied head; std 0.3 weights give O(1) logits and varied greedy continuations.
-TINY_CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
-                          num_kv_heads=2, head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-5, tie_embeddings=False,
+# The tiny random decoder of every fast test that needs no trained weights: GQA (4 query heads over 2 KV heads),
+# 4 layers (an early exit or a skipped layer leaves layers on both sides), untied head; std 0.3 weights give O(1)
+# logits and varied greedy continuations. Hidden size twice the vocabulary: a one-block head can then map any
+# token's direction to another's (the drafters trained in tests/task_drafters.py).
+TINY_CONFIG = ModelConfig(vocab_size=32, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
+                          num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5, tie_embeddings=False,
                           max_position_embeddings=256)
+# The task target: a second shape (3 layers, tied head), so that a drafter checkpoint made for `tiny` misfits it.
+TASK_CONFIG = TINY_CONFIG.replace(num_layers=3, tie_embeddings=True)
+
+# Fixtures that load SmolLM2 or need HF transformers: a test that asks for one must be marked slow.
+SLOW_FIXTURES = frozenset({"smollm2", "smollm2_path", "hf_smollm2", "tiny_hf_llama_dir", "tiny_hf_llama3_dir"})
+
+
+def pytest_collection_modifyitems(config, items):
+  """Keeps the fast tier fast: a test that needs SmolLM2 or HF transformers through a fixture and is not marked
+  slow is a collection error, not a minute added to every `-m "not slow"` run."""
+  unmarked = [item.nodeid for item in items
+              if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) and item.get_closest_marker("slow") is None]
+  if unmarked:
+    raise pytest.UsageError("tests that use SmolLM2 or HF transformers fixtures must be marked slow: "
+                            + ", ".join(unmarked))
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -104,28 +125,56 @@ def tiny_config() -> ModelConfig:
   return TINY_CONFIG
 
 
+def tiny_model(config: ModelConfig = TINY_CONFIG, seed: int = 0, std: float = 0.3, name: str = "tiny") -> Model:
+  """Random weights for `config` (no tokenizer: prompts are token-id lists)."""
+  return Model(config=config, params=init_params(config, jax.random.PRNGKey(seed), std=std), tokenizer=None,
+               name=name)
+
+
 @pytest.fixture(scope="session")
-def tiny(tiny_config) -> Model:
-  """A tiny random specjax model (no tokenizer: prompts are token-id lists)."""
-  return Model(config=tiny_config, params=init_params(tiny_config, jax.random.PRNGKey(0), std=0.3), tokenizer=None,
-               name="tiny")
+def tiny() -> Model:
+  """The tiny random specjax model."""
+  return tiny_model()
+
+
+@pytest.fixture(scope="session")
+def random_target(tiny) -> Model:
+  """`tiny`, under the name the drafter tests give the target they draft for."""
+  return tiny
+
+
+def word_tokenizer(vocab_size: int = TINY_CONFIG.vocab_size) -> Tokenizer:
+  """A word-level tokenizer with `vocab_size` ids (words it does not know are `<unk>`), bos/eos specials and a chat
+  template."""
+  from tokenizers import Tokenizer as Backend, models, pre_tokenizers
+  words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(vocab_size - 3)]
+  backend = Backend(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+  backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  backend.add_special_tokens(["<s>", "</s>"])
+  return Tokenizer(backend, {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"},
+                   chat_template="{% for m in messages %}{{ m.role }} {{ m.content }} </s> {% endfor %}")
+
+
+@pytest.fixture(scope="session")
+def tiny_chat(tiny) -> Model:
+  """`tiny` with a word-level tokenizer of its ids, for what needs text: Spec-Bench prompts, chat templates."""
+  return Model(config=tiny.config, params=tiny.params, tokenizer=word_tokenizer(), name="tiny-chat")
+
+
+@pytest.fixture(scope="session")
+def tiny_draft() -> Model:
+  """An independent draft model for `tiny`: other weights, half its layers (cheap enough to pay as a draft)."""
+  return tiny_model(TINY_CONFIG.replace(num_layers=2), seed=1, name="tiny-draft")
 
 
 @pytest.fixture(scope="session")
 def task_target() -> Model:
   """A tiny target trained on a predictable task (tests/task_drafters.py), for drafter training tests."""
   from tests import task_drafters
-  return task_drafters.train_task_target()
+  return task_drafters.train_task_target(TASK_CONFIG)
 
 
 @pytest.fixture(scope="session")
 def task_caches(task_target, tmp_path_factory) -> dict:
   from tests import task_drafters
   return task_drafters.task_feature_caches(task_target, tmp_path_factory.mktemp("task_features"))
-
-
-@pytest.fixture(scope="session")
-def random_target() -> Model:
-  """A tiny random target (4 layers, untied head) for drafters' greedy and error tests."""
-  from tests import task_drafters
-  return task_drafters.random_target()

@@ -1,5 +1,5 @@
-"""Test doubles for trained drafters: a tiny target that learned a predictable task, its feature caches, a tiny
-random target, and random drafter parameters. The fixtures built from them live in conftest.py."""
+"""Test doubles for trained drafters: a tiny target that learned a predictable task, its feature caches, and random
+drafter parameters. The fixtures built from them live in conftest.py."""
 
 from __future__ import annotations
 
@@ -15,10 +15,7 @@ from specjax.features import build_feature_cache
 from specjax.loading import Model
 from specjax.model import init_params
 
-VOCAB = 32
-# Hidden size twice the vocabulary: a one-block head can then map any token's direction to another's.
-TASK_CONFIG = ModelConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
-                          num_kv_heads=2, head_dim=16, max_position_embeddings=256, tie_embeddings=True)
+VOCAB = 32  # the vocabulary of conftest's TINY_CONFIG: progressions run over all of it
 
 
 def progression(start: int, stride: int, length: int) -> list[int]:
@@ -30,16 +27,18 @@ def task_sequences(n: int, length: int, seed: int) -> list[list[int]]:
   return [progression(rng.randint(VOCAB), rng.choice([1, 2]), length) for _ in range(n)]
 
 
-def train_task_target() -> Model:
+def train_task_target(config: ModelConfig) -> Model:
   """A tiny target trained to continue arithmetic progressions mod VOCAB (stride 1 or 2)."""
-  params = init_params(TASK_CONFIG, jax.random.PRNGKey(0), std=0.1)
+  if config.vocab_size != VOCAB:
+    raise ValueError(f"the task runs over {VOCAB} tokens, the config has {config.vocab_size}")
+  params = init_params(config, jax.random.PRNGKey(0), std=0.1)
   data = np.asarray(task_sequences(512, 32, seed=0), np.int32)
   optimizer = train.make_optimizer(1e-2, 20, 300)
   state = train.init_train_state(params, optimizer)
-  step = train.make_train_step(train.lm_loss(TASK_CONFIG), optimizer)
+  step = train.make_train_step(train.lm_loss(config), optimizer)
   for i in range(300):
     state, _ = step(state, None, {"tokens": data[(i * 32) % 512:(i * 32) % 512 + 32]})
-  return Model(TASK_CONFIG, state.params, None, "task")
+  return Model(config, state.params, None, "task")
 
 
 def task_feature_caches(target: Model, root) -> dict:
@@ -52,9 +51,10 @@ def task_feature_caches(target: Model, root) -> dict:
   return caches
 
 
-def random_target() -> Model:
-  config = TASK_CONFIG.replace(tie_embeddings=False, num_layers=4)
-  return Model(config, init_params(config, jax.random.PRNGKey(0), std=0.3), None, "tiny-random")
+def fewer_layers(model: Model, num_layers: int) -> Model:
+  """`model` cut to its first `num_layers` layers: another target, which a drafter checkpoint of `model` misfits."""
+  params = {**model.params, "layers": model.params["layers"][:num_layers]}
+  return Model(model.config.replace(num_layers=num_layers), params, None, f"{model.name}-{num_layers}")
 
 
 def perturbed(drafter, seed=1, scale=0.3):
@@ -67,6 +67,7 @@ def perturbed(drafter, seed=1, scale=0.3):
 
 
 def ragged_prompts(batch, seed=0):
+  """Up to 4 prompts of different lengths, each a random motif twice (something for prompt lookup to find)."""
   rng = np.random.RandomState(seed)
   return [list(rng.randint(0, VOCAB, size=n)) * 2 for n in [7, 12, 3, 9][:batch]]
 

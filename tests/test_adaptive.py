@@ -1,5 +1,5 @@
-"""Verification that reuses a layer-skip draft's layers, and adaptive drafting: the draft-length rule and
-verification of rows that drafted fewer tokens."""
+"""Verification that reuses a layer-skip draft's layers, and the drafting policies: the draft-length rule, the
+confidence bars, the running estimates, and verification of rows that drafted fewer tokens."""
 
 from __future__ import annotations
 
@@ -12,18 +12,22 @@ import pytest
 
 import specjax
 from specjax import speculative, verify
-from specjax.adaptive import (Acceptance, AdaptiveDrafting, Plan, confidence_bars, draft_length, expected_rounds,
-                              make_plan, verify_widths)
+from specjax.adaptive import (Acceptance, AdaptiveDrafting, FixedGamma, Outcome, RoundCosts, confidence_bars,
+                              draft_length, expected_rounds, verify_widths)
 from specjax.decoding import prefill
-from specjax.drafters import DraftInputs, Followed, PromptInfo, RoundResult, draft_probabilities
-from specjax.loading import Model
-from specjax.model import forward, init_cache, init_params
+from specjax.drafters import DraftCost, DraftInputs, PromptInfo
+from specjax.model import init_cache
 from specjax.sampling import SamplingParams
 from tests.task_drafters import perturbed
 
-# Free drafts and free verification widths: every round drafts gamma, and rows stop early where the draft is
-# unsure (so rounds verify fewer than gamma + 1 tokens); drafters that reuse layers plan the same rounds.
-EAGER = AdaptiveDrafting(draft_cost=0.0, min_confidence=0.15, prior_alpha=0.7, forward_costs=((1, 1.0), (64, 1.0)))
+# Free verification widths (and free drafts: `free`): every round drafts gamma, and rows stop early where the draft
+# is unsure (so rounds verify fewer than gamma + 1 tokens); drafters that reuse layers plan the same rounds.
+EAGER = AdaptiveDrafting(min_confidence=0.15, prior_alpha=0.7, forward_costs=((1, 1.0), (64, 1.0)))
+
+
+def free(drafter):
+  """The drafter with draft steps that cost nothing."""
+  return dataclasses.replace(drafter, cost=dataclasses.replace(drafter.cost, step=0.0))
 
 
 def ragged_prompts(vocab, batch=4, seed=0):
@@ -54,7 +58,7 @@ def drafting_start(target, drafter):
   return drafter.init(target.params, drafter.params, drafter.options, prompt), sequence, lengths, out.cache
 
 
-@pytest.mark.parametrize("budget", [3, 2, 1])
+@pytest.mark.parametrize("budget", [3] + [pytest.param(b, marks=pytest.mark.slow) for b in (2, 1)])
 @pytest.mark.parametrize("name", ["exit", "adapter"])
 def test_verify_reusing_the_draft_layers_equals_the_plain_verify(name, budget, random_target):
   """Ragged rows, the draft run for `budget` of gamma=3 steps: equal logits at every slot verification reads
@@ -105,12 +109,13 @@ def test_verify_reusing_the_draft_layers_equals_the_plain_verify(name, budget, r
     assert_same_cache(narrow.cache, width)
 
 
-@pytest.mark.parametrize("adaptive", [False, EAGER], ids=["fixed_gamma", "adaptive"])
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("adaptive", [False, pytest.param(EAGER, marks=pytest.mark.slow)],
+                         ids=["fixed_gamma", "adaptive"])
+@pytest.mark.parametrize("temperature", [0.0, pytest.param(1.0, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", ["exit", "adapter"])
 def test_reusing_the_draft_layers_decodes_the_same_tokens(name, temperature, adaptive, random_target):
   target = random_target
-  drafter = early_exits(target)[name]
+  drafter = free(early_exits(target)[name])
   prompts = ragged_prompts(target.config.vocab_size)
   kwargs = dict(max_new_tokens=16, gamma=3, stop_ids=[], temperature=temperature, seed=2, adaptive=adaptive)
   reused = specjax.generate(target, prompts, drafter=drafter, **kwargs)
@@ -121,7 +126,8 @@ def test_reusing_the_draft_layers_decodes_the_same_tokens(name, temperature, ada
     assert reused.tokens == specjax.generate(target, prompts, max_new_tokens=16, stop_ids=[]).tokens
 
 
-@pytest.mark.parametrize("name", ["layer_skip", "mtp_parallel", "mtp_sequential"])
+@pytest.mark.parametrize("name", ["layer_skip", pytest.param("mtp_parallel", marks=pytest.mark.slow),
+                                  pytest.param("mtp_sequential", marks=pytest.mark.slow)])
 def test_rows_keep_draft_slots_while_their_joint_confidence_clears_the_bars(name, random_target):
   """Per-slot bars on the joint confidence (the product of the top draft probabilities so far) in each of the three
   drafting loops (the shared one, parallel heads, sequential modules): a row keeps slot i while its joint confidence
@@ -174,11 +180,11 @@ def test_only_early_exits_reuse_layers(random_target):
 # ------------------------------------------------------------------------------------- the draft-length rule
 
 
-def plan(draft_cost, verify_costs, rows=1, prior_alpha=0.5, memory=0.9, gamma=4, refill_cost=0.0,
-         optimism=0.0) -> Plan:
-  return Plan(min_confidence=None, draft_cost=draft_cost, plain_cost=1.0, widths=verify_widths(gamma),
-              verify_costs=tuple(verify_costs), refill_cost=refill_cost, rows=rows, prior_alpha=prior_alpha,
-              memory=memory, plain_memory=memory, catch_up=1, optimism=optimism, shadow=False)
+def policy(draft_cost, verify_costs, rows=1, prior_alpha=0.5, memory=0.9, gamma=4, refill_cost=0.0,
+           optimism=0.0) -> AdaptiveDrafting:
+  costs = RoundCosts(draft_cost=draft_cost, plain_cost=1.0, widths=verify_widths(gamma),
+                     verify_costs=tuple(verify_costs), refill_cost=refill_cost, rows=rows)
+  return AdaptiveDrafting(prior_alpha=prior_alpha, memory=memory, plain_memory=memory, optimism=optimism, costs=costs)
 
 
 def evidence(accepted, tested, drafted=None, stopped=0):
@@ -189,17 +195,22 @@ def evidence(accepted, tested, drafted=None, stopped=0):
 
 
 def test_draft_length_is_leviathans_optimum_and_falls_back_to_plain_steps():
-  cheap = plan(0.05, (1.0, 1.2, 1.2))
-  assert cheap.round_costs == pytest.approx((1.0, 1.25, 1.3, 1.35, 1.4))
+  cheap = policy(0.05, (1.0, 1.2, 1.2))
+  assert cheap.costs.round_costs == pytest.approx((1.0, 1.25, 1.3, 1.35, 1.4))
   assert int(draft_length(cheap, evidence(90, 100))) == 4  # alpha ~ 0.9, cheap drafts: the longest
   assert int(draft_length(cheap, evidence(1, 100))) == 0  # nothing gets accepted: plain steps
-  costly = plan(0.8, (1.0, 1.1, 1.1))
+  costly = policy(0.8, (1.0, 1.1, 1.1))
   assert int(draft_length(costly, evidence(60, 100))) == 0  # a draft step nearly as dear as a target step
   # In between, the argmax of E(alpha, g) / cost(g), with E = 1 + alpha + ... + alpha^g.
-  middle = plan(0.3, (1.0, 1.1, 1.1))
+  middle = policy(0.3, (1.0, 1.1, 1.1))
   alpha = (70 + 0.5) / (100 + 1)
-  expected = [sum(alpha ** i for i in range(g + 1)) / c for g, c in enumerate(middle.round_costs)]
+  expected = [sum(alpha ** i for i in range(g + 1)) / c for g, c in enumerate(middle.costs.round_costs)]
   assert int(draft_length(middle, evidence(70, 100))) == int(np.argmax(expected)) not in (0, 4)
+  # The policy's choice is that budget, with the bars of `confidence_bars`.
+  choice = middle.choose(evidence(70, 100))
+  assert int(choice.budget) == int(np.argmax(expected))
+  for bars, expected_bars in zip((choice.keep_bars, choice.go_bars), confidence_bars(middle, evidence(70, 100))):
+    np.testing.assert_allclose(bars, expected_bars)
 
 
 def test_optimism_drafts_where_an_acceptance_a_few_errors_up_would_pay_and_not_where_evidence_rules_it_out():
@@ -207,10 +218,10 @@ def test_optimism_drafts_where_an_acceptance_a_few_errors_up_would_pay_and_not_w
   acceptance of 0.14 from about ten drafts (standard error 0.11), z = 0.5 errors up pays: it drafts one token. The
   same 0.14 from 200 drafts (error 0.02), or 0.02 from ten, does not: plain steps, as without optimism."""
   for optimism in (0.0, 0.5):
-    p = plan(0.17, (1.0, 1.0, 1.12), optimism=optimism)
+    p = policy(0.17, (1.0, 1.0, 1.12), optimism=optimism)
     noisy = evidence(0.9, 9)  # alpha (0.9 + 0.5) / (9 + 1) = 0.14
-    assert float(noisy.alpha(p)) == pytest.approx(0.14)
-    assert float(noisy.alpha_error(p)) == pytest.approx(np.sqrt(0.14 * 0.86 / 10))
+    assert float(noisy.alpha(p.prior_alpha)) == pytest.approx(0.14)
+    assert float(noisy.alpha_error(p.prior_alpha)) == pytest.approx(np.sqrt(0.14 * 0.86 / 10))
     assert int(draft_length(p, noisy)) == (1 if optimism else 0)
     assert int(draft_length(p, evidence(27.64, 200))) == 0  # alpha 0.14 again, error 0.024
     assert int(draft_length(p, evidence(0, 24))) == 0  # alpha 0.02, error 0.028
@@ -223,11 +234,11 @@ def test_confidence_bars_charge_each_slot_its_widening_and_the_next_its_draft_st
   """At the round's best expected tokens per unit of cost: slot i is kept for the widening of the verification it
   needs (widths 1, 2, 5 for gamma 4: slot 1 widens 1 -> 2, slot 2 2 -> 5, slots 3 and 4 fit in 5), and slot i + 1
   is drafted when joint_i x alpha pays for a draft step and slot i + 1's widening."""
-  p = plan(0.05, (1.0, 1.02, 1.2))
-  assert p.widening_costs == pytest.approx((0.02, 0.18, 0.0, 0.0))
+  p = policy(0.05, (1.0, 1.02, 1.2))
+  assert p.costs.widening_costs == pytest.approx((0.02, 0.18, 0.0, 0.0))
   seen = evidence(60, 100)
   alpha = (60 + 0.5) / (100 + 1)
-  tokens, cost = expected_rounds(p, alpha, seen.continues())
+  tokens, cost = expected_rounds(p.costs, alpha, seen.continues())
   rate = float(np.max(np.asarray(tokens) / np.asarray(cost)))
   assert rate > 1.0  # drafting pays at alpha 0.6
   keep, go = confidence_bars(p, seen)
@@ -236,7 +247,7 @@ def test_confidence_bars_charge_each_slot_its_widening_and_the_next_its_draft_st
   # A first draft is kept from a low confidence where a 2-token forward is nearly free ...
   assert float(keep[0]) < 0.05
   # ... and needs a confident draft where the wider forward is dear (here 1.37 plain steps for 2 tokens).
-  assert float(confidence_bars(plan(0.05, (1.0, 1.37, 2.7), rows=8), seen)[0][0]) > 0.3
+  assert float(confidence_bars(policy(0.05, (1.0, 1.37, 2.7), rows=8), seen)[0][0]) > 0.3
   # Both bars x at every slot when `min_confidence` = x.
   for bar in confidence_bars(dataclasses.replace(p, min_confidence=0.3), seen):
     np.testing.assert_allclose(bar, [0.3] * 4, rtol=1e-6)
@@ -250,7 +261,7 @@ def test_expected_rounds_match_a_simulation_of_early_stopping_rows():
   rng = np.random.default_rng(0)
   alpha, continues, n = 0.7, 0.6, 200_000
   for rows in (1, 4):
-    p = plan(0.1, (0.8, 1.1, 1.8), rows=rows, refill_cost=0.2)
+    p = policy(0.1, (0.8, 1.1, 1.8), rows=rows, refill_cost=0.2).costs
     tokens, cost = (np.asarray(x) for x in expected_rounds(p, alpha, continues))
     for g in range(1, p.gamma + 1):
       drafted = np.minimum(rng.geometric(1 - continues, size=(n, rows)) - 1, g)  # slots each row drafts
@@ -270,63 +281,75 @@ def test_rows_that_stop_drafting_early_make_wide_verification_pay_less():
   wide forward runs anyway and the few accepted drafts do not pay for it, so the rounds are plain steps."""
   costs = {1: (1.0, 1.07, 1.43), 4: (1.0, 1.34, 2.5)}
   for rows, verify_costs in costs.items():
-    p = plan(0.06, verify_costs, rows=rows)
+    p = policy(0.06, verify_costs, rows=rows)
     assert int(draft_length(p, evidence(80, 100))) > 0  # no early stops: every round pays at alpha 0.8
   stops = dict(drafted=100, stopped=300)  # a row drafts the next slot a quarter of the time
-  assert int(draft_length(plan(0.06, costs[1], rows=1), evidence(80, 100, **stops))) > 0
-  assert int(draft_length(plan(0.06, costs[4], rows=4), evidence(80, 100, **stops))) == 0
+  assert int(draft_length(policy(0.06, costs[1], rows=1), evidence(80, 100, **stops))) > 0
+  assert int(draft_length(policy(0.06, costs[4], rows=4), evidence(80, 100, **stops))) == 0
 
 
-def test_acceptance_estimate_decays_back_to_the_prior():
-  p = dataclasses.replace(plan(1.0, (1.0, 2.0, 2.0), prior_alpha=0.6, memory=0.5), plain_memory=0.9)
-  # Two rows: one drafted 1 slot and had it rejected, one stopped before drafting anything.
-  first = Acceptance.zero().update(p, jnp.array([0, 0]), jnp.array([True, False]), jnp.array([1, 0]),
-                                   jnp.array([True, True]))
-  assert float(first.alpha(p)) == pytest.approx(0.6 / 2)
+def outcome(budget, drafted=(0, 0), accepted=(0, 0), rejected=(False, False)):
+  drafted = jnp.array(drafted)
+  return Outcome(budget=budget, drafted=drafted, accepted=jnp.array(accepted), rejected=jnp.array(rejected),
+                 stopped=drafted < budget)
+
+
+def test_observing_rounds_moves_the_estimates_and_plain_steps_let_them_decay_back_to_the_prior():
+  p = dataclasses.replace(policy(1.0, (1.0, 2.0, 2.0), prior_alpha=0.6, memory=0.5), plain_memory=0.9)
+  # Two rows with a budget of 2: one drafted a slot, had it rejected and stopped; one stopped before drafting.
+  first = p.observe(p.init(), outcome(2, drafted=(1, 0), rejected=(True, False)))
+  assert float(first.alpha(p.prior_alpha)) == pytest.approx(0.6 / 2)
   assert float(first.continues()) == pytest.approx(2 / 4)
-  nothing = (jnp.array([0, 0]), jnp.array([False, False]), jnp.array([0, 0]), jnp.array([False, False]))
   # A drafting round in which no row drafted ages the counts by `memory`, a plain step by `plain_memory`.
-  assert float(first.update(p, *nothing).tested) == pytest.approx(0.5)
-  assert float(first.update(p, *nothing, plain=True).tested) == pytest.approx(0.9)
+  assert float(p.observe(first, outcome(1)).tested) == pytest.approx(0.5)
+  assert float(p.observe(first, outcome(0)).tested) == pytest.approx(0.9)
   a = first
   for _ in range(10):  # plain steps: the evidence ages slowly
-    a = a.update(p, *nothing, plain=True)
-  assert float(a.tested) == pytest.approx(0.9 ** 10) and float(a.alpha(p)) < 0.5
+    a = p.observe(a, outcome(0))
+  assert float(a.tested) == pytest.approx(0.9 ** 10) and float(a.alpha(p.prior_alpha)) < 0.5
   for _ in range(200):
-    a = a.update(p, *nothing, plain=True)
-  assert float(a.alpha(p)) == pytest.approx(0.6, abs=1e-6)
+    a = p.observe(a, outcome(0))
+  assert float(a.alpha(p.prior_alpha)) == pytest.approx(0.6, abs=1e-6)
   assert float(a.continues()) == pytest.approx(1.0, abs=1e-6)
 
 
 def test_plain_steps_age_the_evidence_slower_so_a_drafter_that_rarely_pays_is_tried_rarely():
   """The row is unsure at its first slot whenever the drafter tries (c = 0.15, 3 of 4 drafts accepted before):
-  with the default ages it tries in 24 of 200 rounds; aged by `memory` in plain steps too, in 59."""
-  def tries(options, rounds=200):
-    p = make_plan_from(options)
-    a, count = Acceptance.zero().update(p, jnp.array([3]), jnp.array([True]), jnp.array([4]), jnp.array([False])), 0
+  with the default ages it tries in a few of 200 rounds; aged by `memory` in plain steps too, in more than twice
+  as many."""
+  def tries(defaults, rounds=200):
+    p = dataclasses.replace(policy(0.15, (1.0, 1.0, 1.12)), memory=defaults.memory,
+                            plain_memory=defaults.plain_memory)
+    a, count = p.observe(p.init(), Outcome(budget=4, drafted=jnp.array([4]), accepted=jnp.array([3]),
+                                           rejected=jnp.array([True]), stopped=jnp.array([False]))), 0
     for _ in range(rounds):
-      if int(draft_length(p, a)) > 0:  # a try: the row stops before drafting anything
-        count += 1
-        a = a.update(p, jnp.array([0]), jnp.array([False]), jnp.array([0]), jnp.array([True]))
-      else:
-        a = a.update(p, jnp.array([0]), jnp.array([False]), jnp.array([0]), jnp.array([False]), plain=True)
+      budget = int(p.choose(a).budget)
+      count += budget > 0
+      a = p.observe(a, outcome(budget, drafted=(0,), accepted=(0,), rejected=(False,)))  # a try: the row stops
     return count
-
-  def make_plan_from(options):
-    return dataclasses.replace(plan(0.15, (1.0, 1.0, 1.12)), memory=options.memory,
-                               plain_memory=options.plain_memory)
 
   default = tries(AdaptiveDrafting())
   same = tries(AdaptiveDrafting(plain_memory=AdaptiveDrafting().memory))
   assert same > 50 and default < same / 2, (default, same)
 
 
+def test_fixed_gamma_drafts_gamma_in_every_row_every_round():
+  p = FixedGamma().plan(DraftCost(step=0.9), gamma=3, rows=8)
+  assert p == FixedGamma(3) and hash(p) == hash(FixedGamma(3)) and p.widths == (4,)
+  state = p.init()
+  for _ in range(3):
+    choice = p.choose(state)
+    assert (choice.budget, choice.keep_bars, choice.go_bars) == (3, 0.0, 0.0)
+    state = p.observe(state, outcome(3, drafted=(1, 3), accepted=(0, 3), rejected=(True, False)))
+  with pytest.raises(ValueError, match="gamma"):
+    FixedGamma(2).plan(DraftCost(), gamma=3, rows=1)
+
+
 def test_round_costs_follow_the_forward_costs_of_the_rows_verified(random_target):
   exit_drafter = specjax.make_drafter("layer_skip", random_target, exit_layer=2)
-  no_reuse = dataclasses.replace(exit_drafter, reuse_layers=0)
-  options = AdaptiveDrafting(draft_cost=0.3, forward_costs=((1, 1.0), (5, 1.4), (10, 2.4)))
-  with_reuse, without = (make_plan(options, d, random_target.params, random_target.config, 4)
-                         for d in (exit_drafter, no_reuse))
+  reused = exit_drafter.cost.reused
+  points = ((1, 1.0), (5, 1.4), (10, 2.4))
+  with_reuse, without = (RoundCosts.of(DraftCost(step=0.3, reused=s), points, 4, 1) for s in (reused, 0.0))
   # g c + f(w): gamma drafted tokens are verified in the narrowest compiled width w >= gamma + 1 (2 or 5).
   assert verify_widths(4) == (1, 2, 5) and verify_widths(1) == (1, 2)
   assert without.round_costs == pytest.approx((1.0, 0.3 + 1.1, 0.6 + 1.4, 0.9 + 1.4, 1.2 + 1.4))
@@ -340,39 +363,35 @@ def test_round_costs_follow_the_forward_costs_of_the_rows_verified(random_target
                                                           zip(range(1, 5), (1.1, 1.4, 1.4, 1.4))])
   assert with_reuse.verify_costs[0] == pytest.approx(1 - s)
   # At batch 2 the forward covers 2 w rows, over a plain step's f(2) = 1.1; f(20) extrapolates.
-  at_2 = make_plan(options, no_reuse, random_target.params, random_target.config, 4, batch=2)
+  at_2 = RoundCosts.of(DraftCost(step=0.3), points, 4, 2)
   assert at_2.round_costs == pytest.approx((1.0, 0.3 + 1.3 / 1.1, 0.6 + 2.4 / 1.1, 0.9 + 2.4 / 1.1, 1.2 + 2.4 / 1.1))
-  at_4 = make_plan(options, no_reuse, random_target.params, random_target.config, 4, batch=4)
-  assert at_4.round_costs[4] == pytest.approx(1.2 + 4.4 / 1.3)
+  assert RoundCosts.of(DraftCost(step=0.3), points, 4, 4).round_costs[4] == pytest.approx(1.2 + 4.4 / 1.3)
 
 
-
-def test_a_plain_step_pays_its_share_of_the_drafters_catch_up(random_target):
-  """A draft model as large as the target follows plain steps with its layers over W tokens at once, and scores them
-  with its output head (`shadow`): a plain step costs 1 + (follow + score) f(B W) / f(B) / W."""
-  draft = specjax.make_drafter("draft_model", random_target, draft=random_target)
-  assert draft.draft_cost == pytest.approx(1.0, abs=0.02)
-  assert 0.3 < draft.plain_step_cost < draft.draft_cost  # the layers without the output head
-  assert draft.plain_step_cost + draft.score_cost == pytest.approx(draft.draft_cost, abs=0.02)  # and the head
-  points = ((1, 1.0), (4, 1.0), (8, 1.6))
-  for window, batch, expected in [(1, 1, 1.0), (4, 1, 1.0 / 4), (8, 1, 1.6 / 8), (4, 2, 1.6 / 4)]:
-    for shadow in (False, True):
-      options = AdaptiveDrafting(forward_costs=points, catch_up=window, shadow=shadow)
-      p = make_plan(options, draft, random_target.params, random_target.config, 4, batch=batch)
-      assert p.catch_up == window and p.shadow == shadow
-      follow = draft.plain_step_cost + (draft.score_cost if shadow else 0.0)
-      assert p.plain_cost == pytest.approx(1.0 + follow * expected)
-  lookup = specjax.make_drafter("prompt_lookup", random_target)  # nothing to follow, nothing to score
-  lookup_plan = make_plan(AdaptiveDrafting(), lookup, random_target.params, random_target.config, 4)
-  assert lookup_plan.plain_cost == 1.0 and not lookup_plan.shadow
+def test_drafters_describe_their_costs(random_target):
+  """A draft step reads the weights it runs over the target's: a draft model as large as the target costs about a
+  target step, and follows a plain step with its layers alone; an early exit after k layers reuses them (no
+  following); prompt lookup costs nothing."""
+  draft = specjax.make_drafter("draft_model", random_target, draft=random_target).cost
+  assert draft.step == pytest.approx(1.0, abs=0.02) and 0.3 < draft.plain_step < draft.step and draft.reused == 0.0
+  early_exit = specjax.make_drafter("layer_skip", random_target, exit_layer=2).cost
+  assert 0.0 < early_exit.reused < early_exit.step < 1.0 and early_exit.plain_step == 0.0
+  assert specjax.make_drafter("layer_skip", random_target, skip_layers=[1]).cost.reused == 0.0
+  assert specjax.make_drafter("prompt_lookup", random_target).cost == DraftCost()
+  # A plain step costs one target step plus the drafter following it, at any batch size.
+  for rows in (1, 2, 8):
+    assert RoundCosts.of(draft, ((1, 1.0), (4, 1.0), (8, 1.6)), 4, rows).plain_cost == pytest.approx(
+        1.0 + draft.plain_step)
+  for bad in (dict(step=-0.1), dict(plain_step=-1.0), dict(reused=1.0)):
+    with pytest.raises(ValueError, match="draft costs"):
+      DraftCost(**bad)
 
 
 def test_the_default_costs_draft_at_batch_1_and_not_at_batch_8(random_target):
   """On 2-core XLA:CPU a 2-token forward at batch 8 costs ~1.17 plain steps (a 5-token one ~2.3), so alpha 0.1
   does not pay there; at batch 1 a 2-token forward costs what a 1-token one does."""
   lookup = specjax.make_drafter("prompt_lookup", random_target)
-  plans = {b: make_plan(AdaptiveDrafting(), lookup, random_target.params, random_target.config, 4, batch=b)
-           for b in (1, 8)}
+  plans = {b: AdaptiveDrafting().plan(lookup.cost, 4, b) for b in (1, 8)}
   assert int(draft_length(plans[1], evidence(10, 100))) > 0
   assert int(draft_length(plans[8], evidence(10, 100))) == 0
   assert int(draft_length(plans[8], evidence(90, 100))) > 0  # high acceptance still pays
@@ -386,12 +405,10 @@ def test_bad_adaptive_options_are_rejected(random_target):
       AdaptiveDrafting(forward_costs=points)
   with pytest.raises(ValueError, match="plain_memory"):
     AdaptiveDrafting(plain_memory=1.0)
-  for window in (0, -1, 2.5, True):
-    with pytest.raises(ValueError, match="catch_up"):
-      AdaptiveDrafting(catch_up=window)
-  with pytest.raises(TypeError, match="adaptive must be"):
-    specjax.generate(random_target, [[1, 2, 3]], max_new_tokens=4, adaptive="yes",
-                     drafter=specjax.make_drafter("prompt_lookup", random_target))
+  for adaptive in ("yes", AdaptiveDrafting):
+    with pytest.raises(TypeError, match="adaptive must be"):
+      specjax.generate(random_target, [[1, 2, 3]], max_new_tokens=4, adaptive=adaptive,
+                       drafter=specjax.make_drafter("prompt_lookup", random_target))
 
 
 # ---------------------------------------------------------------------- verification of shorter drafts
@@ -414,100 +431,3 @@ def test_speculative_verify_draws_an_undrafted_slot_from_p():
   assert np.all(np.asarray(accepted) <= 1)
   observed = np.bincount(np.asarray(next_token)[np.asarray(accepted) == 1], minlength=vocab) / n
   np.testing.assert_allclose(observed, [0.4, 0.3, 0.2, 0.1, 0.0], atol=0.01)
-
-
-# ------------------------------------------------------------------------------- evidence from plain steps
-
-
-def followers(target):
-  """Drafters that score the plain steps they follow, fresh and perturbed (drafts wrong in varied ways); the
-  trained kinds over a truncated draft vocabulary."""
-  token_map = np.arange(target.config.vocab_size)[::-1][:20]
-  draft = Model(target.config.replace(num_layers=2), init_params(target.config.replace(num_layers=2),
-                                                                 jax.random.PRNGKey(5), std=0.3), None, "tiny-draft")
-  return {
-      "draft_model": specjax.make_drafter("draft_model", target, draft=draft),
-      "distilled_draft": perturbed(specjax.make_drafter("draft_model", target, draft="fresh", num_layers=2,
-                                                        token_map=token_map), seed=2, scale=0.1),
-      "exit_adapter": perturbed(specjax.make_drafter("layer_skip", target, adapter="fresh", exit_layer=2,
-                                                     token_map=token_map), seed=3, scale=0.1),
-      "mtp_parallel": perturbed(specjax.make_drafter("mtp_parallel", target, path=None, num_heads=2,
-                                                     token_map=token_map), seed=4, scale=0.1),
-      "mtp_sequential": perturbed(specjax.make_drafter("mtp_sequential", target, path=None, depth=2,
-                                                       token_map=token_map), seed=6, scale=0.1),
-  }
-
-
-@pytest.mark.parametrize("name", ["draft_model", "distilled_draft", "exit_adapter", "mtp_parallel", "mtp_sequential"])
-def test_following_plain_steps_scores_each_with_the_draft_made_there(name, random_target):
-  """`follow` over w = 4 plain steps from pending positions L (ragged rows) gives, at step i, the draft
-  distribution a one-token proposal at position L + i gives (the drafter started there from a prompt of L + i
-  tokens)."""
-  target, steps = random_target, 4
-  drafter = followers(target)[name]
-  assert drafter.follow is not None and 0.0 < drafter.score_cost < 0.5
-  lengths = jnp.asarray([5, 9], jnp.int32)
-  rows = jnp.arange(2)
-  tokens = jnp.asarray(np.random.RandomState(0).randint(0, target.config.vocab_size, (2, 9 + steps + 1)), jnp.int32)
-  out = forward(target.params, tokens, init_cache(target.config, 2, 64), jnp.zeros_like(lengths), target.config,
-                compute_logits=False, return_layer_hidden=True)
-  features = (jnp.stack([out.layer_hidden[i] for i in drafter.feature_layers], axis=2) if drafter.feature_layers
-              else None)
-  sequence = jnp.zeros((2, 64), jnp.int32).at[:, :tokens.shape[1]].set(tokens)
-  sampling = SamplingParams(temperature=1.0)
-
-  def start(n):
-    """The drafter's state, and the target's cache, after a prefill of the first L + n tokens."""
-    width = 9 + n
-    prompt = PromptInfo(tokens=tokens[:, :width], lengths=lengths + n, first_token=tokens[rows, lengths + n],
-                        last_hidden=out.hidden[rows, lengths + n - 1],
-                        features=None if features is None else features[:, :width], cache_len=64)
-    cache = forward(target.params, tokens[:, :width], init_cache(target.config, 2, 64), jnp.zeros_like(lengths),
-                    target.config, compute_logits=False).cache
-    return drafter.init(target.params, drafter.params, drafter.options, prompt), cache
-
-  at = lengths[:, None] + jnp.arange(steps)[None, :]
-  result = RoundResult(sequence=sequence, position=lengths + steps, accepted=jnp.full((2,), steps - 1),
-                       verify_hidden=out.hidden[rows[:, None], at],
-                       features=None if features is None else features[rows[:, None], at], verify_position=lengths,
-                       drafted=False)
-  followed = drafter.follow(target.params, drafter.params, drafter.options, start(0)[0], result)
-  assert followed.logits.shape[:2] == (2, steps)
-  scored = draft_probabilities(followed.logits, sampling, followed.token_map, target.config.vocab_size)
-  for i in range(steps):
-    state, cache = start(i)
-    inputs = DraftInputs(sequence=sequence, position=lengths + i, target_cache=cache, key=jax.random.PRNGKey(i),
-                         budget=jnp.asarray(1, jnp.int32))
-    proposal = drafter.propose(target.params, drafter.params, drafter.options, state, inputs, 1, sampling)
-    np.testing.assert_allclose(scored[:, i], proposal.probs[:, 0], atol=1e-5, err_msg=f"step {i}")
-  # What `update` leaves is the state `follow` returns (the drafter proposes from it after catching up).
-  updated = drafter.update(target.params, drafter.params, drafter.options, start(0)[0], result)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), updated, followed.state)
-
-
-def test_scored_plain_steps_count_as_one_token_rounds():
-  """Three plain steps from position 1 drew tokens 2, 3, 0; the draft there is sure of 2, sure of 1, unsure. With a
-  bar of 0.5 the unsure step counts as a row that stopped; the two kept drafts as tested, one accepted (greedy) or
-  accepted with probability min(1, q(x) / p(x)) (sampling). Steps a row did not take count for nothing."""
-  p = dataclasses.replace(plan(0.1, (1.0, 1.0, 1.0)), min_confidence=0.5)
-  sure = lambda token: jnp.zeros(4).at[token].set(5.0)  # noqa: E731 (softmax ~0.98 on the token)
-  followed = Followed(state=(), logits=jnp.stack([sure(2), sure(1), jnp.zeros(4)])[None], token_map=None)
-  sequence = jnp.asarray([[1, 1, 2, 3, 0, 0]], jnp.int32)
-  counts = speculative.Counts.zero(1, 4)
-
-  def score(committed, sampling=SamplingParams(), token_prob=None):
-    return speculative.shadow_evidence(p, Acceptance.zero(), counts, followed, sequence, jnp.asarray([1]),
-                                       jnp.asarray([committed]), token_prob, sampling, 4)
-
-  acceptance, c = score(3)
-  assert [float(x) for x in (acceptance.accepted, acceptance.tested, acceptance.drafted, acceptance.stopped)] == \
-      [1.0, 2.0, 2.0, 1.0]
-  assert int(c.shadow_tested) == 2 and float(c.shadow_accepted) == 1.0
-  acceptance, c = score(2)  # the row finished after two steps
-  assert float(acceptance.stopped) == 0.0 and float(acceptance.tested) == 2.0
-  q = jax.nn.softmax(followed.logits[0], axis=-1)
-  token_prob = jnp.asarray([[0.5, 0.01, 0.3]])  # p(x) of the drawn tokens 2, 3, 0
-  acceptance, c = score(3, SamplingParams(temperature=1.0), token_prob)
-  expected = min(1.0, float(q[0, 2]) / 0.5) + min(1.0, float(q[1, 3]) / 0.01)
-  assert float(acceptance.accepted) == pytest.approx(expected, rel=1e-5)
-  assert float(acceptance.tested) == 2.0 and float(c.shadow_accepted) == pytest.approx(expected, rel=1e-5)

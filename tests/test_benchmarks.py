@@ -21,6 +21,7 @@ def bench_costs():
   return module
 
 
+@pytest.mark.slow
 def test_random_weights_of_the_real_shape_take_the_shipped_drafters(bench_costs, smollm2, tmp_path):
   path = tmp_path / "shape.json"
   path.write_text(json.dumps(bench_costs.model_shape(smollm2)))

@@ -1,4 +1,5 @@
-"""The CPU kernels (specjax.cpu_kernels): build here, equal XLA, are used only where they should be."""
+"""The CPU kernels (specjax.backends.cpu), as specjax.ops calls them: build here, equal XLA, are used only where
+they should be."""
 
 import os
 import subprocess
@@ -9,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import cpu_kernels
+from specjax import ops
+from specjax.backends import cpu
 
 
 def _has_kernel(fn, *args) -> bool:
@@ -17,10 +19,16 @@ def _has_kernel(fn, *args) -> bool:
   return "specjax_packed_matmul" in jax.jit(lambda *a: fn(*a)).lower(*args).as_text()
 
 
+def _xla_attention(*args):
+  """`ops.attention` with the kernels off: XLA's computation, which the kernel must equal."""
+  with cpu.enabled(False):
+    return jax.jit(lambda *a: ops.attention(*a))(*args)
+
+
 def test_kernel_builds_on_this_machine():
-  assert cpu_kernels.available(), cpu_kernels.status()
-  assert os.path.exists(cpu_kernels.library_path())
-  assert cpu_kernels.status() == "in use"
+  assert cpu.available(), cpu.status()
+  assert os.path.exists(cpu.library_path())
+  assert cpu.status() == "in use"
 
 
 @pytest.mark.parametrize("shape,k_dims", [((576, 1536), 1), ((64, 48), 1), ((64, 3, 16), 1), ((3, 16, 64), 2),
@@ -28,13 +36,13 @@ def test_kernel_builds_on_this_machine():
 def test_pack_unpack_round_trip(shape, k_dims):
   """Any column count: a last panel that is not full is padded with zeros and cut off again."""
   w = jnp.asarray(np.random.default_rng(0).standard_normal(shape, np.float32))
-  packed = cpu_kernels.pack(w, k_dims)
+  packed = cpu.pack(w, k_dims)
   k, n = packed.matrix_shape
   assert (k, n) == (int(np.prod(shape[:k_dims])), int(np.prod(shape[k_dims:])))
-  assert packed.data.shape == (-(-n // cpu_kernels.PANEL), k, cpu_kernels.PANEL)
+  assert packed.data.shape == (-(-n // cpu.PANEL), k, cpu.PANEL)
   np.testing.assert_array_equal(np.asarray(packed.unpack()), np.asarray(w))
-  np.testing.assert_array_equal(np.asarray(packed.data[0, :, :min(n, cpu_kernels.PANEL)]),
-                                np.asarray(w.reshape(k, n)[:, :cpu_kernels.PANEL]))
+  np.testing.assert_array_equal(np.asarray(packed.data[0, :, :min(n, cpu.PANEL)]),
+                                np.asarray(w.reshape(k, n)[:, :cpu.PANEL]))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16, 24, 67])
@@ -43,10 +51,10 @@ def test_dense_equals_xla(rows, k, n):
   rng = np.random.default_rng(rows * 7 + n)
   x = jnp.asarray(rng.standard_normal((rows, k), np.float32))
   w = jnp.asarray(rng.standard_normal((k, n), np.float32) / np.sqrt(k))
-  packed = cpu_kernels.pack(w)
-  assert _has_kernel(cpu_kernels.dense, x, packed)
-  assert not _has_kernel(cpu_kernels.dense, x, w)  # arrays as loaded: XLA's dot
-  got = jax.jit(cpu_kernels.dense)(x, packed)
+  packed = cpu.pack(w)
+  assert _has_kernel(ops.matmul, x, packed)
+  assert not _has_kernel(ops.matmul, x, w)  # arrays as loaded: XLA's dot
+  got = jax.jit(ops.matmul)(x, packed)
   assert got.shape == (rows, n)
   np.testing.assert_allclose(np.asarray(got), np.asarray(x @ w), rtol=1e-5, atol=1e-5)
 
@@ -58,14 +66,14 @@ def test_bfloat16_weights_accumulate_in_float32(rows):
   rng = np.random.default_rng(rows)
   x = jnp.asarray(rng.standard_normal((rows, 576), np.float32)).astype(jnp.bfloat16)
   w = jnp.asarray(rng.standard_normal((576, 192), np.float32) / 24).astype(jnp.bfloat16)
-  packed = cpu_kernels.pack(w)
+  packed = cpu.pack(w)
   assert packed.dtype == jnp.bfloat16
-  assert "specjax_packed_matmul_bf16" in jax.jit(lambda x, w: cpu_kernels.dense(x, w)).lower(x, packed).as_text()
-  got = jax.jit(lambda x, w: cpu_kernels.dense(x, w))(x, packed)
+  assert "specjax_packed_matmul_bf16" in jax.jit(lambda x, w: ops.matmul(x, w)).lower(x, packed).as_text()
+  got = jax.jit(lambda x, w: ops.matmul(x, w))(x, packed)
   assert got.dtype == jnp.bfloat16
   want = jnp.matmul(x, w, preferred_element_type=jnp.float32)
   np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=1e-2, atol=1e-2)
-  wide = jax.jit(lambda x, w: cpu_kernels.dense(x, w, preferred_element_type=jnp.float32))(x, packed)
+  wide = jax.jit(lambda x, w: ops.matmul(x, w, preferred_element_type=jnp.float32))(x, packed)
   assert wide.dtype == jnp.float32
   np.testing.assert_allclose(np.asarray(wide), np.asarray(want), rtol=1e-5, atol=1e-5)
 
@@ -76,36 +84,36 @@ def test_leading_dimensions_and_rows_are_independent(rows_per_call):
   exactly as decoding it alone does (more than 8 rows take two passes over each panel)."""
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.standard_normal((2, rows_per_call, 576), np.float32))
-  w = cpu_kernels.pack(jnp.asarray(rng.standard_normal((576, 1536), np.float32)))
-  full = np.asarray(jax.jit(cpu_kernels.dense)(x, w))
+  w = cpu.pack(jnp.asarray(rng.standard_normal((576, 1536), np.float32)))
+  full = np.asarray(jax.jit(ops.matmul)(x, w))
   assert full.shape == (2, rows_per_call, 1536)
   for b in range(2):
     for t in range(rows_per_call):
-      alone = np.asarray(jax.jit(cpu_kernels.dense)(x[b, t][None], w))[0]
+      alone = np.asarray(jax.jit(ops.matmul)(x[b, t][None], w))[0]
       np.testing.assert_array_equal(full[b, t], alone)
 
 
 def test_xla_where_the_kernel_does_not_apply():
   rng = np.random.default_rng(1)
   w = jnp.asarray(rng.standard_normal((64, 40), np.float32))
-  packed = cpu_kernels.pack(w)
+  packed = cpu.pack(w)
   few = jnp.asarray(rng.standard_normal((4, 64), np.float32))
-  half = cpu_kernels.pack(w.astype(jnp.float16))
-  assert not _has_kernel(cpu_kernels.dense, few.astype(jnp.float16), half)
-  with cpu_kernels.enabled(False):
-    assert not _has_kernel(cpu_kernels.dense, few, packed)
-    got = jax.jit(lambda x, w: cpu_kernels.dense(x, w))(few, packed)  # XLA's product over the panels
+  half = cpu.pack(w.astype(jnp.float16))
+  assert not _has_kernel(ops.matmul, few.astype(jnp.float16), half)
+  with cpu.enabled(False):
+    assert not _has_kernel(ops.matmul, few, packed)
+    got = jax.jit(lambda x, w: ops.matmul(x, w))(few, packed)  # XLA's product over the panels
   np.testing.assert_allclose(np.asarray(got), np.asarray(few @ w), rtol=1e-5, atol=1e-5)
-  assert _has_kernel(cpu_kernels.dense, few, packed)  # the previous setting is back
+  assert _has_kernel(ops.matmul, few, packed)  # the previous setting is back
 
 
 def test_gradients_go_through_plain_dots():
   rng = np.random.default_rng(2)
   x = jnp.asarray(rng.standard_normal((3, 64), np.float32))
   w = jnp.asarray(rng.standard_normal((64, 40), np.float32))
-  loss = lambda x, w: jnp.sum(jnp.tanh(cpu_kernels.dense(x, w)) ** 2)
+  loss = lambda x, w: jnp.sum(jnp.tanh(ops.matmul(x, w)) ** 2)
   reference = lambda x, w: jnp.sum(jnp.tanh(x @ w) ** 2)
-  got = jax.grad(loss, argnums=(0, 1))(x, cpu_kernels.pack(w))
+  got = jax.grad(loss, argnums=(0, 1))(x, cpu.pack(w))
   want = jax.grad(reference, argnums=(0, 1))(x, w)
   np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-4, atol=1e-5)
   np.testing.assert_allclose(np.asarray(got[1].unpack()), np.asarray(want[1]), rtol=1e-4, atol=1e-5)
@@ -114,14 +122,15 @@ def test_gradients_go_through_plain_dots():
 def test_packed_parameters_give_the_same_logits():
   """`pack_params`, as generate reads the weights: the forward's logits equal those of the weights as loaded,
   for a decode step, a verification and a prefill (XLA over the panels), tied and untied output heads."""
+  from specjax.backends.cpu import pack_params
   from specjax.config import ModelConfig
-  from specjax.model import forward, init_cache, init_params, pack_params
+  from specjax.model import forward, init_cache, init_params
   for tie in (True, False):
     config = ModelConfig(vocab_size=250, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
                          num_kv_heads=2, head_dim=16, tie_embeddings=tie)
     params = init_params(config, jax.random.PRNGKey(0), std=0.1)
     packed = pack_params(params, config)
-    assert isinstance(packed["layers"][0]["wo"], cpu_kernels.Packed) and "lm_head_packed" in packed
+    assert isinstance(packed["layers"][0]["wo"], cpu.Packed) and "lm_head_packed" in packed
     assert pack_params(packed, config) is packed
     step = jax.jit(lambda p, t: forward(p, t, init_cache(config, 2, 64), jnp.zeros(2, jnp.int32), config).logits)
     for width in (1, 5, 30):
@@ -135,8 +144,9 @@ def test_a_verification_gives_each_token_the_logits_a_decode_step_gives_it():
   steps, and a row's equal its logits alone whatever rows share the call: no summation order depends on the
   call's other tokens or rows. Greedy speculative decoding then picks autoregressive decoding's tokens even
   where two logits nearly tie."""
+  from specjax.backends.cpu import pack_params
   from specjax.config import ModelConfig
-  from specjax.model import forward, init_cache, init_params, pack_params
+  from specjax.model import forward, init_cache, init_params
   config = ModelConfig(vocab_size=250, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=6,
                        num_kv_heads=2, head_dim=16)
   params = pack_params(init_params(config, jax.random.PRNGKey(1), std=0.1), config)
@@ -157,14 +167,16 @@ def test_a_verification_gives_each_token_the_logits_a_decode_step_gives_it():
   np.testing.assert_array_equal(verified[1:2], np.asarray(alone))
 
 
+@pytest.mark.slow
 def test_a_fresh_build_compiles_into_the_cache(tmp_path):
   """What a new machine does on first use: compile the library into an empty cache and use it."""
   code = """
 import jax.numpy as jnp, numpy as np
-from specjax import cpu_kernels
-x, w = jnp.ones((2, 64)), cpu_kernels.pack(jnp.ones((64, 32)))
-assert np.allclose(np.asarray(cpu_kernels.dense(x, w)), 64.0)
-print(cpu_kernels.status(), cpu_kernels.library_path())
+from specjax import ops
+from specjax.backends import cpu
+x, w = jnp.ones((2, 64)), cpu.pack(jnp.ones((64, 32)))
+assert np.allclose(np.asarray(ops.matmul(x, w)), 64.0)
+print(cpu.status(), cpu.library_path())
 """
   env = dict(os.environ, SPECJAX_CACHE=str(tmp_path / "cache"))
   result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
@@ -173,18 +185,20 @@ print(cpu_kernels.status(), cpu_kernels.library_path())
   assert [p.name for p in (tmp_path / "cache").iterdir()] == [os.path.basename(result.stdout.split()[-1])]
 
 
+@pytest.mark.slow
 def test_a_failed_build_warns_and_falls_back(tmp_path):
   code = """
 import warnings
 import jax.numpy as jnp, numpy as np
-from specjax import cpu_kernels
+from specjax import ops
+from specjax.backends import cpu
 with warnings.catch_warnings(record=True) as caught:
   warnings.simplefilter("always")
-  x, w = jnp.ones((2, 64)), cpu_kernels.pack(jnp.ones((64, 32)))
-  out = cpu_kernels.dense(x, w)
+  x, w = jnp.ones((2, 64)), cpu.pack(jnp.ones((64, 32)))
+  out = ops.matmul(x, w)
 assert np.allclose(np.asarray(out), 64.0)
-assert not cpu_kernels.available()
-print(cpu_kernels.status())
+assert not cpu.available()
+print(cpu.status())
 print([str(w.message) for w in caught])
 """
   env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), SPECJAX_CACHE=str(tmp_path / "cache"))
@@ -194,8 +208,9 @@ print([str(w.message) for w in caught])
   assert not any((tmp_path / "cache").glob("*.so"))  # nothing half-written left behind
 
 
+@pytest.mark.slow
 def test_turned_off_by_environment(tmp_path):
-  code = "from specjax import cpu_kernels; print(cpu_kernels.available(), cpu_kernels.status())"
+  code = "from specjax.backends import cpu; print(cpu.available(), cpu.status())"
   env = dict(os.environ, SPECJAX_CPU_KERNELS="0")
   result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr
@@ -209,48 +224,48 @@ def test_attention_equals_xla(b, t, h, kv, s, d):
   """Positions anywhere in the cache, past its end too (such a query sees every slot), and rows of one call
   at different positions; with few (row, KV head) pairs a call's tokens are split over the threads; a task's
   queries fill one, several or part of a pass of 16; head_dim not a multiple of 64."""
-  from specjax.model import attend
   rng = np.random.default_rng(b * 100 + t)
   q = jnp.asarray(rng.standard_normal((b, t, h, d), np.float32))
   k = jnp.asarray(rng.standard_normal((b, s, kv, d), np.float32))
   v = jnp.asarray(rng.standard_normal((b, s, kv, d), np.float32))
   positions = jnp.asarray(rng.integers(0, s + 3, (b, t)), jnp.int32)
-  fn = lambda q, k, v, p: cpu_kernels.attention(q, k, v, p, attend)
+  fn = lambda q, k, v, p: ops.attention(q, k, v, p)
   assert "specjax_decode_attention" in jax.jit(fn).lower(q, k, v, positions).as_text()
   got = np.asarray(jax.jit(fn)(q, k, v, positions))
-  np.testing.assert_allclose(got, np.asarray(attend(q, k, v, positions)), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(got, np.asarray(_xla_attention(q, k, v, positions)), rtol=1e-5, atol=1e-5)
   # A query's output does not depend on the other queries of the call.
   alone = np.asarray(jax.jit(fn)(q[:1, :1], k[:1], v[:1], positions[:1, :1]))
   np.testing.assert_array_equal(got[:1, :1], alone)
 
 
 def test_attention_over_a_bfloat16_cache():
-  from specjax.model import attend
   rng = np.random.default_rng(4)
   q = jnp.asarray(rng.standard_normal((2, 5, 9, 64), np.float32)).astype(jnp.bfloat16)
   k = jnp.asarray(rng.standard_normal((2, 48, 3, 64), np.float32)).astype(jnp.bfloat16)
   v = jnp.asarray(rng.standard_normal((2, 48, 3, 64), np.float32)).astype(jnp.bfloat16)
   positions = jnp.asarray(rng.integers(0, 48, (2, 5)), jnp.int32)
-  fn = jax.jit(lambda q, k, v, p: cpu_kernels.attention(q, k, v, p, attend))
+  fn = jax.jit(lambda q, k, v, p: ops.attention(q, k, v, p))
   assert "specjax_decode_attention_bf16" in fn.lower(q, k, v, positions).as_text()
   got = fn(q, k, v, positions)
   assert got.dtype == jnp.bfloat16
-  want = attend(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), positions)
+  want = _xla_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), positions)
   np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=2e-2, atol=2e-2)
 
 
 def test_attention_falls_back_and_differentiates():
-  from specjax.model import attend
   rng = np.random.default_rng(3)
-  t = cpu_kernels.MAX_QUERY_TOKENS + 1
+  t = cpu.MAX_QUERY_TOKENS + 1
   q = jnp.asarray(rng.standard_normal((1, t, 4, 16), np.float32))
   k = jnp.asarray(rng.standard_normal((1, 32, 2, 16), np.float32))
   positions = jnp.arange(t, dtype=jnp.int32)[None]
-  fn = lambda q, k, v, p: cpu_kernels.attention(q, k, v, p, attend)
+  fn = lambda q, k, v, p: ops.attention(q, k, v, p)
   assert "specjax_decode_attention" not in jax.jit(fn).lower(q, k, k, positions).as_text()  # a prefill
   small = q[:, :4]
-  grad = jax.grad(lambda q: jnp.sum(fn(q, k, k, positions[:, :4]) ** 2))(small)
-  want = jax.grad(lambda q: jnp.sum(attend(q, k, k, positions[:, :4]) ** 2))(small)
+  loss = lambda q: jnp.sum(fn(q, k, k, positions[:, :4]) ** 2)
+  assert "specjax_decode_attention" in jax.jit(jax.grad(loss)).lower(small).as_text()
+  grad = jax.grad(loss)(small)
+  with cpu.enabled(False):
+    want = jax.grad(lambda q: jnp.sum(fn(q, k, k, positions[:, :4]) ** 2))(small)
   np.testing.assert_allclose(np.asarray(grad), np.asarray(want), rtol=1e-4, atol=1e-5)
 
 
@@ -265,7 +280,7 @@ def test_decode_params_are_packed_once_per_parameter_tree():
                        num_kv_heads=1, head_dim=16)
   model = Model(config, init_params(config, jax.random.PRNGKey(0)), None, "tiny")
   first = decode_params(model)
-  assert decode_params(model) is first and isinstance(first["layers"][1]["w_gate_up"], cpu_kernels.Packed)
+  assert decode_params(model) is first and isinstance(first["layers"][1]["w_gate_up"], cpu.Packed)
   model.params = init_params(config, jax.random.PRNGKey(1))
   second = decode_params(model)
   assert second is not first

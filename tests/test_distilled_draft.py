@@ -16,8 +16,8 @@ from specjax.drafters import DraftInputs, PromptInfo, draft_head, draft_model
 from specjax.loading import CheckpointError, Model
 from specjax.model import init_params
 from specjax.sampling import SamplingParams
-from specjax.tokenizer import Tokenizer
-from tests.task_drafters import TASK_CONFIG, VOCAB, assert_greedy_lossless, perturbed, ragged_prompts, train_on_task
+from tests.task_drafters import (VOCAB, assert_greedy_lossless, fewer_layers, perturbed, ragged_prompts,
+                                 train_on_task)
 
 # test id -> options of a fresh distilled draft (random_target has 4 layers)
 DRAFTS = {
@@ -27,8 +27,14 @@ DRAFTS = {
 }
 
 
-@pytest.mark.parametrize("gamma", [1, 3, 5])
-@pytest.mark.parametrize("name", sorted(DRAFTS))
+# The fast tier: one layer over a truncated vocabulary (a prompt window is
+# test_a_prompt_window_drafts_the_continuation_of_the_windows_tokens'); the rest of the product is slow.
+FAST = {("one_layer_truncated", 3)}
+
+
+@pytest.mark.parametrize("name, gamma", [(name, gamma) if (name, gamma) in FAST
+                                         else pytest.param(name, gamma, marks=pytest.mark.slow)
+                                         for name in sorted(DRAFTS) for gamma in (1, 3, 5)])
 def test_greedy_distilled_draft_speculative_equals_autoregressive(name, gamma, random_target):
   drafter = perturbed(specjax.make_drafter("draft_model", random_target, draft="fresh", **DRAFTS[name]), scale=0.1)
   assert_greedy_lossless(random_target, drafter, gamma)
@@ -85,7 +91,7 @@ def test_fresh_draft_copies_evenly_spaced_target_layers_and_shares_the_embedding
 
 
 def test_shipped_draft_names_the_model_it_was_made_for(random_target):
-  with pytest.raises(CheckpointError, match="trained for target 'smollm2-135m', not 'tiny-random'.*hidden_size 576 vs 64"):
+  with pytest.raises(CheckpointError, match="trained for target 'smollm2-135m', not 'tiny'.*hidden_size 576 vs 64"):
     specjax.make_drafter("draft_model", random_target, draft="smollm2-135m-draft")
   with pytest.raises(CheckpointError, match="no shipped draft model 'nosuchmodel-draft'.*configs/train_draft.py"):
     specjax.make_drafter("draft_model", random_target, draft="nosuchmodel-draft")
@@ -94,6 +100,7 @@ def test_shipped_draft_names_the_model_it_was_made_for(random_target):
 # --------------------------------------------------------------------------------------------- end to end
 
 
+@pytest.mark.slow  # training end to end: test_mtp.py's mtp_parallel in the fast tier
 def test_distilled_draft_learns_a_predictable_task_end_to_end(task_target, task_caches, tmp_path):
   """One layer (the target's first) starts from a random perturbation and learns the target's next tokens."""
   fresh = perturbed(specjax.make_drafter("draft_model", task_target, draft="fresh", num_layers=1), scale=0.5)
@@ -108,11 +115,11 @@ def test_distilled_draft_learns_a_predictable_task_end_to_end(task_target, task_
     assert again.tokens == out.tokens and again.stats["accepted_per_row"] == out.stats["accepted_per_row"]
 
 
-def test_distilled_checkpoint_misfits_are_clear_errors(random_target, task_target, tmp_path):
+def test_distilled_checkpoint_misfits_are_clear_errors(random_target, tmp_path):
   drafter = specjax.make_drafter("draft_model", random_target, draft="fresh", num_layers=2)
   path = draft_head.save(drafter, str(tmp_path / "draft.safetensors"), random_target)
   with pytest.raises(CheckpointError, match="num_layers 4 vs 3"):
-    specjax.make_drafter("draft_model", task_target, draft=path)
+    specjax.make_drafter("draft_model", fewer_layers(random_target, 3), draft=path)
   with pytest.raises(CheckpointError, match="holds a 'draft_model' drafter, not 'layer_skip'"):
     specjax.make_drafter("layer_skip", random_target, adapter=path)
   with pytest.raises(CheckpointError, match="does not exist"):
@@ -122,38 +129,39 @@ def test_distilled_checkpoint_misfits_are_clear_errors(random_target, task_targe
 # ------------------------------------------------------------------------------------------ HF export
 
 
-def word_tokenizer(vocab_size: int) -> Tokenizer:
-  """A word-level tokenizer with `vocab_size` ids, bos/eos specials and a chat template."""
-  from tokenizers import Tokenizer as Backend, models, pre_tokenizers
-  words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(vocab_size - 3)]
-  backend = Backend(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-  backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-  backend.add_special_tokens(["<s>", "</s>"])
-  return Tokenizer(backend, {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"},
-                   chat_template="{% for m in messages %}{{ m.role }} {{ m.content }} </s> {% endfor %}")
-
-
-@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-def test_exported_draft_loads_in_transformers_and_specjax_with_the_same_logits(tied, tmp_path):
-  import torch
-  from transformers import AutoTokenizer, LlamaForCausalLM
-  config = TASK_CONFIG.replace(tie_embeddings=tied, num_layers=3, rope_theta=500.0)
-  target = Model(config, init_params(config, jax.random.PRNGKey(2), std=0.3), word_tokenizer(VOCAB), "tiny-words")
+@pytest.fixture(params=[True, False], ids=["tied", "untied"])
+def exported(request, tiny_chat, tmp_path):
+  """A distilled draft of a 3-layer target with a word tokenizer, exported as an HF Llama directory:
+  (target, draft, path)."""
+  config = tiny_chat.config.replace(tie_embeddings=request.param, num_layers=3, rope_theta=500.0)
+  target = Model(config, init_params(config, jax.random.PRNGKey(2), std=0.3), tiny_chat.tokenizer, "tiny-words")
   drafter = perturbed(specjax.make_drafter("draft_model", target, draft="fresh", num_layers=2), scale=0.2)
   draft = draft_model.as_model(target, drafter)
-  path = export.save_hf(draft, str(tmp_path / "draft"))
+  return target, draft, export.save_hf(draft, str(tmp_path / "draft"))
+
+
+def test_exported_draft_loads_in_specjax_with_the_same_logits_and_tokenizer(exported):
+  target, draft, path = exported
   assert sorted(os.listdir(path)) == ["chat_template.jinja", "config.json", "model.safetensors", "tokenizer.json",
                                       "tokenizer_config.json"]
   ids = np.random.default_rng(0).integers(0, VOCAB, size=40)
-  ours = np.asarray(specjax.logits(draft, ids))
-  hf = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-  with torch.no_grad():
-    theirs = hf(torch.tensor([ids.tolist()])).logits[0].numpy()
-  np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
   loaded = specjax.load(path)
   assert loaded.config == draft.config
-  np.testing.assert_allclose(np.asarray(specjax.logits(loaded, ids)), ours, atol=1e-6, rtol=0)
+  np.testing.assert_allclose(np.asarray(specjax.logits(loaded, ids)), np.asarray(specjax.logits(draft, ids)),
+                             atol=1e-6, rtol=0)
   assert loaded.tokenizer.fingerprint() == target.tokenizer.fingerprint()
   messages = [{"role": "user", "content": "w1 w2"}]
   assert loaded.tokenizer.apply_chat_template(messages) == target.tokenizer.apply_chat_template(messages)
+
+
+@pytest.mark.slow
+def test_exported_draft_loads_in_transformers_with_the_same_logits(exported):
+  import torch
+  from transformers import AutoTokenizer, LlamaForCausalLM
+  target, draft, path = exported
+  ids = np.random.default_rng(0).integers(0, VOCAB, size=40)
+  hf = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+  with torch.no_grad():
+    theirs = hf(torch.tensor([ids.tolist()])).logits[0].numpy()
+  np.testing.assert_allclose(np.asarray(specjax.logits(draft, ids)), theirs, atol=1e-4, rtol=0)
   assert AutoTokenizer.from_pretrained(path).encode("w3 </s> w4") == target.tokenizer.encode("w3 </s> w4")

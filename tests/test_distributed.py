@@ -76,6 +76,7 @@ def two_processes(tmp_path_factory):
   return results, reference, seconds
 
 
+@pytest.mark.slow
 def test_two_processes_form_one_global_mesh(two_processes):
   results, _, _ = two_processes
   for i, result in enumerate(results):
@@ -87,6 +88,7 @@ def test_two_processes_form_one_global_mesh(two_processes):
   assert [r["rows"] for r in results] == [[0, 2], [2, 4]]
 
 
+@pytest.mark.slow
 def test_greedy_generate_across_processes_equals_single_device(two_processes):
   results, reference, _ = two_processes
   assert len(reference["tokens"]) == distributed_worker.GLOBAL_BATCH
@@ -95,6 +97,7 @@ def test_greedy_generate_across_processes_equals_single_device(two_processes):
     assert result["tokens"] == reference["tokens"]
 
 
+@pytest.mark.slow
 def test_greedy_speculative_layer_skip_across_processes_equals_single_device(two_processes):
   results, reference, _ = two_processes
   assert reference["speculative_tokens"] == reference["tokens"]  # greedy speculative decoding is lossless
@@ -102,6 +105,7 @@ def test_greedy_speculative_layer_skip_across_processes_equals_single_device(two
     assert result["speculative_tokens"] == reference["tokens"]
 
 
+@pytest.mark.slow
 def test_train_steps_across_processes_equal_single_device(two_processes):
   results, reference, _ = two_processes
   for result in results:
@@ -111,6 +115,7 @@ def test_train_steps_across_processes_equal_single_device(two_processes):
   assert not np.allclose(reference["wq_after"], 0)
 
 
+@pytest.mark.slow
 def test_two_process_run_is_quick(two_processes):
   _, _, seconds = two_processes
   assert seconds < 240, f"the 2-process run took {seconds:.0f} s"
@@ -175,6 +180,7 @@ def test_process_batch_slice_single_process():
 # ---------------------------------------------------------------------------------------- scripts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["local_multiprocess.sh", "slurm.sbatch", "tpu_vm.sh"])
 def test_launch_script_syntax(script):
   proc = subprocess.run(["bash", "-n", os.path.join(LAUNCH, script)], capture_output=True, text=True, timeout=30)
@@ -196,6 +202,7 @@ time.sleep(60)
 """
 
 
+@pytest.mark.slow
 def test_local_multiprocess_stops_the_others_when_one_fails(tmp_path):
   """The failing process's status comes back at once, and nothing the stopped processes printed is lost.
 
@@ -254,6 +261,7 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_slurm_script_joins_its_tasks_through_jax_slurm_detection(tmp_path):
   """slurm.sbatch under a stand-in srun: the tasks find each other from the SLURM_* variables alone."""
   bin_dir = tmp_path / "bin"
@@ -306,6 +314,7 @@ def run_tpu_script(tmp_path, fail_run: bool, args: tuple[str, ...] = ("--config.
   return proc, calls
 
 
+@pytest.mark.slow
 def test_tpu_vm_script_creates_installs_runs_copies_back_and_deletes(tmp_path):
   proc, calls = run_tpu_script(tmp_path, fail_run=False)
   assert proc.returncode == 0, proc.stdout
@@ -324,6 +333,7 @@ def test_tpu_vm_script_creates_installs_runs_copies_back_and_deletes(tmp_path):
   assert delete[4] == "specjax-test" and "--quiet" in delete
 
 
+@pytest.mark.slow
 def test_tpu_vm_script_deletes_the_slice_when_the_run_fails(tmp_path):
   proc, calls = run_tpu_script(tmp_path, fail_run=True, args=("--config.mesh_shape=(2,4)",))
   assert proc.returncode == 5

@@ -10,7 +10,8 @@ import specjax
 from specjax.drafters import draft_head
 from specjax.loading import CheckpointError
 from specjax.train_drafter import train_drafter
-from tests.task_drafters import VOCAB, assert_greedy_lossless, perturbed, progression, ragged_prompts, train_on_task
+from tests.task_drafters import (VOCAB, assert_greedy_lossless, fewer_layers, perturbed, progression, ragged_prompts,
+                                 train_on_task)
 
 # test id -> options of a fresh adapter
 ADAPTERS = {
@@ -24,8 +25,14 @@ def make(name, target, seed=1):
   return perturbed(specjax.make_drafter("layer_skip", target, adapter="fresh", **ADAPTERS[name]), seed)
 
 
-@pytest.mark.parametrize("gamma", [1, 3, 5])
-@pytest.mark.parametrize("name", sorted(ADAPTERS))
+# The fast tier: the adapter without an MLP (the block decodes in test_fresh_adapter_with_mlp_drafts_as_early_exit_...,
+# a truncated vocabulary in test_mtp.py); the rest of the product is slow.
+FAST = {("attention_only", 3)}
+
+
+@pytest.mark.parametrize("name, gamma", [(name, gamma) if (name, gamma) in FAST
+                                         else pytest.param(name, gamma, marks=pytest.mark.slow)
+                                         for name in sorted(ADAPTERS) for gamma in (1, 3, 5)])
 def test_greedy_exit_adapter_speculative_equals_autoregressive(name, gamma, random_target):
   assert_greedy_lossless(random_target, make(name, random_target), gamma)
 
@@ -58,6 +65,7 @@ def test_adapter_options_are_checked(random_target):
 # --------------------------------------------------------------------------------------------- end to end
 
 
+@pytest.mark.slow  # training end to end: test_mtp.py's mtp_parallel in the fast tier
 @pytest.mark.parametrize("mlp", [True, False], ids=["block", "attention_only"])
 def test_trained_exit_adapter_learns_a_predictable_task_end_to_end(mlp, task_target, task_caches, tmp_path):
   """Exit after the first of three layers. On this task early exit alone already drafts well, so the adapter
@@ -79,14 +87,14 @@ def test_trained_exit_adapter_learns_a_predictable_task_end_to_end(mlp, task_tar
 # -------------------------------------------------------------------------------------------- checkpoints
 
 
-def test_adapter_checkpoint_misfits_are_clear_errors(random_target, task_target, tmp_path):
+def test_adapter_checkpoint_misfits_are_clear_errors(random_target, tmp_path):
   drafter = specjax.make_drafter("layer_skip", random_target, adapter="fresh", exit_layer=2)
   path = draft_head.save(drafter, str(tmp_path / "adapter.safetensors"), random_target)
   assert specjax.make_drafter("layer_skip", random_target, adapter=path, exit_layer=2).options.exit_layer == 2
   with pytest.raises(CheckpointError, match=r"trained after layer 2 \(exit_layer=2\), not exit_layer=3"):
     specjax.make_drafter("layer_skip", random_target, adapter=path, exit_layer=3)
   with pytest.raises(CheckpointError, match="num_layers 4 vs 3"):
-    specjax.make_drafter("layer_skip", task_target, adapter=path)
+    specjax.make_drafter("layer_skip", fewer_layers(random_target, 3), adapter=path)
   with pytest.raises(CheckpointError, match="holds a 'layer_skip' drafter, not 'mtp_parallel'"):
     specjax.make_drafter("mtp_parallel", random_target, path=path)
   with pytest.raises(ValueError, match="a checkpoint brings its own"):
@@ -97,12 +105,12 @@ def test_adapter_checkpoint_misfits_are_clear_errors(random_target, task_target,
     specjax.make_drafter("layer_skip", random_target, adapter=other)
 
 
-def test_adapter_training_needs_its_exit_features_in_the_cache(task_target, task_caches, tmp_path):
+def test_adapter_training_needs_its_exit_features_in_the_cache(random_target, tmp_path):
   """Exit after k layers reads the output of layer k - 1: a cache without it is an error naming both sides."""
   from specjax.features import build_feature_cache
   seqs = [(np.asarray(progression(1, 1, 16), np.int32), np.ones(16, bool))] * 4
-  cache = build_feature_cache(task_target, seqs, str(tmp_path / "cache"), seq_len=16, feature_layers=(2,), top_k=4,
+  cache = build_feature_cache(random_target, seqs, str(tmp_path / "cache"), seq_len=16, feature_layers=(2,), top_k=4,
                               batch_size=4)
-  fresh = specjax.make_drafter("layer_skip", task_target, adapter="fresh", exit_layer=1)
+  fresh = specjax.make_drafter("layer_skip", random_target, adapter="fresh", exit_layer=1)
   with pytest.raises(ValueError, match=r"reads target layers \[0\].*holds \[2\]"):
-    train_drafter(task_target, fresh, cache, cache, workdir=str(tmp_path / "w"), steps=2, progress=False)
+    train_drafter(random_target, fresh, cache, cache, workdir=str(tmp_path / "w"), steps=2, progress=False)

@@ -1,4 +1,5 @@
-"""The experiment runner: Spec-Bench prompt selection, configs, method setup and a small end-to-end run."""
+"""The experiment runner: Spec-Bench prompt selection, configs, method setup and small end-to-end runs (on the tiny
+model with a word-level tokenizer; on SmolLM2, slow)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import subprocess
 import sys
 import time
 
-import jax
 import ml_collections
 import numpy as np
 import pytest
@@ -18,14 +18,11 @@ from absl import flags
 from ml_collections import config_flags
 
 import specjax
-from configs import (adaptive_by_category, adaptive_optimism, adaptive_shadow, adaptive_vs_fixed, batch_sweep,
+from configs import (adaptive_by_category, adaptive_optimism, adaptive_vs_fixed, batch_sweep,
                      bench_peers, compare_drafters, depth_sweep, gamma_sweep, quickstart,
                      spec_bench as spec_bench_config)
 from experiments import costs, report, run, spec_bench
 from specjax import leviathan
-from specjax.config import ModelConfig
-from specjax.loading import Model
-from specjax.model import init_params
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -64,6 +61,7 @@ def test_select_rejects_impossible_selections(kwargs, message):
     spec_bench.select(spec_bench.load_questions(), **kwargs)
 
 
+@pytest.mark.slow
 def test_prompt_ids_use_the_chat_template_on_the_first_turn_only(smollm2):
   question = spec_bench.select(spec_bench.load_questions(), question_ids=[81])[0]
   tokenizer = smollm2.tokenizer
@@ -73,7 +71,8 @@ def test_prompt_ids_use_the_chat_template_on_the_first_turn_only(smollm2):
   assert spec_bench.prompt_ids(question, tokenizer, chat=False) == tokenizer.encode(question.turns[0])
 
 
-@pytest.mark.parametrize("module, arg, prompts, max_new_tokens", [
+# Every config and variant: (module, argument, prompts it selects, max_new_tokens).
+CONFIGS = [
     (quickstart, None, 5, 64),
     (spec_bench_config, None, 65, 128),
     (spec_bench_config, "small", 13, 64),
@@ -91,15 +90,38 @@ def test_prompt_ids_use_the_chat_template_on_the_first_turn_only(smollm2):
     (adaptive_by_category, "full", 130, 64),
     (adaptive_optimism, None, 56, 64),
     (adaptive_optimism, "small", 14, 64),
-    (adaptive_shadow, None, 56, 64),
-    (adaptive_shadow, "small", 14, 64),
-])
-def test_configs_select_their_prompts(module, arg, prompts, max_new_tokens):
+    (bench_peers, None, 26, 128),
+    (bench_peers, "small", 13, 64),
+]
+
+
+@pytest.mark.parametrize("module, arg, prompts, max_new_tokens", CONFIGS,
+                         ids=[f"{m.__name__.split('.')[-1]}{':' + a if a else ''}" for m, a, *_ in CONFIGS])
+def test_config_builds_a_run_that_checks_out_without_running(module, arg, prompts, max_new_tokens):
+  """Its prompts, and its methods as far as they check without the model (run.check_methods): known keys, drafters
+  and peers, unique names, adaptive drafting options, the autoregressive baseline first."""
   config = module.get_config(arg)
   assert len(spec_bench.select(spec_bench.load_questions(), **config.prompts.to_dict())) == prompts
   assert config.max_new_tokens == max_new_tokens
   assert dict(config.methods[0]) == {"name": "autoregressive"}
-  assert all(set(m) <= run.METHOD_KEYS for m in config.methods)
+  assert [m["name"] for m in run.check_methods(config)] == [m["name"] for m in config.methods]
+
+
+@pytest.mark.parametrize("module, arg, message", [
+    (quickstart, "small", "takes no argument"),
+    (spec_bench_config, "huge", "'small'"),
+    (bench_peers, "huge", "'small'"),
+    (compare_drafters, "small,greedy", "comma-separated subset of small, sampling, both"),
+    (compare_drafters, "sampling,both", "exclude each other"),
+    (adaptive_by_category, "small,full", "exclude each other"),
+    (adaptive_by_category, "large", "comma-separated subset of small, full"),
+    (adaptive_by_category, "g2", "subset of small"),
+    (adaptive_vs_fixed, "tiny", "subset of g1, g2, g3, g4, small"),
+    (adaptive_vs_fixed, "small,g5", "subset of g1, g2, g3, g4, small"),
+])
+def test_config_rejects_an_argument_it_does_not_take(module, arg, message):
+  with pytest.raises(ValueError, match=message):
+    module.get_config(arg)
 
 
 def test_adaptive_optimism_runs_each_drafter_at_each_optimism():
@@ -111,20 +133,6 @@ def test_adaptive_optimism_runs_each_drafter_at_each_optimism():
     assert all(m["drafter"] == drafters[name]["drafter"] and m["options"] == drafters[name]["options"] for m in runs)
 
 
-def test_adaptive_shadow_runs_each_drafter_with_and_without_scored_plain_steps():
-  config = adaptive_shadow.get_config()
-  drafters = {m["name"]: m for m in bench_peers.drafter_methods()}
-  for name in adaptive_shadow.DRAFTERS:
-    runs = [m for m in config.methods if m["name"] in (name, f"{name}_no_shadow")]
-    assert [m["adaptive"] for m in runs] == [{"shadow": True}, {"shadow": False}]
-    assert all(m["drafter"] == drafters[name]["drafter"] and m["options"] == drafters[name]["options"] for m in runs)
-
-
-def test_adaptive_by_category_variants_exclude_each_other():
-  with pytest.raises(ValueError, match="exclude each other"):
-    adaptive_by_category.get_config("small,full")
-  with pytest.raises(ValueError, match="comma-separated subset of small, full"):
-    adaptive_by_category.get_config("large")
 
 
 def test_compare_drafters_variants():
@@ -132,10 +140,6 @@ def test_compare_drafters_variants():
   assert compare_drafters.get_config("small,sampling").top_p == 0.9
   assert tuple(compare_drafters.get_config("both").temperatures) == (0.0, 0.7)
   assert compare_drafters.get_config(None).temperature == 0.0
-  with pytest.raises(ValueError, match="comma-separated subset of small, sampling, both"):
-    compare_drafters.get_config("small,greedy")
-  with pytest.raises(ValueError, match="exclude each other"):
-    compare_drafters.get_config("sampling,both")
   names = [m["name"] for m in compare_drafters.get_config("small").methods]
   assert names == ["autoregressive", "prompt_lookup", "layer_skip_exit24", "layer_skip_best_set",
                    "layer_skip_deep_set", "layer_skip_trained_exit", "draft_model", "mtp_parallel", "mtp_sequential"]
@@ -143,6 +147,7 @@ def test_compare_drafters_variants():
   assert best["gamma"] == 2 and best["options"] == {"skip_layers": [12]}  # the record in configs/layer_skip_sets
 
 
+@pytest.mark.slow
 def test_compare_drafters_leaves_out_exactly_the_unshipped_checkpoints(smollm2):
   config = compare_drafters.get_config("small")
   shipped = os.path.join(os.path.dirname(specjax.__file__), "checkpoints", "smollm2-135m")
@@ -184,9 +189,6 @@ def test_adaptive_vs_fixed_runs_each_drafter_adaptive_and_at_every_fixed_gamma()
   assert [m["name"] for m in some.methods[:4]] == ["autoregressive", "prompt_lookup", "prompt_lookup_g1",
                                                    "prompt_lookup_g2"]
   assert len(some.methods) == 1 + 3 * len(drafters)
-  for arg in ("tiny", "small,g5"):
-    with pytest.raises(ValueError, match="subset of g1, g2, g3, g4, small"):
-      adaptive_vs_fixed.get_config(arg)
 
 
 def test_acceptance_table_shows_bytes_costs_only_when_the_run_measured_them():
@@ -201,25 +203,24 @@ def test_acceptance_table_shows_bytes_costs_only_when_the_run_measured_them():
   assert "| heads | 0.400 | – | 0.050 | 1.010 |" in table and "| pld | 0.500 | 0.250 | – | – |" in table
 
 
-def test_adaptive_rounds_pool_plain_steps_and_their_scored_acceptance_over_calls():
-  def record(method, batch, plain, shadow_tested=None, shadow_alpha=None):
+def test_adaptive_rounds_pool_plain_steps_over_calls():
+  def record(method, batch, plain):
     return {"method": method, "batch": batch, "repeat": 0, "category": "qa", "seconds": 1.0, "new_tokens": 20,
             "tokens_per_second": 20.0, "target_calls": 11, "mean_accepted": 1.5, "compile_call_seconds": None,
-            "plain_steps": plain, "shadow_tested": shadow_tested, "shadow_alpha": shadow_alpha,
-            "rounds_per_row": [10], "accepted_per_row": [5], "rejections_per_row": [3], "new_tokens_per_row": [20],
-            "acceptance_per_position": [0.5], "proposed_per_position": [8],
+            "plain_steps": plain, "rounds_per_row": [10], "accepted_per_row": [5], "rejections_per_row": [3],
+            "new_tokens_per_row": [20], "acceptance_per_position": [0.5], "proposed_per_position": [8],
             "gamma_histogram": None if plain is None else [plain, 10 - plain]}
-  records = [record("ar", 0, None), record("ar", 1, None), record("dm", 0, 4, 8, 0.25), record("dm", 1, 2, 0, None),
-             record("dm_no_shadow", 0, 6), record("dm_no_shadow", 1, 8)]
+  records = [record("ar", 0, None), record("ar", 1, None), record("dm", 0, 4), record("dm", 1, 2),
+             record("dm_careful", 0, 6), record("dm_careful", 1, 8), record("dm_fixed", 0, 0), record("dm_fixed", 1, 0)]
   records[0]["rounds_per_row"] = records[1]["rounds_per_row"] = None
-  info = {"ar": {}, "dm": {"gamma": 1, "adaptive": {"shadow": True}}, "dm_no_shadow": {"gamma": 1, "adaptive": True}}
-  summary = report.summarize(records, ["ar", "dm", "dm_no_shadow"], "ar", {}, {}, info)
-  dm, blind = summary["methods"]["dm"], summary["methods"]["dm_no_shadow"]
-  assert dm["plain_share"] == pytest.approx(6 / 20) and dm["shadow_tested"] == 8 and dm["shadow_alpha"] == 0.25
-  assert blind["plain_share"] == pytest.approx(14 / 20)
-  assert blind["shadow_tested"] == 0 and blind["shadow_alpha"] is None
-  assert report.adaptive_rounds_table(summary).splitlines()[2:] == [
-      "| dm | 30% | 0.625 | 0.250 | 8 |", "| dm_no_shadow | 70% | 0.625 | – | 0 |"]
+  info = {"ar": {}, "dm": {"gamma": 1, "adaptive": True}, "dm_careful": {"gamma": 1, "adaptive": {"optimism": 0.0}},
+          "dm_fixed": {"gamma": 1, "adaptive": False}}
+  summary = report.summarize(records, ["ar", "dm", "dm_careful", "dm_fixed"], "ar", {}, {}, info)
+  assert summary["methods"]["dm"]["plain_share"] == pytest.approx(6 / 20)
+  assert summary["methods"]["dm_careful"]["plain_share"] == pytest.approx(14 / 20)
+  assert summary["methods"]["ar"]["plain_share"] is None
+  assert report.adaptive_rounds_table(summary).splitlines()[2:] == ["| dm | 30% | 0.625 |",
+                                                                    "| dm_careful | 70% | 0.625 |"]
 
 
 def test_adaptive_table_puts_each_adaptive_drafter_beside_its_best_and_worst_fixed_gamma():
@@ -243,8 +244,6 @@ def test_adaptive_by_category_runs_every_drafter_adaptive_with_repeats():
   drafters = [m["name"] for m in bench_peers.drafter_methods()]
   assert [m["name"] for m in config.methods] == ["autoregressive"] + drafters
   assert all(m["adaptive"] and m["gamma"] == 4 for m in config.methods[1:])
-  with pytest.raises(ValueError, match="subset of small"):
-    adaptive_by_category.get_config("g2")
 
 
 def test_interleaved_seconds_lengthens_the_loops_of_tiny_steps():
@@ -306,31 +305,26 @@ def test_category_intervals_pair_each_call_with_the_baselines_call():
   assert report.category_table(summary) == ""  # no category with an interval
 
 
-def test_config_rejects_an_unknown_variant():
-  with pytest.raises(ValueError, match="'small'"):
-    spec_bench_config.get_config("huge")
-
-
 def _config(**overrides) -> ml_collections.ConfigDict:
   config = quickstart.get_config()
   config.update(overrides)
   return config
 
 
-def test_make_methods_puts_the_baseline_first_and_honours_only(smollm2):
+def test_make_methods_puts_the_baseline_first_and_honours_only(tiny_chat):
   config = _config(methods=({"name": "pld", "drafter": "prompt_lookup"}, {"name": "ar"},
                             {"name": "skip", "drafter": "layer_skip", "gamma": 2}), only="pld")
-  methods = run.make_methods(config, smollm2)
+  methods = run.make_methods(config, tiny_chat)
   assert [m.name for m in methods] == ["ar", "pld"]
   assert methods[0].drafter is None and methods[1].drafter.name == "prompt_lookup"
   assert methods[1].gamma == config.gamma
 
 
-def test_make_methods_builds_adaptive_drafting_from_a_methods_options(smollm2):
+def test_make_methods_builds_adaptive_drafting_from_a_methods_options(tiny_chat):
   config = _config(methods=({"name": "ar"}, {"name": "pld", "drafter": "prompt_lookup"},
                             {"name": "pld_careful", "drafter": "prompt_lookup", "adaptive": {"optimism": 0.25}},
                             {"name": "pld_fixed", "drafter": "prompt_lookup", "adaptive": False}))
-  methods = {m.name: m for m in run.make_methods(config, smollm2)}
+  methods = {m.name: m for m in run.make_methods(config, tiny_chat)}
   assert methods["pld"].adaptive is True and methods["pld_fixed"].adaptive is False
   assert methods["pld_careful"].adaptive == specjax.AdaptiveDrafting(optimism=0.25)
   info = run._method_info(list(methods.values()))
@@ -368,6 +362,7 @@ def test_batches_never_mix_categories():
   assert sum((b.prompts for b in batches), ()) == tuple((i + 1,) for i in range(6))
 
 
+@pytest.mark.slow
 def test_run_writes_results_table_and_plots(smollm2, tmp_path):
   # qa and writing prompts fall into one length bucket: one compilation per method.
   config = _config(max_new_tokens=8, repeats=2, only="prompt_lookup")
@@ -420,6 +415,7 @@ def test_command_line_overrides_reach_the_config():
   assert config.value.temperatures == (0.0, 0.7) and config.value.gammas == (1, 3) and not config.value.costs.enabled
 
 
+@pytest.mark.slow
 def test_cli_rejects_an_unknown_config_key(tmp_path):
   result = subprocess.run(
       [sys.executable, "-m", "experiments.run", "--config=configs/quickstart.py", "--config.max_new_tokns=16",
@@ -430,6 +426,7 @@ def test_cli_rejects_an_unknown_config_key(tmp_path):
   assert not os.listdir(tmp_path)  # failed before running anything
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, message", [
     (["--config=configs/does_not_exist.py"], "FATAL --config: no config file 'configs/does_not_exist.py'; "
                                              "configs here: configs/"),
@@ -449,16 +446,7 @@ def test_cli_config_that_does_not_load_is_one_line(tmp_path, args, message):
   assert not os.listdir(tmp_path)
 
 
-# --- The runner end to end on a tiny random model with SmolLM2's tokenizer (Spec-Bench prompts are text) -----
-
-@pytest.fixture(scope="module")
-def tiny_chat(smollm2) -> Model:
-  config = ModelConfig(vocab_size=smollm2.config.vocab_size, hidden_size=32, intermediate_size=64, num_layers=3,
-                       num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-5,
-                       tie_embeddings=False, max_position_embeddings=1024)
-  return Model(config=config, params=init_params(config, jax.random.PRNGKey(0), std=0.3),
-               tokenizer=smollm2.tokenizer, name="tiny-chat")
-
+# ---------- The runner end to end on the tiny model with a word-level tokenizer (Spec-Bench prompts are text) -----
 
 TINY_METHODS = (
     {"name": "autoregressive"},

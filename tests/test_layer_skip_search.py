@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -10,9 +11,10 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax import layer_skip_search as lss
+from experiments import layer_skip_search as lss
+from experiments.layer_skip_search import Evaluation
 from specjax import leviathan
-from specjax.layer_skip_search import Evaluation
+from specjax.drafters.layer_skip import load_skip_set
 
 
 def planted(optimum, num_layers):
@@ -118,7 +120,7 @@ def test_proxy_search_returns_a_valid_skip_set(proxy_record, tiny):
 def test_saved_skip_set_round_trips_into_make_drafter(proxy_record, tiny, tmp_path):
   path = str(tmp_path / "sets" / "tiny.json")
   lss.save_skip_set(path, proxy_record)
-  options = lss.load_skip_set(path, model=tiny)
+  options = load_skip_set(path, model=tiny)
   assert options == proxy_record["options"]
   drafter = specjax.make_drafter("layer_skip", tiny, **options)
   prompt = [[5, 9, 2, 7, 5, 9, 2, 7, 1]]
@@ -132,9 +134,9 @@ def test_saved_skip_set_round_trips_into_make_drafter(proxy_record, tiny, tmp_pa
 def test_load_skip_set_rejects_another_model(tmp_path, tiny):
   path = str(tmp_path / "other.json")
   lss.save_skip_set(path, {"drafter": "layer_skip", "options": {"skip_layers": [7]}, "num_layers": 30})
-  assert lss.load_skip_set(path) == {"skip_layers": [7]}
+  assert load_skip_set(path) == {"skip_layers": [7]}
   with pytest.raises(ValueError, match="30-layer"):
-    lss.load_skip_set(path, model=tiny)
+    load_skip_set(path, model=tiny)
 
 
 def test_save_is_atomic(tmp_path, monkeypatch):
@@ -203,8 +205,9 @@ def test_teacher_forced_draft_logits_equal_the_layer_skip_drafts_first_step(skip
   for n in (1, 6, 15):
     cache = forward(params, tokens[:, :n], init_cache(config, 2, 16), jnp.zeros(2, jnp.int32), config).cache
     draft = forward(params, tokens[:, n:n + 1], cache, jnp.full(2, n, jnp.int32), config, layers=layers).logits
-    np.testing.assert_allclose(proxy[:, n], draft[:, 0], atol=1e-5, rtol=1e-5)
-  assert not np.allclose(proxy, lss.teacher_forced_draft_logits(params, tokens, keys, values, jnp.ones(3), config))
+    np.testing.assert_allclose(proxy[:, n], draft[:, 0], atol=5e-5, rtol=1e-5)
+  assert not np.allclose(proxy, lss.teacher_forced_draft_logits(params, tokens, keys, values,
+                                                                jnp.ones(config.num_layers), config))
 
 
 def test_deep_search_record_round_trips_into_make_drafter(tiny, tmp_path):
@@ -214,15 +217,16 @@ def test_deep_search_record_round_trips_into_make_drafter(tiny, tmp_path):
   record = lss.deep_search(tiny, tokens, mask, gamma=3, max_skip_fraction=0.34, keep_layers=[0], batch_size=4,
                            calibration={"source": "random tokens"})
   search = record["search"]
-  assert search["max_skip"] == 1 and search["evaluations"] == 2 and search["stopped"] == "max_skip"
+  num_layers = tiny.config.num_layers  # a third of them is one layer, any of 1 .. num_layers - 1
+  assert search["max_skip"] == 1 and search["evaluations"] == num_layers - 1 and search["stopped"] == "max_skip"
   assert record["calibration"] == {"positions": int(mask.sum()), "sequences": 5, "source": "random tokens"}
   best = max(search["history"], key=lambda r: r["speedup"])
   assert record["proxy_speedup"] == best["speedup"] and 0 <= record["alpha"] <= 1
   assert record["proxy_speedup"] == pytest.approx(leviathan.predicted_speedup(record["alpha"], 3, record["draft_cost"]))
   path = str(tmp_path / "deep.json")
   lss.save_skip_set(path, record)
-  drafter = specjax.make_drafter("layer_skip", tiny, **lss.load_skip_set(path, model=tiny))
-  assert set(drafter.options.layers) | set(best["skip_layers"]) == {0, 1, 2}
+  drafter = specjax.make_drafter("layer_skip", tiny, **load_skip_set(path, model=tiny))
+  assert set(drafter.options.layers) | set(best["skip_layers"]) == set(range(num_layers))
 
 
 def test_deep_search_candidate_pool_takes_the_least_influential_layers(tiny):
@@ -233,7 +237,7 @@ def test_deep_search_candidate_pool_takes_the_least_influential_layers(tiny):
                            batch_size=4)
   influence = record["search"]["block_influence"]
   assert len(influence) == tiny.config.num_layers
-  least = min((1, 2), key=lambda l: influence[l])
+  least = min(range(1, tiny.config.num_layers), key=lambda l: influence[l])
   assert record["search"]["candidates"] == [least] and record["search"]["evaluations"] == 1
   assert [row["skip_layers"] for row in record["search"]["history"]] == [[least]]
 
@@ -249,6 +253,30 @@ def test_sampling_acceptance_is_the_overlap_of_p_and_q(tiny):
   assert greedy.draft_cost == pytest.approx(1.0)
 
 
+def test_calibration_prompts_come_from_the_end_of_each_category_in_one_shape(tiny_chat):
+  """The search decodes questions the experiments do not use (they take each category's first ones), all of one
+  compiled shape: in each category, the last ones of that shape."""
+  from experiments import search_layer_skip, spec_bench
+  from specjax.decoding import prepare_batch
+  model = dataclasses.replace(tiny_chat, config=tiny_chat.config.replace(max_position_embeddings=4096))  # long ones
+
+  def shape(question):
+    ids = model.tokenizer.apply_chat_template([{"role": "user", "content": question.turns[0]}],
+                                              add_generation_prompt=True)
+    batch = prepare_batch(model, [ids], 8, extra_positions=3)
+    return batch.tokens.shape, batch.cache_len
+
+  questions = spec_bench.load_questions()
+  chosen, prompts = search_layer_skip.calibration_prompts(model, questions, 5, max_new_tokens=8, gamma=2)
+  assert len(chosen) == len(prompts) == 5 and len({q.category for q in chosen}) > 1
+  assert len({shape(q) for q in chosen}) == 1
+  for category in {q.category for q in chosen}:
+    taken = [q for q in chosen if q.category == category]
+    same_shape = [q for q in questions if q.category == category and shape(q) == shape(chosen[0])]
+    assert taken == same_shape[::-1][:len(taken)]
+
+
+@pytest.mark.slow
 def test_training_sequences_are_sharegpt_train_conversations(smollm2):
   tokens, mask, source = lss.training_sequences(smollm2, 3, seq_len=64)
   assert tokens.shape[1] == mask.shape[1] == 64 and 1 <= len(tokens) <= 3 and mask.any()

@@ -1,4 +1,4 @@
-"""Checkpoint loading: parity with HF transformers, and one clear error per kind of bad checkpoint."""
+"""Checkpoint loading: parity with HF transformers (slow), and one clear error per kind of bad checkpoint."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import shutil
 import jax
 import numpy as np
 import pytest
-import torch
 
 import specjax
 from specjax.loading import CheckpointError
@@ -17,17 +16,20 @@ from specjax.model import forward, init_cache
 
 
 def _hf_logits(model, ids) -> np.ndarray:
+  import torch
   with torch.no_grad():
     return model(torch.tensor([list(ids)])).logits[0].float().numpy()
 
 
 def _hf_model(path: str):
+  import torch
   from transformers import AutoModelForCausalLM
   return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 # ----------------------------------------------------------------------------------------- parity
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["untied_gqa", "tied_llama3_rope"])
 def test_tiny_hf_llama_logits_match_transformers(variant, tiny_hf_llama_dir, tiny_hf_llama3_dir):
   path = tiny_hf_llama_dir if variant == "untied_gqa" else tiny_hf_llama3_dir
@@ -43,6 +45,7 @@ def test_tiny_hf_llama_logits_match_transformers(variant, tiny_hf_llama_dir, tin
   np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 def test_llama3_rope_scaling_is_applied(tiny_hf_llama3_dir):
   """Positions past the original context (64) must see the scaled frequencies: dropping them changes logits."""
   model = specjax.load(tiny_hf_llama3_dir)
@@ -53,6 +56,7 @@ def test_llama3_rope_scaling_is_applied(tiny_hf_llama3_dir):
   assert np.abs(scaled - plain).max() > 1e-2
 
 
+@pytest.mark.slow
 def test_smollm2_config_and_tokenizer(smollm2):
   c = smollm2.config
   assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim) == (30, 576, 9, 3, 64)
@@ -68,6 +72,7 @@ SMOLLM2_PROMPTS = [
 ]
 
 
+@pytest.mark.slow
 def test_smollm2_logits_match_transformers(smollm2, hf_smollm2):
   """The GGUF dequantized by us and by HF gives the same logits (prompts right-padded into one batch)."""
   rows = [smollm2.tokenizer.encode(p) for p in SMOLLM2_PROMPTS]
@@ -84,6 +89,13 @@ def test_smollm2_logits_match_transformers(smollm2, hf_smollm2):
 
 
 # ------------------------------------------------------------------------------------- bad inputs
+
+@pytest.fixture(scope="module")
+def tiny_dir(tiny, tmp_path_factory) -> str:
+  """The tiny model as an HF Llama directory, written by specjax.export (no transformers needed)."""
+  from specjax import export
+  return export.save_hf(tiny, str(tmp_path_factory.mktemp("tiny_hf")))
+
 
 def _write_tiny_gguf(path: str, arch: str = "llama", **metadata) -> str:
   """A GGUF file with one tensor and the given `GGUFWriter.add_<key>(value)` metadata."""
@@ -114,6 +126,7 @@ def test_file_that_is_not_gguf(tmp_path):
     specjax.load(str(path))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fraction", [0.5, 0.001], ids=["tensor_data", "metadata"])
 def test_truncated_gguf(fraction, smollm2_path, tmp_path):
   path = tmp_path / "truncated.gguf"
@@ -136,9 +149,9 @@ def test_hf_dir_with_unsupported_model_type(tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["garbage", "truncated"])
-def test_corrupt_safetensors(damage, tiny_hf_llama_dir, tmp_path):
+def test_corrupt_safetensors(damage, tiny_dir, tmp_path):
   path = tmp_path / "damaged"
-  shutil.copytree(tiny_hf_llama_dir, path)
+  shutil.copytree(tiny_dir, path)
   weights = path / "model.safetensors"
   data = weights.read_bytes()
   weights.write_bytes(b"\x00garbage" * 64 if damage == "garbage" else data[:len(data) // 2])
@@ -146,10 +159,10 @@ def test_corrupt_safetensors(damage, tiny_hf_llama_dir, tmp_path):
     specjax.load(str(path))
 
 
-def test_hf_dir_missing_a_tensor(tiny_hf_llama_dir, tmp_path):
+def test_hf_dir_missing_a_tensor(tiny_dir, tmp_path):
   from safetensors.numpy import load_file, save_file
   path = tmp_path / "incomplete"
-  shutil.copytree(tiny_hf_llama_dir, path)
+  shutil.copytree(tiny_dir, path)
   weights = load_file(str(path / "model.safetensors"))
   del weights["model.layers.1.mlp.up_proj.weight"]
   save_file(weights, str(path / "model.safetensors"))
@@ -163,20 +176,20 @@ def test_hf_dir_missing_a_tensor(tiny_hf_llama_dir, tmp_path):
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}}, "unsupported rope_scaling type"),
 ], ids=["attention_bias", "mlp_bias", "gelu", "yarn"])
-def test_hf_config_features_the_model_lacks(change, match, tiny_hf_llama_dir, tmp_path):
+def test_hf_config_features_the_model_lacks(change, match, tiny_dir, tmp_path):
   path = tmp_path / "variant"
-  shutil.copytree(tiny_hf_llama_dir, path)
+  shutil.copytree(tiny_dir, path)
   config = json.loads((path / "config.json").read_text())
   (path / "config.json").write_text(json.dumps({**config, **change}))
   with pytest.raises(CheckpointError, match=match):
     specjax.load(str(path))
 
 
-def test_hf_dir_with_unexpected_tensors(tiny_hf_llama_dir, tmp_path):
+def test_hf_dir_with_unexpected_tensors(tiny_dir, tmp_path):
   """Weights the model would ignore (here a q_proj bias the config does not declare) are an error."""
   from safetensors.numpy import load_file, save_file
   path = tmp_path / "extra"
-  shutil.copytree(tiny_hf_llama_dir, path)
+  shutil.copytree(tiny_dir, path)
   weights = load_file(str(path / "model.safetensors"))
   weights["model.layers.0.self_attn.q_proj.bias"] = np.ones(32, np.float32)
   save_file(weights, str(path / "model.safetensors"))
@@ -198,6 +211,6 @@ def test_gguf_with_unsupported_rope_scaling(tmp_path):
     specjax.load(path)
 
 
-def test_unsupported_dtype(tiny_hf_llama_dir):
+def test_unsupported_dtype(tiny_dir):
   with pytest.raises(ValueError, match="dtype must be"):
-    specjax.load(tiny_hf_llama_dir, dtype="int8")
+    specjax.load(tiny_dir, dtype="int8")

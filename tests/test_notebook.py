@@ -9,7 +9,6 @@ import re
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK = os.path.join(REPO_ROOT, "notebooks", "colab_tpu_quickstart.ipynb")
@@ -22,6 +21,7 @@ def stream_text(cell) -> str:
 
 def execute(path: str):
   """The notebook at `path` after execution by a python3 kernel started in the repository root."""
+  from nbclient import NotebookClient
   notebook = nbformat.read(path, as_version=4)
   # Raises CellExecutionError, with the failing cell's traceback, if any cell fails.
   NotebookClient(notebook, timeout=300, kernel_name="python3", startup_timeout=120,
@@ -60,6 +60,7 @@ def test_notebook_is_valid_nbformat_v4_for_a_colab_tpu(path):
   assert all(not cell.get("outputs") for cell in notebook.cells if cell.cell_type == "code")  # stored clean
 
 
+@pytest.mark.slow
 def test_notebook_runs_every_cell_and_prints_each_method_and_prompt(executed):
   cells = [cell for cell in executed.cells if cell.cell_type == "code"]
   assert [cell.execution_count for cell in cells] == list(range(1, len(cells) + 1))  # all of them, in order
@@ -73,6 +74,7 @@ def test_notebook_runs_every_cell_and_prints_each_method_and_prompt(executed):
     assert text.count(f"  {name} gives the same tokens: True") == 2
 
 
+@pytest.mark.slow
 def test_notebook_reports_speculative_stats(executed):
   text = "\n".join(stream_text(cell) for cell in executed.cells if cell.cell_type == "code")
   assert "specjax is already installed" in text  # the install cell is skipped inside the checkout
@@ -94,6 +96,7 @@ def test_notebook_reports_speculative_stats(executed):
     assert 1 <= summary[name]["mean_accepted"] <= 5  # at most gamma + 1 tokens per target forward
 
 
+@pytest.mark.slow
 def test_compare_notebook_runs_the_shipped_drafters_through_the_runner(executed_compare):
   cells = [cell for cell in executed_compare.cells if cell.cell_type == "code"]
   assert [cell.execution_count for cell in cells] == list(range(1, len(cells) + 1))

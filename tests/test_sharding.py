@@ -195,6 +195,7 @@ def test_custom_rules_are_one_mapping():
 # ---------------------------------------------------------------------------- subprocess, 8 devices
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", [f"{d}x{m}" for d, m in MESHES])
 def test_sharded_greedy_generate_equals_single_device(sharded_runs, mesh):
   result, _ = sharded_runs
@@ -203,12 +204,14 @@ def test_sharded_greedy_generate_equals_single_device(sharded_runs, mesh):
   assert run["equal"] and run["equal_again"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", [f"{d}x{m}" for d, m in MESHES])
 def test_sharded_generate_compiles_once_per_shape(sharded_runs, mesh):
   run = sharded_runs[0]["gqa"][mesh]
   assert run["compiled_first"] and not run["recompiled"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh, drafter", [(f"{d}x{m}", name) for d, m in MESHES for name in DRAFTERS
                                            if (d, m) == (2, 4) or name in OWN_PARAMS])
 def test_sharded_speculative_generate_equals_single_device(sharded_runs, mesh, drafter):
@@ -216,12 +219,14 @@ def test_sharded_speculative_generate_equals_single_device(sharded_runs, mesh, d
   assert run["equal"] and run["compiled_first"] and not run["recompiled"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", ["(8, 1)", "(2, 4)"])
 def test_drafter_trained_on_a_mesh_matches_single_device_training(sharded_runs, mesh):
   run = sharded_runs[0]["train_on_mesh"][mesh]
   assert run["loss_diff"] < 1e-4 and run["max_param_diff"] < 1e-4, run
 
 
+@pytest.mark.slow
 def test_sharded_params_and_cache_follow_the_rules(sharded_runs):
   runs = sharded_runs[0]["gqa"]
   assert runs["2x4"]["specs"]["wq"] == [None, "model", None]
@@ -235,6 +240,7 @@ def test_sharded_params_and_cache_follow_the_rules(sharded_runs):
   assert runs["8x1"]["cache"] == ["data", None, None, None]
 
 
+@pytest.mark.slow
 def test_smollm2_head_layout_on_model_4_falls_back_and_still_matches(sharded_runs):
   result, stderr = sharded_runs
   run = result["smollm2_heads"]
@@ -244,11 +250,13 @@ def test_smollm2_head_layout_on_model_4_falls_back_and_still_matches(sharded_run
   assert "logical axis 'kv_heads' of size 3 is not divisible" in stderr
 
 
+@pytest.mark.slow
 def test_batch_not_divisible_by_data_axis_is_a_clear_error(sharded_runs):
   message = sharded_runs[0]["indivisible_batch_error"]
   assert message is not None and "batch size 3 is not divisible" in message and "make_mesh(data=1" in message
 
 
+@pytest.mark.slow
 def test_make_mesh_device_count_checks(sharded_runs):
   result = sharded_runs[0]
   assert result["bad_mesh_error"] is not None and "data * model == 8" in result["bad_mesh_error"]

@@ -1,5 +1,6 @@
 """Arrows point down: the library imports neither experiments nor benchmarks, and no two of its modules import
-each other (directly or through a longer cycle)."""
+each other (directly or through a longer cycle); the model and the drafters reach platform kernels only through
+specjax.ops."""
 
 from __future__ import annotations
 
@@ -8,6 +9,18 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 OUTSIDE = ("experiments", "benchmarks")
+BACKENDS = "specjax.backends"
+
+
+def imports(path: pathlib.Path) -> set[str]:
+  """Every module an import statement in the file names (also in functions): `from a import b` names a and a.b."""
+  targets = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      targets |= {alias.name for alias in node.names}
+    elif isinstance(node, ast.ImportFrom) and node.module:
+      targets |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+  return targets
 
 
 def library_imports(root: pathlib.Path = ROOT) -> dict[str, set[str]]:
@@ -20,13 +33,7 @@ def library_imports(root: pathlib.Path = ROOT) -> dict[str, set[str]]:
   for module, path in modules.items():
     if path.name == "__init__.py":
       continue
-    targets = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-      if isinstance(node, ast.Import):
-        targets |= {alias.name for alias in node.names}
-      elif isinstance(node, ast.ImportFrom) and node.module:
-        targets |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
-    graph[module] = {t for t in targets if t != module and (
+    graph[module] = {t for t in imports(path) if t != module and (
         (t in modules and modules[t].name != "__init__.py") or t.split(".")[0] in OUTSIDE)}
   return graph
 
@@ -59,12 +66,101 @@ def test_no_two_library_modules_import_each_other():
   assert not cycles(library_imports())
 
 
+def backend_imports(root: pathlib.Path = ROOT) -> dict[str, list[str]]:
+  """The model's and the drafters' imports of specjax.backends (they call specjax.ops, which chooses a kernel by
+  the platform a program is compiled for)."""
+  paths = [root / "specjax" / "model.py", *sorted((root / "specjax" / "drafters").glob("*.py"))]
+  found = {str(p.relative_to(root)): sorted(t for t in imports(p) if t == BACKENDS or t.startswith(BACKENDS + "."))
+           for p in paths if p.exists()}
+  return {p: ts for p, ts in found.items() if ts}
+
+
+def test_the_model_and_the_drafters_reach_the_kernels_only_through_ops():
+  assert (ROOT / "specjax" / "model.py").exists()
+  assert not backend_imports()
+
+
 def test_the_checks_see_a_cycle_and_an_upward_import(tmp_path):
   package = tmp_path / "specjax"
   package.mkdir()
   (package / "__init__.py").write_text("from specjax import a\n")
   (package / "a.py").write_text("from specjax import b\n")
   (package / "b.py").write_text("def f():\n  import specjax.a\n  from experiments import run\n")
+  (package / "model.py").write_text("def f():\n  from specjax import backends\n")
   graph = library_imports(tmp_path)
   assert cycles(graph) == [["specjax.a", "specjax.b", "specjax.a"]]
   assert "experiments" in graph["specjax.b"]
+  assert backend_imports(tmp_path) == {"specjax/model.py": ["specjax.backends"]}
+
+
+# ------------------------------------------------------------------------------------------- the fast tier
+
+COVERED = ("specjax", "experiments")  # every module of these must be imported by the fast tier
+
+
+def _marks_slow(decorators) -> bool:
+  return any("mark.slow" in ast.unparse(d) for d in decorators)
+
+
+def _imports(tree: ast.AST) -> set[str]:
+  """Modules an AST imports (any import statement, and `importlib.import_module("<module>")`), and the modules of
+  the drafters it builds by name (`make_drafter("<name>", ...)`: a drafter named x is specjax/drafters/x.py)."""
+  names = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      names |= {alias.name for alias in node.names}
+    elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+      names |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+      function = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+      if function == "import_module":
+        names.add(str(node.args[0].value))
+      elif function == "make_drafter":
+        names.add(f"specjax.drafters.{node.args[0].value}")
+  return names
+
+
+def fast_tier_imports(root: pathlib.Path = ROOT) -> set[str]:
+  """The modules of the repository that the fast tier (`pytest -m "not slow"`) imports: those a test file imports
+  outside its slow tests (a file marked slow as a whole, `pytestmark`, counts for nothing; a test or fixture marked
+  slow neither), and then every module those import, on and on."""
+  modules = {}
+  for path in root.rglob("*.py"):
+    parts = path.relative_to(root).with_suffix("").parts
+    if parts[0] in COVERED + ("configs", "tests", "benchmarks"):
+      modules[".".join(parts).removesuffix(".__init__")] = path
+  seen = set()
+  for path in sorted((root / "tests").glob("test_*.py")):
+    tree = ast.parse(path.read_text())
+    if any(isinstance(node, ast.Assign) and "pytestmark" in ast.unparse(node.targets[0]) and "mark.slow" in
+           ast.unparse(node.value) for node in tree.body):
+      continue
+    for node in tree.body:
+      if not (isinstance(node, (ast.FunctionDef, ast.ClassDef)) and _marks_slow(node.decorator_list)):
+        seen |= _imports(node)
+  pending = [m for m in seen if m in modules]
+  reached = set()
+  while pending:
+    module = pending.pop()
+    if module not in reached:
+      reached.add(module)
+      pending += [m for m in _imports(ast.parse(modules[module].read_text())) if m in modules]
+  return reached
+
+
+def test_the_fast_tier_imports_every_module_of_the_library_and_the_experiments():
+  expected = {".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+              for package in COVERED for path in (ROOT / package).rglob("*.py")}
+  assert not sorted(expected - fast_tier_imports())
+
+
+def test_the_fast_tier_check_leaves_out_slow_tests(tmp_path):
+  (tmp_path / "tests").mkdir()
+  (tmp_path / "specjax").mkdir()
+  for name in ("a", "b", "c", "d"):
+    (tmp_path / "specjax" / f"{name}.py").write_text("")
+  (tmp_path / "specjax" / "a.py").write_text("def f():\n  from specjax import b\n")
+  (tmp_path / "tests" / "test_one.py").write_text(
+      "import pytest\nfrom specjax import a\n\n@pytest.mark.slow\ndef test_c():\n  import specjax.c\n")
+  (tmp_path / "tests" / "test_two.py").write_text("import pytest\nimport specjax.d\npytestmark = pytest.mark.slow\n")
+  assert fast_tier_imports(tmp_path) == {"specjax.a", "specjax.b"}

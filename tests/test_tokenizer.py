@@ -1,4 +1,5 @@
-"""specjax.tokenizer against the Hugging Face transformers reference (GGUF and saved-directory paths)."""
+"""specjax.tokenizer against the Hugging Face transformers reference (GGUF and saved-directory paths), on SmolLM2's
+tokenizer and a synthetic GGUF (slow: they need SmolLM2's GGUF or transformers), and its errors."""
 
 import copy
 import json
@@ -11,7 +12,6 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer as TokenizersBackend
 from tokenizers import processors
-from transformers import AutoTokenizer
 
 from specjax.tokenizer import Tokenizer, TokenizerError, _bytes_to_unicode
 
@@ -63,6 +63,7 @@ def ours(reader):
 
 @pytest.fixture(scope="module")
 def hf(smollm2_path):
+  from transformers import AutoTokenizer
   return AutoTokenizer.from_pretrained(os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path))
 
 
@@ -76,6 +77,7 @@ def hf_dir(hf, tmp_path_factory):
 # ---------------------------------------------------------------------- special ids
 
 
+@pytest.mark.slow
 def test_special_ids(ours, hf):
   assert ours.token_to_id("<|endoftext|>") == 0
   assert ours.token_to_id("<|im_start|>") == 1
@@ -90,12 +92,14 @@ def test_special_ids(ours, hf):
 # ---------------------------------------------------------------------- encode / decode
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text", TEXTS)
 def test_encode_matches_hf(ours, hf, text):
   assert ours.encode(text) == hf(text)["input_ids"] == hf.encode(text)
   assert ours.encode(text, add_special_tokens=False) == hf.encode(text, add_special_tokens=False)
 
 
+@pytest.mark.slow
 def test_special_tokens_in_text_are_single_ids(ours):
   assert ours.encode("<|im_start|>user<|im_end|>")[0] == 1
   assert ours.encode("<|im_start|>user<|im_end|>")[-1] == 2
@@ -103,6 +107,7 @@ def test_special_tokens_in_text_are_single_ids(ours):
   assert ours.bos_id not in ours.encode("plain text")  # this GGUF says add_bos_token = false
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text", TEXTS)
 def test_decode_matches_hf_and_round_trips(ours, hf, text):
   ids = hf.encode(text)
@@ -111,6 +116,7 @@ def test_decode_matches_hf_and_round_trips(ours, hf, text):
   assert ours.decode(np.asarray(ids, dtype=np.int32)) == text
 
 
+@pytest.mark.slow
 def test_decode_arbitrary_ids_matches_hf(ours, hf):
   # Random ids include special tokens and split UTF-8 byte sequences (decoded to U+FFFD).
   rng = random.Random(0)
@@ -126,6 +132,7 @@ def test_decode_arbitrary_ids_matches_hf(ours, hf):
 # ---------------------------------------------------------------------- chat template
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CONVERSATIONS))
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_chat_template_matches_hf(ours, hf, name, add_generation_prompt):
@@ -137,6 +144,7 @@ def test_chat_template_matches_hf(ours, hf, name, add_generation_prompt):
   assert text.endswith("<|im_start|>assistant\n") == add_generation_prompt
 
 
+@pytest.mark.slow
 def test_chat_template_default_system_prompt(ours):
   with_default = ours.apply_chat_template(CONVERSATIONS["single_user"], tokenize=False)
   assert with_default.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
@@ -147,6 +155,7 @@ def test_chat_template_default_system_prompt(ours):
   assert ids[0] == 1 and ids.count(2) == 2  # one <|im_start|> id, an <|im_end|> per message
 
 
+@pytest.mark.slow
 def test_chat_template_drops_none_fields_like_hf(ours, hf):
   messages = [{"role": "user", "content": "hi", "name": None}]
   assert ours.apply_chat_template(messages, tokenize=False) == hf.apply_chat_template(
@@ -157,6 +166,7 @@ def test_chat_template_drops_none_fields_like_hf(ours, hf):
 # ---------------------------------------------------------------------- from_hf_dir and fingerprint
 
 
+@pytest.mark.slow
 def test_from_hf_dir_matches_gguf_and_hf(ours, hf, hf_dir):
   loaded = Tokenizer.from_hf_dir(hf_dir)
   assert (loaded.eos_id, loaded.bos_id, loaded.pad_id, loaded.vocab_size) == (2, 1, 2, 49152)
@@ -170,7 +180,9 @@ def test_from_hf_dir_matches_gguf_and_hf(ours, hf, hf_dir):
     assert loaded.apply_chat_template(messages) == ours.apply_chat_template(messages)
 
 
+@pytest.mark.slow
 def test_from_hf_dir_template_in_config_and_bos_post_processor(hf, hf_dir, tmp_path):
+  from transformers import AutoTokenizer
   # Template moved into tokenizer_config.json; bos added by tokenizer.json's post-processor. The config's
   # add_bos_token=False is ignored when tokenizer.json exists (transformers v5), by HF and by us.
   backend = TokenizersBackend.from_file(str(hf_dir / "tokenizer.json"))
@@ -193,6 +205,7 @@ def test_from_hf_dir_template_in_config_and_bos_post_processor(hf, hf_dir, tmp_p
   assert expected.count(1) == len(messages) + 2  # default system turn + generation prompt; no extra bos
 
 
+@pytest.mark.slow
 def test_fingerprint(ours, reader, tmp_path):
   fp = ours.fingerprint()
   assert re.fullmatch(r"[0-9a-f]{64}", fp)  # a SHA-256 hex digest
@@ -242,28 +255,43 @@ def _synthetic_gguf(path, model="gpt2", tokens=True, merges=None, pre="llama-bpe
   return str(path)
 
 
+SYNTHETIC_TEMPLATE = (
+  "{{ bos_token }}{% for m in messages %}{{ m.role }}: "
+  "{% generation %}{{ m.content | tojson }}{% endgeneration %}\n{% endfor %}"
+)
+SYNTHETIC_TEXTS = ["the a 12 <s> x</s><think>hi raw tok <|eot_id|> <|endoftext|>", "", " the\n\n  12345 ünï"]
+SYNTHETIC_MESSAGES = [{"role": "user", "content": 'say "hi" <b>'}]
+
+
+def test_synthetic_gguf_specials_stop_ids_and_chat_template(tmp_path):
+  ours = Tokenizer.from_gguf(gguf.GGUFReader(_synthetic_gguf(tmp_path / "syn.gguf", template=SYNTHETIC_TEMPLATE)))
+  assert ours.vocab_size == 267 and (ours.bos_id, ours.eos_id) == (262, 263)
+  assert ours.stop_ids == (263, 261, 265)  # eos, <|endoftext|>, <|eot_id|>
+  for text in SYNTHETIC_TEXTS:
+    ids = ours.encode(text)
+    assert ids[0] == 262 and ids[-1] == 263
+    assert ours.decode(ids, skip_special_tokens=True) == ours.decode(ids[1:-1], skip_special_tokens=True)
+  rendered = ours.apply_chat_template(SYNTHETIC_MESSAGES, tokenize=False)
+  assert rendered == '<s>user: "say \\"hi\\" <b>"'  # tojson keeps <b> unescaped; trim_blocks eats the \n
+
+
+@pytest.mark.slow
 def test_synthetic_gguf_matches_hf(tmp_path):
-  template = (
-    "{{ bos_token }}{% for m in messages %}{{ m.role }}: "
-    "{% generation %}{{ m.content | tojson }}{% endgeneration %}\n{% endfor %}"
-  )
-  path = _synthetic_gguf(tmp_path / "syn.gguf", template=template)
+  from transformers import AutoTokenizer
+  path = _synthetic_gguf(tmp_path / "syn.gguf", template=SYNTHETIC_TEMPLATE)
   ref = AutoTokenizer.from_pretrained(tmp_path, gguf_file="syn.gguf")
   ours = Tokenizer.from_gguf(gguf.GGUFReader(path))
   assert ours.vocab_size == len(ref) == 267
   assert (ours.bos_id, ours.eos_id) == (ref.bos_token_id, ref.eos_token_id) == (262, 263)
-  assert ours.stop_ids == (263, 261, 265)  # eos, <|endoftext|>, <|eot_id|>
-  for text in ["the a 12 <s> x</s><think>hi raw tok <|eot_id|> <|endoftext|>", "", " the\n\n  12345 ünï"]:
+  for text in SYNTHETIC_TEXTS:
     ids = ref.encode(text)
-    assert ours.encode(text) == ids and ids[0] == 262 and ids[-1] == 263
+    assert ours.encode(text) == ids
     assert ours.decode(ids) == ref.decode(ids)
     assert ours.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True)
-  messages = [{"role": "user", "content": 'say "hi" <b>'}]
-  rendered = ours.apply_chat_template(messages, tokenize=False)
-  assert rendered == ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-  assert rendered == '<s>user: "say \\"hi\\" <b>"'  # tojson keeps <b> unescaped; trim_blocks eats the \n
-  assert ours.apply_chat_template(messages) == ref.apply_chat_template(
-    messages, add_generation_prompt=True, return_dict=False
+  rendered = ours.apply_chat_template(SYNTHETIC_MESSAGES, tokenize=False)
+  assert rendered == ref.apply_chat_template(SYNTHETIC_MESSAGES, tokenize=False, add_generation_prompt=True)
+  assert ours.apply_chat_template(SYNTHETIC_MESSAGES) == ref.apply_chat_template(
+    SYNTHETIC_MESSAGES, add_generation_prompt=True, return_dict=False
   )
 
 

@@ -11,13 +11,11 @@ import numpy as np
 import pytest
 
 from specjax import train as T
-from specjax.config import ModelConfig
 from specjax.loading import CheckpointError
 from specjax.model import init_params
 from tests.multidevice import run_with_devices
+from tests.task_drafters import VOCAB
 
-CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                     num_kv_heads=2, head_dim=8, tie_embeddings=False)
 NUM_STEPS = 12
 
 
@@ -27,18 +25,18 @@ def is_trainable(path: str, _) -> bool:
 
 
 def batch_at(step: int) -> dict[str, np.ndarray]:
-  tokens = np.random.default_rng(step).integers(0, CONFIG.vocab_size, (4, 16)).astype(np.int32)
+  tokens = np.random.default_rng(step).integers(0, VOCAB, (4, 16)).astype(np.int32)
   mask = np.ones_like(tokens)
   mask[:, :4] = 0  # a "prompt" that is not trained on
   return {"tokens": tokens, "mask": mask}
 
 
 @pytest.fixture(scope="module")
-def setup():
+def setup(tiny_config):
   """One optimizer and one compiled step shared by the tests below (compiling is the slow part)."""
-  params = init_params(CONFIG, jax.random.PRNGKey(0), std=0.1)
+  params = init_params(tiny_config, jax.random.PRNGKey(0), std=0.1)
   optimizer = T.make_optimizer(1e-2, warmup_steps=2, total_steps=NUM_STEPS, weight_decay=0.1)
-  step = T.make_train_step(T.lm_loss(CONFIG), optimizer)
+  step = T.make_train_step(T.lm_loss(tiny_config), optimizer)
   return params, optimizer, step
 
 
@@ -246,6 +244,7 @@ def sharded_training():
   return run_with_devices(SNIPPET, num_devices=8)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", ["8x1", "2x4", "1x8"])
 def test_sharded_train_step_losses_equal_single_device(sharded_training, mesh):
   single, sharded = sharded_training["single"], sharded_training[mesh]
@@ -254,6 +253,7 @@ def test_sharded_train_step_losses_equal_single_device(sharded_training, mesh):
   np.testing.assert_allclose(sharded["final_wq"], single["final_wq"], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_sharded_train_state_keeps_parameter_shardings(sharded_training):
   assert sharded_training["2x4"]["wq"] == [None, "model", None]
   assert sharded_training["2x4"]["mu_wq"] == [None, "model", None]  # Adam moments follow their parameter

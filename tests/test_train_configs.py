@@ -14,23 +14,22 @@ import pytest
 import specjax
 from configs import train_draft, train_exit, train_mtp
 from experiments import train
+from specjax import export
 from specjax.features import build_feature_cache
-
-VOCAB = 96  # save_tiny_hf_llama's
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-  """A tiny HF Llama directory (3 layers) and train/held-out caches with every layer's features."""
-  from tests.conftest import save_tiny_hf_llama
+def tiny_run(tiny, tmp_path_factory):
+  """The tiny model as an HF Llama directory and train/held-out caches with every layer's features."""
   root = tmp_path_factory.mktemp("train_configs")
-  model_dir = save_tiny_hf_llama(str(root / "model"), tied=True)
+  model_dir = export.save_hf(tiny, str(root / "model"))
   model = specjax.load(model_dir)
   rng = np.random.default_rng(0)
   for split in ("train", "held_out"):
-    seqs = [(rng.integers(0, VOCAB, size=24).astype(np.int32), np.arange(24) >= 8) for _ in range(16)]
-    build_feature_cache(model, seqs, str(root / "data" / split), seq_len=24, feature_layers=(0, 1, 2), top_k=4,
-                        batch_size=8)
+    seqs = [(rng.integers(0, tiny.config.vocab_size, size=24).astype(np.int32), np.arange(24) >= 8)
+            for _ in range(16)]
+    build_feature_cache(model, seqs, str(root / "data" / split), seq_len=24,
+                        feature_layers=tuple(range(tiny.config.num_layers)), top_k=4, batch_size=8)
   return model_dir, str(root / "data"), root
 
 
@@ -43,7 +42,7 @@ def tiny_run(tmp_path_factory):
 def test_training_config_trains_and_exports_a_loadable_drafter(module, arg, options, tiny_run):
   model_dir, data_dir, root = tiny_run
   config = module.get_config(arg)
-  config.model, config.data_dir, config.draft_vocab = model_dir, data_dir, 32
+  config.model, config.data_dir, config.draft_vocab = model_dir, data_dir, 16  # half the vocabulary
   config.steps, config.batch_size, config.eval_sequences = 3, 4, 4
   config.workdir = str(root / "runs" / f"{config.drafter}-{arg}")
   config.options.update(options)
@@ -56,7 +55,7 @@ def test_training_config_trains_and_exports_a_loadable_drafter(module, arg, opti
     assert f"{train.CHECKPOINT_ARGUMENT.get(config.drafter, 'path')}=<this .safetensors file>" in f.read()
   model = specjax.load(model_dir)
   loaded = specjax.make_drafter(config.drafter, model, **{train.CHECKPOINT_ARGUMENT.get(config.drafter, "path"): path})
-  assert loaded.options.draft_vocab == 32
+  assert loaded.options.draft_vocab == 16
   prompt = [[5, 9, 2, 7, 5, 9, 2, 7, 1]]
   assert (specjax.generate(model, prompt, max_new_tokens=8, drafter=loaded, gamma=2, stop_ids=[]).tokens
           == specjax.generate(model, prompt, max_new_tokens=8, stop_ids=[]).tokens)

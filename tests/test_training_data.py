@@ -112,6 +112,7 @@ def test_loss_mask_marks_exactly_the_positions_followed_by_an_answer_token():
   assert cut.tokens.tolist() == [5, 6, 7, 8, 20, 21] and cut.loss_mask.tolist() == [False] * 3 + [True] * 2 + [False]
 
 
+@pytest.mark.slow
 def test_sequences_render_the_chat_template_and_mask_the_answer_with_its_end_of_turn(smollm2):
   tokenizer = smollm2.tokenizer
   end_of_turn = tokenizer.token_to_id("<|im_end|>")
@@ -143,41 +144,6 @@ def test_sequences_render_the_chat_template_and_mask_the_answer_with_its_end_of_
   assert len(sequences.make_sequences(smollm2, conversations[:1], seq_len=128, max_pairs_per_conversation=2)) == 2
 
 
-def test_greedy_answers_come_back_in_prompt_order_and_equal_unbatched_generation(tiny):
-  import specjax
-  prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8], [3, 1, 4, 1, 5], [2, 7]]
-  answers = sequences._greedy_answers(tiny, prompts, seq_len=24, max_new_tokens=6, batch_size=2)
-  for prompt, answer in zip(prompts, answers):
-    assert answer == specjax.generate(tiny, [prompt], max_new_tokens=6).tokens[0]
-
-
-def test_a_killed_regeneration_resumes_from_its_saved_answers(tiny, tmp_path, monkeypatch):
-  prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8], [3, 1, 4, 1, 5], [2, 7], [5, 5, 5]]
-  kwargs = dict(seq_len=24, max_new_tokens=6, batch_size=2)
-  whole = sequences._greedy_answers(tiny, prompts, **kwargs)
-  real, calls = sequences.generate, []
-
-  def killed_in_the_third_batch(model, rows, **options):
-    calls.append(len(rows))
-    if len(calls) == 3:
-      raise KeyboardInterrupt("killed")
-    return real(model, rows, **options)
-
-  monkeypatch.setattr(sequences, "generate", killed_in_the_third_batch)
-  progress = str(tmp_path / "answers.npz")
-  with pytest.raises(KeyboardInterrupt):
-    sequences._greedy_answers(tiny, prompts, progress_path=progress, save_every_seconds=0.0, **kwargs)
-  calls.clear()
-  assert sequences._greedy_answers(tiny, prompts, progress_path=progress, **kwargs) == whole
-  assert calls == [1]  # only the batch the kill interrupted (the last, of one prompt) ran again
-  with pytest.raises(CheckpointError, match="other prompts or settings"):
-    sequences._greedy_answers(tiny, prompts[:4], progress_path=progress, **kwargs)
-  with open(progress, "wb") as f:
-    f.write(b"truncated")
-  with pytest.raises(CheckpointError, match="unreadable progress"):
-    sequences._greedy_answers(tiny, prompts, progress_path=progress, **kwargs)
-
-
 def test_sequences_round_trip_through_a_file(tmp_path):
   seqs = [sequences.sequence_from_ids([1, 2, 3], [4, 5], 8), sequences.sequence_from_ids([7], [8, 9, 10], 8)]
   path = str(tmp_path / "s.npz")
@@ -190,7 +156,7 @@ def test_sequences_round_trip_through_a_file(tmp_path):
 # ------------------------------------------------------------------------------------------------ features
 
 SEQ_LEN = 24
-FEATURE_LAYERS = (0, 2)
+FEATURE_LAYERS = (0, 3)  # tiny's first layer and its last (the last hidden state)
 TOP_K = 8
 
 
@@ -304,6 +270,81 @@ def test_feature_cache_refuses_missing_truncated_and_mismatching_caches(tiny, tm
     _build(tiny, seqs, out_dir)
 
 
+# A stop token the tiny random model produces now and then: some answers end early, others fill SEQ_LEN.
+TINY_STOP = (3,)
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8], [3, 1, 4, 1, 5], [2, 7], [5, 5, 5], list(range(10, 30))]
+
+
+def _regenerate(tiny, prompts, out_dir, **overrides):
+  kwargs = dict(seq_len=SEQ_LEN, feature_layers=FEATURE_LAYERS, top_k=TOP_K, batch_size=2, stop_ids=TINY_STOP,
+                source={"what": "tiny prompts"})
+  return features.build_regenerated_cache(tiny, prompts, str(out_dir), **{**kwargs, **overrides})
+
+
+def test_regenerated_cache_holds_greedy_answers_and_the_features_of_a_second_forward(tiny, tmp_path):
+  import specjax
+  cache = _regenerate(tiny, PROMPTS, tmp_path / "regenerated")
+  assert len(cache) == len(PROMPTS) and cache.meta["generation"] == {"temperature": 0.0, "seed": None,
+                                                                      "stop_ids": [3]}
+  seqs = []
+  for i, prompt in enumerate(PROMPTS):
+    answer = specjax.generate(tiny, [prompt], max_new_tokens=SEQ_LEN - len(prompt), stop_ids=TINY_STOP).tokens[0]
+    expected = sequences.sequence_from_ids(prompt, answer, SEQ_LEN)
+    n = cache.lengths[i]
+    assert cache.tokens[i, :n].tolist() == expected.tokens.tolist() and not cache.tokens[i, n:].any()
+    assert cache.mask[i, :n].tolist() == expected.loss_mask.tolist() and not cache.mask[i, n:].any()
+    seqs.append(expected)
+  assert max(cache.lengths) == SEQ_LEN and min(cache.lengths) < SEQ_LEN  # answers cut at SEQ_LEN and stopped ones
+  # What decoding kept equals a second forward over the finished sequences (the other builder).
+  second = _build(tiny, seqs, tmp_path / "second_forward")
+  np.testing.assert_allclose(cache.features.astype(np.float32), second.features.astype(np.float32), rtol=2e-3,
+                             atol=2e-3)
+  assert (cache.teacher_ids == second.teacher_ids).mean() > 0.99  # near-ties may swap order
+  np.testing.assert_allclose(cache.teacher_probs.astype(np.float32), second.teacher_probs.astype(np.float32),
+                             rtol=2e-3, atol=1e-4)
+  np.testing.assert_array_equal(cache.token_counts, second.token_counts)
+  assert cache.meta["masked_positions"] == second.meta["masked_positions"]
+
+
+def test_regenerated_cache_samples_reproducibly_from_its_seed(tiny, tmp_path):
+  first = _regenerate(tiny, PROMPTS, tmp_path / "a", temperature=1.0, seed=3)
+  again = _regenerate(tiny, PROMPTS, tmp_path / "b", temperature=1.0, seed=3)
+  other = _regenerate(tiny, PROMPTS, tmp_path / "c", temperature=1.0, seed=4)
+  greedy = _regenerate(tiny, PROMPTS, tmp_path / "d")
+  assert first.meta["generation"] == {"temperature": 1.0, "seed": 3, "stop_ids": [3]}
+  np.testing.assert_array_equal(first.tokens, again.tokens)
+  assert (first.tokens != other.tokens).any() and (first.tokens != greedy.tokens).any()
+  with pytest.raises(CheckpointError, match="different feature cache: generation"):
+    _regenerate(tiny, PROMPTS, tmp_path / "a", temperature=1.0, seed=4)
+  with pytest.raises(ValueError, match="leave no room|expected 1..23"):
+    _regenerate(tiny, [list(range(SEQ_LEN))], tmp_path / "e")
+
+
+def test_a_killed_regeneration_resumes_after_its_last_batch_to_the_same_bytes(tiny, tmp_path, monkeypatch):
+  _regenerate(tiny, PROMPTS, tmp_path / "whole")
+  real, calls = features.generate_recorded, []
+
+  def killed_in_the_third_batch(model, prompts, *args, **kwargs):
+    calls.append(len(prompts))
+    if len(calls) == 3:
+      raise KeyboardInterrupt("killed")
+    return real(model, prompts, *args, **kwargs)
+
+  monkeypatch.setattr(features, "generate_recorded", killed_in_the_third_batch)
+  with pytest.raises(KeyboardInterrupt):
+    _regenerate(tiny, PROMPTS, tmp_path / "resumed")
+  partial = [p for p in os.listdir(tmp_path) if p.startswith("resumed.tmp-")]
+  assert len(partial) == 1
+  with pytest.raises(CheckpointError, match="partial build of a different cache: .*prompts_fingerprint"):
+    _regenerate(tiny, PROMPTS[:5], tmp_path / "resumed")
+  os.rename(tmp_path / partial[0], tmp_path / "resumed.tmp-999999999")  # as left by a process that is gone
+  calls.clear()
+  cache = _regenerate(tiny, PROMPTS, tmp_path / "resumed")
+  assert calls == [2] and cache.meta["resumed_from"] == 4  # only the batch the kill interrupted ran again
+  for name in features.ARRAYS:
+    assert filecmp.cmp(tmp_path / "whole" / f"{name}.npy", tmp_path / "resumed" / f"{name}.npy", shallow=False), name
+
+
 def test_top_token_map_holds_the_most_frequent_ids_and_the_stop_tokens():
   counts = np.zeros(100, np.int64)
   counts[[40, 7, 90, 13, 55]] = [50, 30, 30, 20, 1]
@@ -322,5 +363,7 @@ def test_train_data_config_variants():
   assert tuple(default.feature_layers) == features.default_feature_layers(30)
   regenerate = train_data_config.get_config("regenerate")
   assert regenerate.regenerate and regenerate.workdir == "workdirs/data/train_data-regenerate"
+  assert regenerate.regenerate_temperature == 0.0 and regenerate.regenerate_batch_size >= 16
+  assert regenerate.num_train > default.num_train and train_data_config.get_config("regenerate,small").num_train == 24
   with pytest.raises(ValueError, match="variants are"):
     train_data_config.get_config("regenrate")

@@ -16,23 +16,16 @@ skip runs the target's layers and owns nothing; an MTP head owns its head and re
       are never accepted.
   update(target_params, params, options, state, result: RoundResult) -> state
       after verification, given each row's accepted length and the target's hidden states at the verified
-      positions (what MTP heads draft from). Also after rounds in which the drafter did not run
-      (`result.drafted` False: plain target steps), so a drafter that keeps its own cache can follow: with
-      adaptive drafting, several plain steps at once (`AdaptiveDrafting.catch_up`), as one result over their
-      positions, before the drafter proposes again.
-
-A drafter that keeps its own state over plain steps may also define `follow` (`Drafter.follow`): `update` after
-plain steps that also returns its first-slot logits at each followed step, what a one-token draft made at that
-step's pending position would have been drawn from. Adaptive drafting scores them against the tokens the target
-produced there (`AdaptiveDrafting.shadow`), so plain steps bring evidence of the acceptance without drafting:
-
-  follow(target_params, params, options, state, result: RoundResult) -> Followed
-      result as for `update` after plain steps (`result.drafted` False); logits [B, w, V'] for steps 0..w-1,
-      step i predicting the token after position result.verify_position + i.
+      positions (what MTP heads draft from). Also after a round in which the drafter did not run
+      (`result.drafted` False: a plain target step, one position), so a drafter that keeps its own cache can
+      follow.
 
 A drafter that runs the target's own first k layers on [pending, x_1, ...] (`reuse_layers = k`, early exit)
 writes the target's K/V for those layers as it drafts and hands over their output (`Proposal.hidden`), so
 verification runs layers 0..k-1 only for the token the draft did not process (LayerSkip's cache reuse).
+
+A drafter describes what it costs in one `DraftCost` (a draft step, following a plain step, the target layers it
+reuses), which the drafting policy plans rounds with (`specjax.adaptive`).
 
 A trainable drafter also has `loss(target_params, params, options, batch) -> (loss, metrics)` over a batch
 of cached target features (`specjax.features`); `specjax.train` trains `params` with the target frozen.
@@ -104,17 +97,22 @@ class RoundResult:
   verify_hidden: jax.Array
   features: jax.Array | None  # [B, w, F, D] after each of `Drafter.feature_layers` (or None)
   verify_position: jax.Array  # [B] position of the first verified token (the pending one before this round)
-  # True: the drafter proposed this round. False: w plain target steps (rounds that did not draft), one token
-  # each from verify_position on, as if their tokens were accepted drafts (`accepted`: steps - 1).
+  # True: the drafter proposed this round. False: a plain target step (the round did not draft: w = 1 position)
   drafted: bool = struct.field(pytree_node=False, default=True)
 
 
-class Followed(NamedTuple):
-  """What `Drafter.follow` returns: the state after following plain steps, and the draft's first-slot logits at
-  each of them."""
-  state: Any
-  logits: jax.Array  # [B, w, V'] step i: a one-token draft at position verify_position + i
-  token_map: jax.Array | None  # [V'] draft index -> token id (None: the full vocabulary)
+@dataclasses.dataclass(frozen=True)
+class DraftCost:
+  """What a drafter's work costs, each over one target step at the same batch size: to first order the weights it
+  reads, since a decode step is memory-bound (Leviathan et al. 2023's c; `specjax.leviathan.draft_cost`)."""
+  step: float = 0.0  # c: one draft step
+  plain_step: float = 0.0  # following a plain target step: `update` over its one token (`RoundResult.drafted` False)
+  reused: float = 0.0  # the target's layers 0..k-1 the drafter runs itself (`Drafter.reuse_layers` = k)
+
+  def __post_init__(self):
+    if not (self.step >= 0.0 and self.plain_step >= 0.0 and 0.0 <= self.reused < 1.0):
+      raise ValueError(f"draft costs are shares of a target step: step, plain_step >= 0 and reused in [0, 1); got "
+                       f"{self}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,14 +130,7 @@ class Drafter:
   feature_layers: tuple[int, ...] = ()  # target layers whose outputs the drafter reads (PromptInfo/RoundResult)
   max_gamma: int | None = None  # most draft tokens one round can propose (None: unbounded)
   reuse_layers: int = 0  # k > 0: drafts run the target's layers 0..k-1 and hand over their output (see above)
-  draft_cost: float = 0.0  # c: one draft step's cost over one target step (weights read), for adaptive drafting
-  # Following one plain target step (its `update` over one token) over a target step; adaptive drafting amortises it
-  # over `AdaptiveDrafting.catch_up` steps followed at once
-  plain_step_cost: float = 0.0
-  # `update` after plain steps that also scores them (see above; None: the drafter does not score them), and what
-  # scoring adds to following them (its output head over the followed positions), over a target step
-  follow: Callable | None = None
-  score_cost: float = 0.0
+  cost: DraftCost = DraftCost()  # for the drafting policy (`specjax.adaptive`)
 
   def static(self) -> "Drafter":
     return dataclasses.replace(self, params=None, param_specs=None)

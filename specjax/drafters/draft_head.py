@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import cpu_kernels
+from specjax import ops
 from specjax.config import ModelConfig
 from specjax.drafters import checkpoint
 from specjax.loading import CheckpointError, EMBEDDED_MODELS
@@ -49,7 +49,7 @@ def logits(target_params, params, hidden: jax.Array, config: ModelConfig) -> jax
   """float32 draft logits [..., V'] (or [..., V]) of hidden states [..., D] (before the final norm)."""
   h = rms_norm(hidden, target_params["final_norm"], config.rms_norm_eps)
   if "head" in params:  # [D, V'], or packed for decoding (specjax.decoding.decode_draft_params)
-    return cpu_kernels.dense(h, params["head"], preferred_element_type=jnp.float32)
+    return ops.matmul(h, params["head"], preferred_element_type=jnp.float32)
   return output_projection(target_params, h, config)
 
 

@@ -3,8 +3,8 @@
 Each round the draft model first re-reads the token before the pending one, then the pending token (a
 2-token step), and then feeds back its own proposals one at a time. Re-reading the previous token keeps the
 draft cache complete when every draft was accepted in the last round (the last draft was never fed then).
-After rounds without drafting (plain target steps), `update` reads their tokens, several plain steps in one
-forward (adaptive drafting's `catch_up`), so a plain step costs the target step plus a share of that forward.
+After a round without drafting (a plain target step), `update` reads that step's token, so a plain step costs
+the target step plus the draft's layers over one token.
 
 Distilled draft (DistillSpec, Zhou et al. 2024; layer-dropped initialisation as in DistilBERT, Sanh et al. 2019,
 and Sheared/ShortGPT-style pruned students): n decoder layers initialised from target layers (evenly spaced,
@@ -26,7 +26,7 @@ import numpy as np
 
 from specjax import leviathan
 from specjax.config import ModelConfig
-from specjax.drafters import Drafter, DraftInputs, Followed, PromptInfo, RoundResult, draft_head, draft_tokens
+from specjax.drafters import DraftCost, Drafter, DraftInputs, PromptInfo, RoundResult, draft_head, draft_tokens
 from specjax.loading import EMBEDDED_MODELS, CheckpointError, Model, load
 from specjax.model import forward, init_cache, param_shapes
 from specjax.sampling import SamplingParams
@@ -107,50 +107,31 @@ def propose(target_params, params, options: Options, state: State, inputs: Draft
 
 def update(target_params, params, options: Options, state: State, result: RoundResult) -> State:
   """After a round that drafted the cache already holds [pending - 1, pending, x_1, ...]. After plain target
-  steps (`result.drafted` False) the draft reads their tokens (`follow`; XLA drops the logits `update` does not
-  use)."""
+  steps (`result.drafted` False) the draft reads the tokens of those steps, each one's previous token: positions
+  verify_position - 1 .. verify_position + w - 2, w being the result's width (one forward over all of them), so
+  its cache stays valid below position - 1, where the next round's 2-token first step starts."""
   if result.drafted:
     return state
-  return follow(target_params, params, options, state, result).state
-
-
-def follow(target_params, params, options: Options, state: State, result: RoundResult) -> Followed:
-  """After w plain target steps the draft reads their tokens and the one before them, positions
-  verify_position - 1 .. verify_position + w - 1 (one forward over all of them), so its cache stays valid below
-  the new pending position (the next round's 2-token first step rewrites position - 1 as it is). Its hidden state
-  at verify_position + i gives step i's first-slot logits."""
   rows = jnp.arange(result.sequence.shape[0])
   start = result.verify_position - 1
-  positions = jnp.minimum(start[:, None] + jnp.arange(result.verify_hidden.shape[1] + 1)[None, :],
+  positions = jnp.minimum(start[:, None] + jnp.arange(result.verify_hidden.shape[1])[None, :],
                           result.sequence.shape[1] - 1)  # slots past the sequence: dropped by the write, or
   # (behind an offset) written past every position read so far, as any slot beyond the pending token is
-  out = forward(model_params(target_params, params, options), result.sequence[rows[:, None], positions],
-                state.cache, start - state.offset, options.config, compute_logits=False)
-  return Followed(state=state._replace(cache=out.cache),
-                  logits=logits(target_params, params, options, out.hidden[:, 1:]), token_map=params.get("token_map"))
+  cache = forward(model_params(target_params, params, options), result.sequence[rows[:, None], positions],
+                  state.cache, start - state.offset, options.config, compute_logits=False).cache
+  return state._replace(cache=cache)
 
 
-def cost(target, options: Options, params) -> float:
-  """c: the weights one draft step reads (its layers and output head) over a target step's."""
+def cost(target, options: Options, params) -> DraftCost:
+  """A draft step reads the draft's layers and output head; following a plain step, its layers only."""
   if not options.distilled:
     own = {"layers": params["layers"], "head": params.get("lm_head", params["embed"])}
-    return leviathan.draft_cost(target.params, target.config, (), own, head_columns=0)
-  own = {k: v for k, v in params.items() if k not in ("token_map", "head")}
-  return leviathan.draft_cost(target.params, target.config, (), own, head_columns=options.draft_vocab)
-
-
-def follow_cost(target, params) -> float:
-  """`update` after a plain step: the draft's layers over one token (no output head)."""
-  return leviathan.draft_cost(target.params, target.config, (), {"layers": params["layers"]}, head_columns=0)
-
-
-def score_cost(target, options: Options, params) -> float:
-  """What `follow` adds to `update` after plain steps: the draft's output head (its own, or the target's columns of
-  the draft vocabulary)."""
-  if not options.distilled:
-    return leviathan.draft_cost(target.params, target.config, (), {"head": params.get("lm_head", params["embed"])},
-                                head_columns=0) - leviathan.draft_cost(target.params, target.config, (), None, 0)
-  return leviathan.head_cost(target.params, target.config, options.draft_vocab)
+    step = leviathan.draft_cost(target.params, target.config, (), own, head_columns=0)
+  else:
+    own = {k: v for k, v in params.items() if k not in ("token_map", "head")}
+    step = leviathan.draft_cost(target.params, target.config, (), own, head_columns=options.draft_vocab)
+  return DraftCost(step=step, plain_step=leviathan.draft_cost(target.params, target.config, (),
+                                                              {"layers": params["layers"]}, head_columns=0))
 
 
 def loss(target_params, params, options: Options, batch):
@@ -264,15 +245,11 @@ def _make(model, draft, num_layers, init_layers, token_map) -> Drafter:
     _check_vocabulary(model, draft)
     options = Options(config=draft.config)
     return Drafter(name=NAME, init=init, propose=propose, update=update, options=options, params=draft.params,
-                   param_specs=param_shapes(draft.config), loss=loss, draft_cost=cost(model, options, draft.params),
-                   plain_step_cost=follow_cost(model, draft.params), follow=follow,
-                   score_cost=score_cost(model, options, draft.params))
+                   param_specs=param_shapes(draft.config), loss=loss, cost=cost(model, options, draft.params))
   if options.draft_vocab is not None:
     params["head"] = draft_head.head_columns(model.params, config, params["token_map"])
   return Drafter(name=NAME, init=init, propose=propose, update=update, options=options, params=params,
-                 param_specs=param_specs(options), loss=loss, draft_cost=cost(model, options, params),
-                 plain_step_cost=follow_cost(model, params), follow=follow,
-                 score_cost=score_cost(model, options, params))
+                 param_specs=param_specs(options), loss=loss, cost=cost(model, options, params))
 
 
 def _check_vocabulary(model, draft) -> None:

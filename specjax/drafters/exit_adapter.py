@@ -16,8 +16,8 @@ Kangaroo's adapter is the attention alone (`mlp=False`). A fresh adapter is a co
 Drafting runs layers 0..k-1 on the draft token against the target's shared KV cache, exactly as
 `layer_skip` does, then the adapter. The adapter's own KV cache covers the committed positions: `init` and
 `update` write it from the target's layer-k features of the prefill and of every verification forward
-(`Drafter.feature_layers = (k - 1,)`; plain target steps several at once), so no extra target call; slots
-past a row's committed length are overwritten by the next round's drafts before anything reads them.
+(`Drafter.feature_layers = (k - 1,)`; plain target steps too), so no extra target call; slots past a row's
+committed length are overwritten by the next round's drafts before anything reads them.
 
 Training (`loss`, self-distillation on cached features with layer k - 1 among the cache's feature layers):
 the adapter runs causally over a whole cached sequence of h_t (what it attends to at inference, every one a
@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 
 from specjax import leviathan
-from specjax.config import ModelConfig, rope_inv_freq
-from specjax.drafters import Drafter, DraftInputs, Followed, PromptInfo, RoundResult, draft_head, draft_tokens
+from specjax.config import ModelConfig
+from specjax.drafters import DraftCost, Drafter, DraftInputs, PromptInfo, RoundResult, draft_head, draft_tokens
 from specjax.loading import CheckpointError
 from specjax.model import attention_block, forward, mlp_block, param_shapes
 from specjax.sampling import SamplingParams
@@ -79,8 +79,7 @@ def adapter(params, options: Options, hidden: jax.Array, k_cache: jax.Array, v_c
   """g [B, T, D] from h [B, T, D] at positions [B, T], attending to cache slots <= each position after writing
   this call's K/V there. Returns (g, k_cache, v_cache); callers that only fill the cache drop g (XLA prunes it)."""
   config = options.config
-  inv_freq = jnp.asarray(rope_inv_freq(config), jnp.float32)
-  attn, k_cache, v_cache = attention_block(params, hidden, k_cache, v_cache, positions, inv_freq, config)
+  attn, k_cache, v_cache = attention_block(params, hidden, k_cache, v_cache, positions, config)
   g = hidden + attn
   if options.mlp:
     g = g + mlp_block(params, g, config)
@@ -120,20 +119,12 @@ def propose(target_params, params, options: Options, state, inputs: DraftInputs,
 
 
 def update(target_params, params, options: Options, state, result: RoundResult):
-  # The verification forward gave true layer-k features at the verified positions: they replace the drafts' K/V
-  # (`follow`; XLA drops the logits `update` does not use).
-  return follow(target_params, params, options, state, result).state
-
-
-def follow(target_params, params, options: Options, state, result: RoundResult) -> Followed:
-  """The adapter over the true layer-k features at the verified (or followed) positions, writing their K/V; its
-  output at verify_position + i gives step i's first-slot logits."""
+  # The verification forward gave true layer-k features at the verified positions: they replace the drafts' K/V.
   width = result.features.shape[1]
   positions = result.verify_position[:, None] + jnp.arange(width)[None, :]
-  g, k, v = adapter(params, options, result.features[:, :, 0].astype(state["k"].dtype), state["k"], state["v"],
+  _, k, v = adapter(params, options, result.features[:, :, 0].astype(state["k"].dtype), state["k"], state["v"],
                     positions)
-  return Followed(state={"k": k, "v": v}, logits=draft_head.logits(target_params, params, g, options.config),
-                  token_map=params.get("token_map"))
+  return {"k": k, "v": v}
 
 
 def loss(target_params, params, options: Options, batch):
@@ -194,21 +185,17 @@ def make(model, adapter: str, exit_layer: int | None = None, mlp: bool | None = 
     params["head"] = draft_head.head_columns(model.params, config, params["token_map"])
   return Drafter(name=NAME, init=init, propose=propose, update=update, options=options, params=params,
                  param_specs=param_specs(options), loss=loss, feature_layers=(options.exit_layer - 1,),
-                 reuse_layers=options.exit_layer, draft_cost=cost(model, options, params),
-                 plain_step_cost=follow_cost(model, params), follow=follow,
-                 score_cost=leviathan.head_cost(model.params, config, options.draft_vocab))
+                 reuse_layers=options.exit_layer, cost=cost(model, options, params))
 
 
 def _adapter_weights(params) -> dict:
   return {k: v for k, v in params.items() if k not in ("token_map", "head")}
 
 
-def cost(model, options: Options, params) -> float:
-  """c: one draft step reads layers 0..k-1, the adapter and the (truncated) head."""
-  return leviathan.draft_cost(model.params, model.config, options.layers, _adapter_weights(params),
-                              options.draft_vocab)
-
-
-def follow_cost(model, params) -> float:
-  """`update` after a plain step: the adapter over one position's features."""
-  return leviathan.draft_cost(model.params, model.config, (), _adapter_weights(params), head_columns=0)
+def cost(model, options: Options, params) -> DraftCost:
+  """A draft step reads layers 0..k-1 (reused by verification), the adapter and the (truncated) head; following a
+  plain step, the adapter over one position's features."""
+  target, config, adapter_weights = model.params, model.config, _adapter_weights(params)
+  return DraftCost(step=leviathan.draft_cost(target, config, options.layers, adapter_weights, options.draft_vocab),
+                   plain_step=leviathan.draft_cost(target, config, (), adapter_weights, head_columns=0),
+                   reused=leviathan.draft_cost(target, config, options.layers, head_columns=0))

@@ -15,10 +15,11 @@ Elhoushi et al. 2024: self-speculation reuses the draft's cache and computation)
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from specjax import leviathan
 from specjax.config import ModelConfig
-from specjax.drafters import Drafter, DraftInputs, draft_tokens, exit_adapter, keep_state, no_state
+from specjax.drafters import DraftCost, Drafter, DraftInputs, draft_tokens, exit_adapter, keep_state, no_state
 from specjax.model import forward
 from specjax.sampling import SamplingParams
 
@@ -72,5 +73,43 @@ def make(model, exit_layer: int | None = None, skip_layers=None, adapter: str | 
   layers = draft_layers(model.config.num_layers, exit_layer, skip_layers)
   return Drafter(name="layer_skip", init=no_state, propose=propose, update=keep_state,
                  options=Options(config=model.config, layers=layers), params={}, param_specs={},
-                 reuse_layers=len(layers) if is_prefix(layers) else 0,
-                 draft_cost=leviathan.draft_cost(model.params, model.config, layers))
+                 reuse_layers=len(layers) if is_prefix(layers) else 0, cost=cost(model, layers))
+
+
+def cost(model, layers: tuple[int, ...]) -> DraftCost:
+  """A draft step reads `layers` and the head; an early exit's layers are reused by verification."""
+  reused = leviathan.draft_cost(model.params, model.config, layers, head_columns=0) if is_prefix(layers) else 0.0
+  return DraftCost(step=leviathan.draft_cost(model.params, model.config, layers), reused=reused)
+
+
+# --- Saved skip sets (experiments/layer_skip_search.py searches for them and writes them) ----------------------
+
+def read_skip_set(path: str) -> dict:
+  """The whole saved record."""
+  with open(path, encoding="utf-8") as f:
+    record = json.load(f)
+  if record.get("drafter") != "layer_skip" or not isinstance(record.get("options"), dict):
+    raise ValueError(f"{path} is not a layer-skip record (drafter={record.get('drafter')!r})")
+  return record
+
+
+def load_skip_set(path: str, model=None) -> dict:
+  """`make_drafter("layer_skip", model, **load_skip_set(path))` keyword arguments from a saved record.
+
+  With `model`, checks that the record was searched for a model with as many layers and that the set is
+  valid for it.
+  """
+  record = read_skip_set(path)
+  options = dict(record["options"])
+  if set(options) - {"skip_layers", "exit_layer"} or len(options) != 1:
+    raise ValueError(f"{path}: options must be exactly one of skip_layers / exit_layer, got {options}")
+  if "skip_layers" in options:
+    options["skip_layers"] = [int(i) for i in options["skip_layers"]]
+  else:
+    options["exit_layer"] = int(options["exit_layer"])
+  if model is not None:
+    if record.get("num_layers") not in (None, model.config.num_layers):
+      raise ValueError(f"{path} was searched for a {record['num_layers']}-layer model ({record.get('model')}); "
+                       f"{model.name} has {model.config.num_layers}")
+    draft_layers(model.config.num_layers, **options)
+  return options

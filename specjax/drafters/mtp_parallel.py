@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from specjax.config import ModelConfig
 from specjax import leviathan
-from specjax.drafters import (Drafter, DraftInputs, Followed, PromptInfo, Proposal, RoundResult, choose_tokens,
+from specjax.drafters import (DraftCost, Drafter, DraftInputs, PromptInfo, Proposal, RoundResult, choose_tokens,
                               confidence, draft_lengths)
 from specjax.drafters import draft_head
 from specjax.model import ParamSpec
@@ -86,17 +86,6 @@ def update(target_params, params, options: Options, hidden, result: RoundResult)
   return result.verify_hidden[rows, result.accepted].astype(hidden.dtype)
 
 
-def follow(target_params, params, options: Options, hidden, result: RoundResult) -> Followed:
-  """`update`, and head 1 over the target's hidden states before each followed step (the state's, then those at
-  verify_position + i - 1): step i's first-slot logits, as a draft at position p starts from the hidden state at
-  p - 1."""
-  drafts_from = jnp.concatenate([hidden[:, None].astype(result.verify_hidden.dtype), result.verify_hidden[:, :-1]],
-                                axis=1)
-  logits = draft_head.logits(target_params, params, heads(params, drafts_from, 1)[..., 0, :], options.config)
-  return Followed(state=update(target_params, params, options, hidden, result), logits=logits,
-                  token_map=params.get("token_map"))
-
-
 def loss(target_params, params, options: Options, batch):
   """Self-distillation over a batch of cached features (`specjax.features.FeatureCache.batch`).
 
@@ -147,15 +136,13 @@ def make(model, path: str | None = "default", num_heads: int = 4, token_map=None
     params["head"] = draft_head.head_columns(model.params, config, params["token_map"])
   return Drafter(name=NAME, init=init, propose=propose, update=update, options=options, params=params,
                  param_specs=param_specs(options), loss=loss, max_gamma=options.num_heads,
-                 draft_cost=cost(model, options, params), follow=follow,
-                 score_cost=leviathan.head_cost(model.params, config, options.draft_vocab)
-                 + leviathan.draft_cost(model.params, config, (), {"w": params["w"][0]}, head_columns=0))
+                 cost=cost(model, options, params))
 
 
-def cost(model, options: Options, params) -> float:
+def cost(model, options: Options, params) -> DraftCost:
   """c per draft token: one round reads the (truncated) head once for all its heads, so each of num_heads
-  tokens costs a share of it, plus its own head block."""
+  tokens costs a share of it, plus its own head block. Following a plain step keeps a hidden state: free."""
   head = leviathan.draft_cost(model.params, model.config, (), head_columns=options.draft_vocab)
   block = leviathan.draft_cost(model.params, model.config, (), {"w": params["w"][0]}, head_columns=0)
-  return head / options.num_heads + block
+  return DraftCost(step=head / options.num_heads + block)
 

@@ -15,12 +15,11 @@ again and again, as EAGLE does), which runs one position further. With `feature_
 KV caches. Each module keeps its own K/V cache over committed positions, computed from the TRUE target
 features: after every verification (`update`) each module runs over the gamma + 1 verified positions with
 the target's hidden states from that same verification forward (no extra target call; plain target steps
-several at once); slots past a row's
-committed length are overwritten in the next round before anything reads them. Module 1's output at the
-newest committed position p-1 is kept, and gives the first draft at no cost in the next round. Drafting step
-k (k >= 2) runs at position q = p - 2 + k and attends to the committed slots (<= p-1) plus what this round
-wrote at positions p..q: with a recurrent module those are its own earlier drafting steps; with distinct
-modules, only module k's own position q.
+too); slots past a row's committed length are overwritten in the next round before anything reads them. Module
+1's output at the newest committed position p-1 is kept, and gives the first draft at no cost in the next round.
+Drafting step k (k >= 2) runs at position q = p - 2 + k and attends to the committed slots (<= p-1) plus what
+this round wrote at positions p..q: with a recurrent module those are its own earlier drafting steps; with
+distinct modules, only module k's own position q.
 
 Training (`loss`, self-distillation on cached features) follows exactly that visibility (EAGLE-3's
 "training-time test"): depth k at position j reads g^{k-1}_{j-1} from depth k-1, attends to true-feature
@@ -35,14 +34,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from specjax.config import ModelConfig, rope_inv_freq
-from specjax import cpu_kernels, leviathan
-from specjax.drafters import (Drafter, DraftInputs, Followed, PromptInfo, Proposal, RoundResult, choose_tokens,
+from specjax.config import ModelConfig
+from specjax import leviathan, ops
+from specjax.drafters import (DraftCost, Drafter, DraftInputs, PromptInfo, Proposal, RoundResult, choose_tokens,
                               confidence, draft_head, keeps)
-from specjax.model import (ParamSpec, apply_rope, attend as causal_attend, embed, merge_heads, mlp_block,
-                           project_heads, rms_norm)
+from specjax.model import ParamSpec, embed, merge_heads, mlp_block, qkv, rms_norm
 from specjax.sampling import SamplingParams
 
 NAME = "mtp_sequential"
@@ -107,42 +104,14 @@ def features_to_hidden(params, features: jax.Array) -> jax.Array:
   if "feature_proj" not in params:
     return features[:, :, 0, :]
   flat = features.reshape(features.shape[:2] + (-1,))
-  return cpu_kernels.dense(flat, params["feature_proj"].astype(flat.dtype))
+  return ops.matmul(flat, params["feature_proj"].astype(flat.dtype))
 
 
 def module_input(mp, token_emb: jax.Array, hidden: jax.Array, config: ModelConfig) -> jax.Array:
   """W [RMSNorm(emb); RMSNorm(h)]: [B, T, D]."""
   eps = config.rms_norm_eps
   both = jnp.concatenate([rms_norm(token_emb, mp["emb_norm"], eps), rms_norm(hidden, mp["hidden_norm"], eps)], -1)
-  return cpu_kernels.dense(both, mp["fc"])
-
-
-def qkv(mp, x: jax.Array, positions: jax.Array, config: ModelConfig):
-  """Queries [B, T, H, hd] and keys/values [B, T, KV, hd] of the block's attention, RoPE applied."""
-  inv_freq = jnp.asarray(rope_inv_freq(config), jnp.float32)
-  h = rms_norm(x, mp["attn_norm"], config.rms_norm_eps)
-  q = apply_rope(project_heads(h, mp["wq"]), positions, inv_freq)
-  k = apply_rope(project_heads(h, mp["wk"]), positions, inv_freq)
-  return q, k, project_heads(h, mp["wv"])
-
-
-def attend(q, keys, values, visible, config: ModelConfig, extra_keys=None, extra_values=None):
-  """GQA attention of q [B, T, H, hd] over keys/values [B, S, KV, hd] where visible [B, T, S], plus
-  optional per-query extra keys/values [B, T, E, KV, hd] (always visible). Returns [B, T, H, hd]."""
-  b, t, _, hd = q.shape
-  kv = config.num_kv_heads
-  q = q.reshape(b, t, kv, -1, hd)
-  scores = jnp.einsum("btkgh,bskh->bkgts", q, keys, preferred_element_type=jnp.float32) / np.sqrt(hd)
-  scores = jnp.where(visible[:, None, None], scores, -1e30)
-  if extra_keys is not None:
-    extra = jnp.einsum("btkgh,btekh->bkgte", q, extra_keys, preferred_element_type=jnp.float32) / np.sqrt(hd)
-    scores = jnp.concatenate([scores, extra], axis=-1)
-  probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-  s = keys.shape[1]
-  out = jnp.einsum("bkgts,bskh->btkgh", probs[..., :s], values)
-  if extra_keys is not None:
-    out = out + jnp.einsum("bkgte,btekh->btkgh", probs[..., s:], extra_values)
-  return out.reshape(b, t, config.num_heads, hd)
+  return ops.matmul(both, mp["fc"])
 
 
 def finish(mp, x, attn_out, config: ModelConfig) -> jax.Array:
@@ -168,8 +137,8 @@ def _run_true(target_params, params, options: Options, state, next_tokens, featu
     x = module_input(mp, token_emb, hidden, config)
     q, k, v = qkv(mp, x, positions, config)
     k_cache, v_cache = _write(state["k"][m], k, positions), _write(state["v"][m], v, positions)
-    if m == 0:  # causal over the committed slots: specjax's CPU attention kernel where it applies
-      first = finish(mp, x, cpu_kernels.attention(q, k_cache, v_cache, positions, causal_attend), config)
+    if m == 0:  # causal over the committed slots
+      first = finish(mp, x, ops.attention(q, k_cache, v_cache, positions), config)
     k_caches.append(k_cache)
     v_caches.append(v_cache)
   return {**state, "k": jnp.stack(k_caches), "v": jnp.stack(v_caches)}, first
@@ -215,11 +184,11 @@ def propose(target_params, params, options: Options, state, inputs: DraftInputs,
     q_, k, v = qkv(mp, x, position, config)
     k_cache, v_cache = _write(k_all[m], k, position), _write(v_all[m], v, position)
     if options.recurrent:  # committed slots and this round's drafts p..q, all written by this module: causal
-      attn = cpu_kernels.attention(q_, k_cache, v_cache, position, causal_attend)
+      attn = ops.attention(q_, k_cache, v_cache, position)
     else:  # committed slots and this module's own position
       slots = jnp.arange(k_cache.shape[1])[None, None, :]
-      visible = (slots <= (p - 1)[:, None, None]) | (slots == position[:, :, None])
-      attn = attend(q_, k_cache, v_cache, visible, config)
+      own = (slots <= (p - 1)[:, None, None]) | (slots == position[:, :, None])
+      attn = ops.attention(q_, k_cache, v_cache, position, mask=own)
     hidden = finish(mp, x, attn, config)[:, 0]
     return (*choose(hidden, keys[step - 1]), hidden, k_all.at[m].set(k_cache), v_all.at[m].set(v_cache))
 
@@ -245,25 +214,13 @@ def propose(target_params, params, options: Options, state, inputs: DraftInputs,
 
 def update(target_params, params, options: Options, state, result: RoundResult):
   # The verified positions p..p+gamma now have true target features; the token after each is committed
-  # up to p + accepted + 1 (later slots are stale and get overwritten before they are read). (`follow`; XLA drops
-  # the logits `update` does not use.)
-  return follow(target_params, params, options, state, result).state
-
-
-def follow(target_params, params, options: Options, state, result: RoundResult) -> Followed:
-  """Every module over the verified (or followed) positions with true inputs; module 1's output before them (the
-  state's) and at verify_position + i - 1 give step i's first-slot logits (a draft at position p starts from
-  module 1 at p - 1, which read the token at p)."""
+  # up to p + accepted + 1 (later slots are stale and get overwritten before they are read).
   b, width = result.verify_hidden.shape[:2]
   rows = jnp.arange(b)
   positions = result.verify_position[:, None] + jnp.arange(width)[None, :]
   next_tokens = result.sequence[rows[:, None], jnp.minimum(positions + 1, result.sequence.shape[1] - 1)]
-  before = state["hidden"]
   state, first = _run_true(target_params, params, options, state, next_tokens, result.features, positions)
-  drafts_from = jnp.concatenate([before[:, None].astype(first.dtype), first[:, :-1]], axis=1)
-  return Followed(state={**state, "hidden": first[rows, result.accepted]},
-                  logits=draft_head.logits(target_params, params, drafts_from, options.config),
-                  token_map=params.get("token_map"))
+  return {**state, "hidden": first[rows, result.accepted]}
 
 
 def loss(target_params, params, options: Options, batch):
@@ -297,8 +254,7 @@ def loss(target_params, params, options: Options, batch):
     mp = _module(params, m)
     x_true, q_true, k_true, v_true = true_keys(m)
     if k == 1:
-      visible = jnp.broadcast_to(slots[None, None, :] <= slots[None, :, None], (b, t, t))
-      hidden = finish(mp, x_true, attend(q_true, k_true, v_true, visible, config), config)
+      hidden = finish(mp, x_true, ops.attention(q_true, k_true, v_true, positions), config)
     else:
       prev = jnp.pad(hidden[:, :-1], ((0, 0), (1, 0), (0, 0)))  # g^{k-1}_{j-1} at position j
       x = module_input(mp, token_emb, prev, config)
@@ -308,8 +264,8 @@ def loss(target_params, params, options: Options, batch):
       n = len(drafted)
       extra_k = jnp.stack([draft_head.shifted_back(kd, n - 1 - i) for i, (kd, _) in enumerate(drafted)], axis=2)
       extra_v = jnp.stack([draft_head.shifted_back(vd, n - 1 - i) for i, (_, vd) in enumerate(drafted)], axis=2)
-      visible = jnp.broadcast_to(slots[None, None, :] <= slots[None, :, None] - (k - 1), (b, t, t))
-      hidden = finish(mp, x, attend(q, k_true, v_true, visible, config, extra_k, extra_v), config)
+      attn = ops.attention(q, k_true, v_true, positions - (k - 1), extra_keys=extra_k, extra_values=extra_v)
+      hidden = finish(mp, x, attn, config)
     valid = target_mask & (slots[None, :] >= k - 1)
     loss_k, top1_k = draft_head.distill_loss(draft_head.logits(target_params, params, hidden, config), teacher_ids,
                                              teacher_probs, valid, params, config.vocab_size)
@@ -370,18 +326,13 @@ def make(model, path: str | None = "default", depth: int = 4, recurrent: bool = 
     params["head"] = draft_head.head_columns(model.params, config, params["token_map"])
   return Drafter(name=NAME, init=init, propose=propose, update=update, options=options, params=params,
                  param_specs=param_specs(options), loss=loss, feature_layers=options.feature_layers,
-                 max_gamma=None if options.recurrent else options.depth, draft_cost=cost(model, options, params),
-                 plain_step_cost=follow_cost(model, params), follow=follow,
-                 score_cost=leviathan.head_cost(model.params, config, options.draft_vocab))
+                 max_gamma=None if options.recurrent else options.depth, cost=cost(model, options, params))
 
 
-def cost(model, options: Options, params) -> float:
-  """c: one draft step reads one module and the (truncated) head."""
-  own = {k: v[0] for k, v in params.items() if k in BLOCK + ("fc", "emb_norm", "hidden_norm")}
-  return leviathan.draft_cost(model.params, model.config, (), own, options.draft_vocab)
-
-
-def follow_cost(model, params) -> float:
-  """`update` after a plain step: every module over one position (no head)."""
-  own = {k: v for k, v in params.items() if k in BLOCK + ("fc", "emb_norm", "hidden_norm", "feature_proj")}
-  return leviathan.draft_cost(model.params, model.config, (), own, head_columns=0)
+def cost(model, options: Options, params) -> DraftCost:
+  """A draft step reads one module and the (truncated) head; following a plain step, every module over one
+  position (no head)."""
+  module = {k: v[0] for k, v in params.items() if k in BLOCK + ("fc", "emb_norm", "hidden_norm")}
+  modules = {k: v for k, v in params.items() if k in BLOCK + ("fc", "emb_norm", "hidden_norm", "feature_proj")}
+  return DraftCost(step=leviathan.draft_cost(model.params, model.config, (), module, options.draft_vocab),
+                   plain_step=leviathan.draft_cost(model.params, model.config, (), modules, head_columns=0))

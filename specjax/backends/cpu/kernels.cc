@@ -1,4 +1,4 @@
-// Decode kernels for XLA:CPU, called through the XLA FFI (see cpu_kernels.py). Float32 arithmetic; weights and
+// Decode kernels for XLA:CPU, called through the XLA FFI (see kernels.py). Float32 arithmetic; weights and
 // caches float32 or bfloat16.
 //
 //   PackedMatmul: out[M, NB * P] = x[M, K] @ w, w packed as NB column panels [NB, K, P] (P = kPanel)
@@ -7,7 +7,7 @@
 // matrix. The weights are read from memory once per call whatever M is, so the product should cost about what a
 // matrix-vector product costs. XLA:CPU's general matrix product packs the weight matrix into a scratch layout on
 // every call, which reads and writes it again (5 rows cost ~2-2.6x one row). Here the weights are packed once,
-// when they are loaded for decoding (cpu_kernels.pack): each panel of P output columns is one contiguous run of
+// when they are loaded for decoding (packing.pack): each panel of P output columns is one contiguous run of
 // K x P values, so a call streams every weight exactly once, sequentially, prefetching ahead. Within a panel,
 // groups of up to kGroup rows keep their P-column accumulators in registers over all of K; more rows take more
 // passes over the panel, which then comes from L2 (a panel is K x P x 4 bytes: 72 KB for K = 576). The panels are
@@ -64,7 +64,7 @@ inline v16 LoadW(const uint16_t* p) {
   return v;
 }
 
-// Must equal cpu_kernels.PANEL.
+// Must equal packing.PANEL.
 constexpr int kVecs = 2;
 constexpr int64_t kPanel = 16 * kVecs;
 #ifndef SPECJAX_PF
@@ -158,9 +158,9 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   if (wd.size() != 3 || xd.size() < 1 || wd[2] != kPanel)
-    return ffi::Error::InvalidArgument("cpu_kernels: w must be packed panels [NB, K, 32]");
+    return ffi::Error::InvalidArgument("specjax: w must be packed panels [NB, K, 32]");
   const int64_t K = xd.back(), NB = wd[0], N = NB * kPanel;
-  if (wd[1] != K) return ffi::Error::InvalidArgument("cpu_kernels: contraction sizes differ");
+  if (wd[1] != K) return ffi::Error::InvalidArgument("specjax: contraction sizes differ");
   const int64_t M = K ? x.element_count() / K : 0;
   const float* xp = x.typed_data();
   const W* wp = w.typed_data();
@@ -371,11 +371,11 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   const auto qd = q.dimensions();
   const auto kd = k.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || pos.dimensions().size() != 2)
-    return ffi::Error::InvalidArgument("cpu_kernels: attention takes q [B,T,H,D], caches [B,S,KV,D], positions [B,T]");
+    return ffi::Error::InvalidArgument("specjax: attention takes q [B,T,H,D], caches [B,S,KV,D], positions [B,T]");
   Attention<W> a;
   a.B = qd[0], a.T = qd[1], a.H = qd[2], a.D = qd[3], a.S = kd[1], a.KV = kd[2];
   if (kd[0] != a.B || kd[3] != a.D || a.KV == 0 || a.H % a.KV != 0 || a.D % 16 != 0 || a.D > 16 * kMaxHeadVecs)
-    return ffi::Error::InvalidArgument("cpu_kernels: attention shapes do not match");
+    return ffi::Error::InvalidArgument("specjax: attention shapes do not match");
   a.q = q.typed_data(), a.k = k.typed_data(), a.v = v.typed_data(), a.pos = pos.typed_data();
   a.out = out->typed_data();
   a.scale = 1.f / __builtin_sqrtf(static_cast<float>(a.D));

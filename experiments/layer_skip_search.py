@@ -52,8 +52,8 @@ sets). On SmolLM2-135M (pool 14, γ 3, 105 sets, 25 min) agreement fell 3-4 poin
 draft cost fell 3, so the best set skips one layer and no deeper set pays. Whole layers only: skipping attention
 and MLP sublayers apart (Draft & Verify) would need the model's forward to take sublayer sets.
 
-The result is a JSON record (`save_skip_set`, written atomically) that `load_skip_set` turns back into
-`specjax.make_drafter("layer_skip", model, **options)` keyword arguments.
+The result is a JSON record (`save_skip_set`, written atomically) that `specjax.drafters.layer_skip.load_skip_set`
+turns back into `specjax.make_drafter("layer_skip", model, **options)` keyword arguments.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
+import importlib.metadata
 import json
 import math
 import os
@@ -73,11 +74,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import specjax
+from specjax import ops, sequences, sharegpt
 from specjax.config import ModelConfig
 from specjax.leviathan import alpha_from_stats, draft_cost, expected_tokens_per_round, predicted_speedup
 from specjax.drafters.layer_skip import draft_layers
-from specjax.drafters.mtp_sequential import attend, qkv
-from specjax.model import embed, forward, init_cache, lm_head, mlp_block
+from specjax.model import embed, forward, init_cache, lm_head, merge_heads, mlp_block, qkv
 from specjax.speculative import merge_stats
 
 SkipSet = tuple[int, ...]
@@ -422,12 +423,12 @@ def teacher_forced_draft_logits(params, tokens, target_keys, target_values, keep
   """
   b, t = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
-  earlier = jnp.broadcast_to(jnp.arange(t)[None, None, :] < jnp.arange(t)[None, :, None], (b, t, t))
   h = embed(params, tokens)
   for i, layer in enumerate(params["layers"]):
     q, k, v = qkv(layer, h, positions, config)
-    out = attend(q, target_keys[i], target_values[i], earlier, config, k[:, :, None], v[:, :, None])
-    x = h + jnp.einsum("btnh,nhd->btd", out, layer["wo"])
+    out = ops.attention(q, target_keys[i], target_values[i], positions - 1, extra_keys=k[:, :, None],
+                        extra_values=v[:, :, None])  # the target's K/V before t, its own at t
+    x = h + merge_heads(out, layer["wo"])
     x = x + mlp_block(layer, x, config)
     h = jnp.where(keep[i] > 0, x, h)
   return lm_head(params, h, config)
@@ -528,8 +529,6 @@ def training_sequences(model, num_conversations: int, *, seq_len: int, held_out_
   """(tokens [N, seq_len] right-padded, mask [N, seq_len], provenance) from the first `num_conversations` of
   ShareGPT's train side (the split `configs/train_data.py` uses): calibration text the drafters' training data
   also comes from, never Spec-Bench. mask marks positions whose next token is an answer token."""
-  import importlib.metadata
-  from specjax import sequences, sharegpt
   conversations, stats = sharegpt.read_conversations()
   train, _ = sharegpt.split(conversations, held_out_fraction, split_seed)
   made = sequences.make_sequences(model, train[:num_conversations], seq_len=seq_len)
@@ -635,34 +634,3 @@ def save_skip_set(path: str, record: dict) -> None:
   except BaseException:
     os.unlink(tmp)
     raise
-
-
-def read_skip_set(path: str) -> dict:
-  """The whole saved record."""
-  with open(path, encoding="utf-8") as f:
-    record = json.load(f)
-  if record.get("drafter") != "layer_skip" or not isinstance(record.get("options"), dict):
-    raise ValueError(f"{path} is not a layer-skip record (drafter={record.get('drafter')!r})")
-  return record
-
-
-def load_skip_set(path: str, model=None) -> dict:
-  """`make_drafter("layer_skip", model, **load_skip_set(path))` keyword arguments from a saved record.
-
-  With `model`, checks that the record was searched for a model with as many layers and that the set is
-  valid for it.
-  """
-  record = read_skip_set(path)
-  options = dict(record["options"])
-  if set(options) - {"skip_layers", "exit_layer"} or len(options) != 1:
-    raise ValueError(f"{path}: options must be exactly one of skip_layers / exit_layer, got {options}")
-  if "skip_layers" in options:
-    options["skip_layers"] = [int(i) for i in options["skip_layers"]]
-  else:
-    options["exit_layer"] = int(options["exit_layer"])
-  if model is not None:
-    if record.get("num_layers") not in (None, model.config.num_layers):
-      raise ValueError(f"{path} was searched for a {record['num_layers']}-layer model ({record.get('model')}); "
-                       f"{model.name} has {model.config.num_layers}")
-    draft_layers(model.config.num_layers, **options)
-  return options

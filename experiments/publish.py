@@ -1,0 +1,731 @@
+r"""Renders the publication from the runs in results/: `results/INDEX.md`, the tables of docs/ and README's Results
+paragraph, so that every number they show is the one in its results.json, at the precision shown.
+
+  python -m experiments.publish            # rewrites results/INDEX.md and every generated block
+  python -m experiments.publish --check    # exits 1 when any of them differs from what the files hold
+
+A generated block sits between `<!-- publish:begin NAME -->` and `<!-- publish:end NAME -->` in a Markdown file;
+everything outside the markers is written by hand. `BLOCKS` says which file holds each block and what renders it.
+
+A run is a folder of results/ with a RUN.md (command, commit, machine) and, for runs of `experiments.run`, a
+results.json; its date is RUN.md's, its commit results.json's (`environment.specjax_commit`). Which runs are
+current: runs of the same config (results.json's `name`: the config file and its variant) measure the same thing,
+so a newer one replaces an older one where it measured the same method on the same prompts. A run is superseded
+once newer runs of its config cover every (method, prompt) it measured, and current in part while they cover
+some; a superseded run's folder moves to results/archive/ (`git mv`; the check fails until it has). Code changes
+after a run (`CODE_CHANGES`: the ones that change what the runs measure) are listed beside it.
+
+Speedups are the median of paired speedups (each call against autoregressive decoding's call on the same prompts
+and repeat) with a distribution-free 90% interval (`report.paired_speedups`, `report.median_interval`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import difflib
+import json
+import pathlib
+import re
+import sys
+import textwrap
+from typing import Any, Callable, Sequence
+
+import numpy as np
+from absl import app, flags
+
+from experiments import report
+from specjax import leviathan
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+ARCHIVE = "archive"
+INDEX = "results/INDEX.md"
+FLOOR = 0.95  # the speedup per-category intervals are read against (report.category_table's floor)
+
+_CHECK = flags.DEFINE_bool("check", False, "only compare: exit 1 when a generated block or INDEX.md differs")
+
+
+@dataclasses.dataclass(frozen=True)
+class CodeChange:
+  """A change to the code after which earlier runs no longer measure what the code does. `concerns`: which runs it
+  touches: "adaptive" (runs with adaptive drafting), "cpu" (runs timed on a CPU), or a drafter name."""
+  commit: str
+  committed: datetime.datetime  # UTC
+  change: str
+  concerns: str
+
+
+def _utc(text: str) -> datetime.datetime:
+  return datetime.datetime.strptime(text, "%Y-%m-%d %H:%M")
+
+
+CODE_CHANGES = (
+    CodeChange("38c672e", _utc("2026-11-30 22:47"), "the shipped sequential MTP module retrained (3000 steps on "
+               "5,980 sequences)", "mtp_sequential"),
+    CodeChange("0b98980", _utc("2026-12-01 19:33"), "CPU kernels on weights packed once as column panels", "cpu"),
+    CodeChange("8d62d4e", _utc("2026-12-01 23:16"), "adaptive drafting: drafters with their own cache follow plain "
+               "steps W at a time (catch-up)", "adaptive"),
+    CodeChange("cd5be77", _utc("2026-12-02 00:03"), "adaptive drafting: plain steps age the acceptance evidence by "
+               "plain_memory", "adaptive"),
+    CodeChange("9ab7f1e", _utc("2026-12-02 06:36"), "adaptive drafting: a keep bar and a go bar per slot", "adaptive"),
+    CodeChange("3e947e9", _utc("2026-12-02 10:06"), "adaptive drafting: optimism under uncertainty", "adaptive"),
+    CodeChange("4545c71", _utc("2026-12-02 13:10"), "decode attention: 16 queries per pass, one per vector lane",
+               "cpu"),
+    CodeChange("7b05172", _utc("2026-12-02 13:20"), "adaptive drafting plans with forward costs measured with the "
+               "lane attention", "adaptive"),
+    CodeChange("dde1614", _utc("2026-12-03 08:12"), "adaptive drafting scores the plain steps a drafter follows",
+               "adaptive"),
+    CodeChange("b24eb40", _utc("2026-12-03 12:12"), "adaptive drafting: a round that would draft first scores the "
+               "pending plain steps and chooses again", "adaptive"),
+    CodeChange("d5d14cb", _utc("2026-12-03 12:42"), "adaptive drafting chooses again only after the pending plain "
+               "steps were scored", "adaptive"),
+    CodeChange("40d18d8", _utc("2026-12-04 10:14"), "adaptive drafting: scored plain steps and choosing again "
+               "removed", "adaptive"),
+    CodeChange("4a70e46", _utc("2026-12-04 10:20"), "adaptive drafting: drafters follow every plain step (no "
+               "catch-up window)", "adaptive"),
+)
+
+
+@dataclasses.dataclass
+class Run:
+  """One folder of results/: what its RUN.md and results.json say about it."""
+  folder: str  # relative to results/, e.g. "compare_drafters" or "archive/adaptive_by_category-trained"
+  path: pathlib.Path  # the folder itself
+  heading: str  # RUN.md's first line, without the "# "
+  started: datetime.datetime  # RUN.md's date, and its start time where it gives one (else midnight)
+  commit: str | None
+  results: dict[str, Any] | None  # results.json, for runs of experiments.run
+  backend: str | None  # "cpu", "gpu", ...: where it was timed
+
+  @property
+  def name(self) -> str:
+    return self.folder.rsplit("/", 1)[-1]
+
+  @property
+  def config(self) -> str:
+    """results.json's `name` (config file and variant); a folder without one is a config of its own."""
+    return self.results["name"] if self.results else self.name
+
+  @property
+  def records(self) -> list[dict]:
+    return self.results["records"] if self.results else []
+
+  @property
+  def baseline(self) -> str:
+    return self.results["summary"]["baseline"]
+
+  def methods(self) -> list[str]:
+    """The methods compared with the baseline, in the run's order."""
+    return [m for m in self.results["summary"]["methods"] if m != self.baseline] if self.results else []
+
+  def method_spec(self, method: str) -> dict:
+    return next(m for m in self.results["config"]["methods"] if m["name"] == method)
+
+  def adaptive(self, method: str) -> bool:
+    """Whether the method drafted adaptively: its own `adaptive`, else the config's (experiments.run's rule)."""
+    spec = self.method_spec(method)
+    own = spec.get("adaptive")
+    return bool(spec.get("drafter")) and bool(self.results["config"]["adaptive"] if own is None else own)
+
+  def drafters(self) -> set[str]:
+    return {self.method_spec(m).get("drafter") for m in self.methods()} - {None}
+
+  def cells(self) -> set[tuple[str, int]]:
+    """(method, question id) of every timed call but the baseline's."""
+    return {(r["method"], q) for r in self.records if r["method"] != self.baseline for q in r["question_ids"]}
+
+  def categories(self) -> list[str]:
+    return list(dict.fromkeys(p["category"] for p in self.results["prompts"]))
+
+  def category_of(self, question_id: int) -> str:
+    return next(p["category"] for p in self.results["prompts"] if p["question_id"] == question_id)
+
+  def categories_of(self, method: str) -> set[str]:
+    """The categories on which the run timed `method`."""
+    return {r["category"] for r in self.records if r["method"] == method}
+
+  def concerned_by(self, change: CodeChange) -> bool:
+    if self.commit and self.commit.startswith(change.commit):
+      return False
+    if change.committed <= self.started:
+      return False
+    if change.concerns == "adaptive":
+      return bool(self.results) and any(self.adaptive(m) for m in self.methods())
+    if change.concerns == "cpu":
+      return self.backend == "cpu"
+    return bool(self.results) and change.concerns in self.drafters()
+
+  def date(self) -> str:
+    return self.started.strftime("%Y-%m-%d %H:%M" if self.started.time() != datetime.time() else "%Y-%m-%d")
+
+
+def _started(run_md: str) -> datetime.datetime:
+  """RUN.md's date (its first line) and start time: "HH:MM UTC" in its first line, or the "(HH:MM to ..." of
+  its first section's wall time."""
+  heading, _, rest = run_md.partition("\n")
+  date = re.search(r"\d{4}-\d{2}-\d{2}", heading)
+  if date is None:
+    raise ValueError(f"RUN.md's first line has no date (YYYY-MM-DD): {heading!r}")
+  first_section = rest.split("\n## ", 1)[0]
+  clock = (re.search(r"(\d{2}:\d{2}) UTC", heading) or re.search(r"\((\d{2}:\d{2}) to", first_section))
+  return _utc(f"{date.group()} {clock.group(1) if clock else '00:00'}")
+
+
+def _backend(folder: pathlib.Path, results: dict | None) -> str | None:
+  if results:
+    return results["environment"]["backend"]
+  for path in sorted(folder.glob("*.json")):
+    backend = json.loads(path.read_text()).get("backend")
+    if backend:
+      return backend
+  if any("CpuDevice" in path.read_text() for path in folder.glob("*.txt")):
+    return "cpu"
+  return None
+
+
+class Runs(dict):
+  """Runs by folder name, and the checkout they belong to."""
+
+  def __init__(self, root: pathlib.Path):
+    super().__init__()
+    self.root = root
+
+
+def load_runs(root: pathlib.Path = ROOT) -> Runs:
+  """Every folder of results/ and results/archive/ with a RUN.md, by folder name."""
+  results_dir = root / "results"
+  runs = Runs(root)
+  for run_md in sorted([*results_dir.glob("*/RUN.md"), *results_dir.glob(f"{ARCHIVE}/*/RUN.md")]):
+    folder = run_md.parent
+    text = run_md.read_text()
+    results_json = folder / "results.json"
+    results = json.loads(results_json.read_text()) if results_json.exists() else None
+    commit = results["environment"]["specjax_commit"] if results else None
+    if commit is None:
+      found = re.search(r"commit ([0-9a-f]{7,40})", text)
+      commit = found.group(1) if found else None
+    run = Run(folder=folder.relative_to(results_dir).as_posix(), path=folder,
+              heading=text.partition("\n")[0].lstrip("# "), started=_started(text), commit=commit, results=results,
+              backend=_backend(folder, results))
+    if run.name in runs:
+      raise ValueError(f"two results folders named {run.name}: {runs[run.name].folder} and {run.folder}")
+    runs[run.name] = run
+  return runs
+
+
+@dataclasses.dataclass
+class Status:
+  """Which newer runs of the same config replace which (method, prompt) cells of a run."""
+  replaced_by: list[tuple[Run, set[tuple[str, int]]]]
+  remaining: set[tuple[str, int]]
+
+  @property
+  def superseded(self) -> bool:
+    return bool(self.replaced_by) and not self.remaining
+
+
+def status(run: Run, runs: Runs) -> Status:
+  """Newer runs of the run's config, newest first, each taking the cells it measured again."""
+  remaining = run.cells()
+  newer = sorted((r for r in runs.values() if r.config == run.config and r.started > run.started),
+                 key=lambda r: r.started, reverse=True)
+  replaced_by = []
+  for other in newer:
+    taken = remaining & other.cells()
+    if taken:
+      replaced_by.append((other, taken))
+      remaining -= taken
+  return Status(replaced_by, remaining)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Formatting
+
+
+def _link(run: Run, prefix: str) -> str:
+  return f"[`{run.name}`]({prefix}{run.folder}/RUN.md)"
+
+
+def speedup_cell(ratios: Sequence[float]) -> str:
+  """The median of paired speedups and its 90% interval: "1.23x (1.20–1.25)"; the number of pairs where they are
+  too few for an interval."""
+  if not ratios:
+    return "–"
+  interval = report.median_interval(ratios)
+  bounds = f"{interval[0]:.2f}–{interval[1]:.2f}" if interval else f"{len(ratios)} pairs"
+  return f"{np.median(ratios):.2f}x ({bounds})"
+
+
+def _num(x: float | None, spec: str) -> str:
+  return "–" if x is None else format(x, spec)
+
+
+def _describe_prompts(run: Run) -> str:
+  prompts, categories = run.results["prompts"], run.categories()
+  names = "Spec-Bench's 13 categories" if len(categories) == 13 else ", ".join(categories)
+  if len(prompts) % len(categories):
+    return f"{len(prompts)} prompts of {names}"
+  each = len(prompts) // len(categories)
+  return f"{each} prompt{'s' if each != 1 else ''} of each of {names}"
+
+
+def describe(run: Run) -> str:
+  """What a run measured, from its results.json (or RUN.md's title for a folder without one)."""
+  if not run.results:
+    outputs = sorted(p.name for p in run.path.glob("*") if p.suffix in (".txt", ".json"))
+    title = re.sub(r",? \d{4}-\d{2}-\d{2}.*$", "", run.heading)
+    return f"{title} ({', '.join(outputs)})" if outputs else title
+  config = run.results["config"]
+  methods = run.methods()
+  fixed_at: dict[str, list[int]] = {}
+  for m in methods:
+    found = re.fullmatch(r"(.+)_g(\d+)", m)
+    if found and found.group(1) in methods:
+      fixed_at.setdefault(found.group(1), []).append(int(found.group(2)))
+  listed = [m for m in methods if not any(m == f"{base}_g{g}" for base, gs in fixed_at.items() for g in gs)]
+  drafted = [m for m in methods if run.method_spec(m).get("drafter")]
+  adaptive = [m for m in drafted if run.adaptive(m)]
+  mode = ("adaptive drafting" if len(adaptive) == len(drafted) else "fixed γ" if not adaptive
+          else "adaptive drafting and fixed γ")
+  if fixed_at:
+    gammas = sorted({g for gs in fixed_at.values() for g in gs})
+    mode = f"adaptive drafting, and each at fixed γ {', '.join(map(str, gammas))}"
+  temperatures = config.get("temperatures") or [config["temperature"]]
+  sampling = "greedy" if list(temperatures) == [0] else f"temperature {', '.join(map(str, temperatures))}"
+  batches = config.get("batch_sizes") or [config["batch_size"]]
+  return (f"{', '.join(listed)} ({mode}); {_describe_prompts(run)}; {config['max_new_tokens']} new tokens, "
+          f"{sampling}, batch {', '.join(map(str, batches))}, {config['repeats']} repeat"
+          f"{'s' if config['repeats'] != 1 else ''}")
+
+
+def run_line(run: Run, prefix: str) -> str:
+  """One sentence naming a run: folder, commit, date, what it measured, the baseline's speed, losslessness."""
+  summary = run.results["summary"]
+  baseline = summary["methods"][run.baseline]["tokens_per_second"]
+  lossless = {True: "; every output equal to autoregressive decoding's, token for token",
+              False: "; **LOSSLESS CHECK FAILED** (results.md names the calls)", None: ""}[summary.get("all_lossless")]
+  return (f"{_link(run, prefix)} (commit {run.commit}, {run.date()} UTC): {describe(run)}; autoregressive decoding "
+          f"{baseline:.1f} tokens/s{lossless}.")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# results/INDEX.md
+
+
+def _cells_text(run: Run, cells: set[tuple[str, int]]) -> str:
+  """Cells as methods on categories ("draft_model, layer_skip_trained on every category"); a category of which
+  only some prompts are among the cells is marked so."""
+  groups: dict[str, list[str]] = {}
+  for method in run.methods():
+    taken = {q for m, q in cells if m == method}
+    if not taken:
+      continue
+    timed = {q for m, q in run.cells() if m == method}
+    categories = [c for c in run.categories() if any(run.category_of(q) == c for q in taken)]
+    where = ("every category" if set(categories) == run.categories_of(method) and len(categories) > 1
+             else ", ".join(categories))
+    if any(run.category_of(q) in categories for q in timed - taken):
+      where += " (some prompts)"
+    groups.setdefault(where, []).append(method)
+  return "; ".join(f"{', '.join(methods)} on {where}" for where, methods in groups.items())
+
+
+def index(runs: Runs) -> str:
+  lines = ["# Results index", "",
+           "Generated by `python -m experiments.publish` from each folder's results.json and RUN.md (do not edit by "
+           "hand). A run is superseded once newer runs of the same config (results.json's `name`) have measured "
+           "every method it measured on the same prompts, and current in part while they cover some; superseded "
+           "folders live in `archive/`. *Code changed since*: the changes listed below that came after the run "
+           "and touch what it measured.", "",
+           "| folder | config | commit | date (UTC) | what it measured | status | code changed since |",
+           "|---|---|---|---|---|---|---|"]
+  for run in sorted(runs.values(), key=lambda r: (r.started, r.name)):
+    state = status(run, runs)
+    if state.superseded:
+      text = "superseded by " + ", ".join(_link(other, "") for other, _ in state.replaced_by)
+    elif state.replaced_by:
+      text = "current in part; " + "; ".join(
+          f"superseded by {_link(other, '')} for {_cells_text(run, cells)}" for other, cells in state.replaced_by)
+    else:
+      text = "current"
+    changes = ", ".join(c.commit for c in CODE_CHANGES if run.concerned_by(c)) or "–"
+    lines.append(f"| {_link(run, '')} | {run.config} | {run.commit or '–'} | {run.date()} | {describe(run)} | "
+                 f"{text} | {changes} |")
+  lines += ["", "## Code changes", "", "| commit | committed (UTC) | change | concerns |", "|---|---|---|---|"]
+  lines += [f"| {c.commit} | {c.committed:%Y-%m-%d %H:%M} | {c.change} | {c.concerns} |" for c in CODE_CHANGES]
+  return wrap("\n".join(lines)) + "\n"
+
+
+def misplaced(runs: Runs) -> list[str]:
+  """Folders whose place does not match their status: superseded ones belong in archive/, others not."""
+  wrong = []
+  for run in runs.values():
+    archived = run.folder.startswith(f"{ARCHIVE}/")
+    if status(run, runs).superseded != archived:
+      where = f"results/{ARCHIVE}/{run.name}" if not archived else f"results/{run.name}"
+      wrong.append(f"results/{run.folder} is {'superseded' if not archived else 'current'}: git mv it to {where}")
+  return wrong
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tables
+
+
+def _paired(run: Run, method: str, records: Sequence[dict] | None = None) -> list[float]:
+  return report.paired_speedups(run.records if records is None else records, method, run.baseline)
+
+
+def category_block(run: Run, prefix: str, methods: Sequence[str] | None = None) -> str:
+  """Per category (rows) and method (columns): the median paired speedup and its 90% interval, then every pair of
+  the run, the share of rounds that were plain target steps, and how many categories' intervals lie above
+  `FLOOR`, contain it, or lie below it, read at the precision shown. With three methods or fewer each cell also
+  gives its plain rounds."""
+  methods = list(methods or run.methods())
+  per_cell = len(methods) <= 3
+  intervals = {m: report.category_intervals(run.records, m, run.baseline) for m in methods}
+  rows = ["| category (pairs) | " + " | ".join(f"`{m}`" for m in methods) + " |", "|---|" + "---:|" * len(methods)]
+
+  def plain(records: Sequence[dict]) -> str:
+    share = report.plain_share(records)
+    return "" if share is None else f", {share:.0%} plain"
+
+  for category in run.categories():
+    pairs = max(intervals[m][category]["pairs"] for m in methods if category in intervals[m])
+    cells = []
+    for m in methods:
+      records = [r for r in run.records if r["category"] == category]
+      cell = speedup_cell(_paired(run, m, records))
+      if per_cell:
+        cell += plain([r for r in records if r["method"] == m])
+      cells.append(cell)
+    rows.append(f"| {category} ({pairs}) | " + " | ".join(cells) + " |")
+  pairs = max(len(_paired(run, m)) for m in methods)
+  rows.append(f"| all {pairs} pairs | " + " | ".join(speedup_cell(_paired(run, m)) for m in methods) + " |")
+  shares = [report.plain_share([r for r in run.records if r["method"] == m]) for m in methods]
+  rows.append("| plain rounds | " + " | ".join(
+      "–" if s is None else "100% (never drafts)" if s == 1 else f"{s:.0%}" for s in shares) + " |")
+  verdicts = []
+  for m in methods:  # read at the precision shown, so that the counts agree with the cells above them
+    shown = [(float(f"{i['low']:.2f}"), float(f"{i['high']:.2f}"))
+             for i in intervals[m].values() if i["low"] is not None]
+    verdicts.append(f"{sum(low > FLOOR for low, _ in shown)} / {sum(low <= FLOOR <= high for low, high in shown)} / "
+                    f"{sum(high < FLOOR for _, high in shown)}")
+  rows.append(f"| intervals above / containing / below {FLOOR:.2f}x | " + " | ".join(verdicts) + " |")
+  return run_line(run, prefix) + "\n\n" + "\n".join(rows)
+
+
+def _h200_predictions(runs: Runs, method: str, alpha: float, gamma: int) -> str:
+  """Leviathan's prediction with the run's alpha and the c and r measured on the H200 (every float32 file that
+  measured the method: a range over runs)."""
+  accelerator = runs["accelerator"].path
+  values = []
+  for path in sorted(accelerator.glob("*.json")):
+    measured = json.loads(path.read_text())
+    cost = measured["costs"]["methods"].get(method) if measured.get("dtype") == "float32" else None
+    if cost is not None and cost["gamma"] == gamma:
+      values.append(leviathan.predicted_speedup(alpha, gamma, cost["draft_cost"], cost["verify_cost"]))
+  if not values:
+    return "–"
+  low, high = f"{min(values):.2f}", f"{max(values):.2f}"
+  return low if low == high else f"{low}–{high}"
+
+
+def compare_drafters_block(runs: Runs, prefix: str) -> str:
+  run = runs["compare_drafters"]
+  rows = ["| method | γ | speedup (paired median, 90% interval) | mean accepted | alpha | "
+          "accepted at k = 1 / 2 / 3 / 4 | c | r | predicted | accelerator projection | predicted with H200 costs |",
+          "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
+  for m in run.methods():
+    s = run.results["summary"]["methods"][m]
+    per_position = " / ".join(f"{a:.2f}" for a in s["acceptance_per_position"] or [])
+    rows.append(f"| `{m}` | {s['gamma']} | {speedup_cell(_paired(run, m))} | {s['mean_accepted']:.2f} | "
+                f"{_num(s['alpha'], '.2f')} | {per_position} | {_num(s.get('draft_cost'), '.3f')} | "
+                f"{_num(s.get('verify_cost'), '.2f')} | {_num(s.get('predicted_speedup'), '.2f')} | "
+                f"{_num(s.get('projected_speedup'), '.2f')} | {_h200_predictions(runs, m, s['alpha'], s['gamma'])} |")
+  efficiency = [s["efficiency"] for m, s in run.results["summary"]["methods"].items() if s.get("efficiency")]
+  return (run_line(run, prefix) + "\n\n" + "\n".join(rows) + "\n\n" +
+          f"Measured / predicted (the summary's ratio of median tokens/s over the prediction): "
+          f"{min(efficiency):.2f}–{max(efficiency):.2f}.")
+
+
+def compare_drafters_by_category_block(runs: Runs, prefix: str) -> str:
+  return category_block(runs["compare_drafters"], prefix)
+
+
+def adaptive_vs_fixed_block(runs: Runs, prefix: str) -> str:
+  """Each drafter adaptive and at every fixed γ against autoregressive decoding, and adaptive against its fixed γ
+  directly (paired per call: the same prompts and repeat)."""
+  run = runs["adaptive_vs_fixed"]
+  methods = run.methods()
+  gammas = sorted({int(m.rsplit("_g", 1)[1]) for m in methods if re.fullmatch(r".+_g\d+", m)})
+  header = (["drafter", "adaptive"] + [f"fixed γ {g}" for g in gammas] + [f"adaptive / fixed γ {g}" for g in gammas]
+            + ["plain rounds, adaptive"])
+  rows = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+  for m in methods:
+    if not all(f"{m}_g{g}" in methods for g in gammas):
+      continue
+    against_fixed = [speedup_cell(report.paired_speedups(run.records, m, f"{m}_g{g}")) for g in gammas]
+    share = report.plain_share([r for r in run.records if r["method"] == m])
+    rows.append(f"| `{m}` | {speedup_cell(_paired(run, m))} | " +
+                " | ".join(speedup_cell(_paired(run, f"{m}_g{g}")) for g in gammas) + " | " +
+                " | ".join(against_fixed) + f" | {share:.0%} |")
+  return run_line(run, prefix) + "\n\n" + "\n".join(rows)
+
+
+def batch_sweep_block(runs: Runs, prefix: str) -> str:
+  """Per batch size, every method against autoregressive decoding at that size. A call's batch size is its number
+  of rows (each category's prompts fill whole batches in this config)."""
+  run = runs["batch_sweep"]
+  sizes = [int(b) for b in run.results["summary"]["by_batch_size"]]
+  by_size = {b: [r for r in run.records if r["rows"] == b] for b in sizes}
+  if sum(map(len, by_size.values())) != len(run.records):
+    raise ValueError(f"{run.folder}: calls whose rows are not one of the batch sizes {sizes}")
+  rows = ["| method | " + " | ".join(f"batch {b}" for b in sizes) + " |", "|---|" + "---:|" * len(sizes)]
+  tokens_per_second = [run.results["summary"]["by_batch_size"][str(b)][run.baseline]["tokens_per_second"]
+                       for b in sizes]
+  rows.append(f"| `{run.baseline}`, tokens/s | " + " | ".join(f"{t:.1f}" for t in tokens_per_second) + " |")
+  for m in run.methods():
+    cells = []
+    for b in sizes:
+      cell = speedup_cell(_paired(run, m, by_size[b]))
+      share = report.plain_share([r for r in by_size[b] if r["method"] == m])
+      cells.append(cell + (", never drafts" if share == 1 else ""))
+    rows.append(f"| `{m}` | " + " | ".join(cells) + " |")
+  return run_line(run, prefix) + "\n\n" + "\n".join(rows)
+
+
+def bench_peers_block(runs: Runs, prefix: str) -> str:
+  run = runs["bench_peers"]
+  summary = run.results["summary"]
+  rows = ["| method | tokens/s | speedup (paired median, 90% interval) | lowest category | mean accepted | "
+          "plain rounds | greedy agreement |", "|---|---:|---:|---:|---:|---:|---:|"]
+  for m in [run.baseline] + run.methods():
+    s = summary["methods"][m]
+    by_category = {c: float(np.median(r)) for c in run.categories()
+                   if (r := _paired(run, m, [x for x in run.records if x["category"] == c]))}
+    lowest = min(by_category, key=by_category.get) if m != run.baseline else None
+    drafts = run.method_spec(m).get("drafter")
+    share = report.plain_share([r for r in run.records if r["method"] == m]) if drafts else None
+    rows.append(f"| `{m}` | {s['tokens_per_second']:.1f} | "
+                f"{speedup_cell(_paired(run, m)) if m != run.baseline else '1.00x'} | "
+                f"{f'{by_category[lowest]:.2f}x ({lowest})' if lowest else '–'} | {s['mean_accepted']:.2f} | "
+                f"{'–' if share is None else f'{share:.0%}'} | {_num(s.get('agreement'), '.0%')} |")
+  return run_line(run, prefix) + "\n\n" + "\n".join(rows)
+
+
+def layer_skip_deep_block(runs: Runs, prefix: str) -> str:
+  """The teacher-forced search's greedy path (configs/layer_skip_sets/smollm2-135m-deep.json)."""
+  path = "configs/layer_skip_sets/smollm2-135m-deep.json"
+  search = json.loads((runs.root / path).read_text())
+  calibration = search["calibration"]
+  rows = ["| layers skipped | skip set | draft cost c | agreement on ShareGPT (teacher-forced α) | "
+          "predicted speedup |", "|---:|---|---:|---:|---:|"]
+  for step in search["search"]["path"]:
+    rows.append(f"| {len(step['skip_layers'])} | {{{', '.join(map(str, step['skip_layers']))}}} | "
+                f"{step['draft_cost']:.2f} | {step['alpha']:.2f} | {step['speedup']:.2f} |")
+  return (f"[`{path}`]({prefix.removesuffix('results/')}{path}) ({search['created'][:10]}): "
+          f"{search['search']['evaluations']} sets scored on {calibration['conversations']} ShareGPT conversations "
+          f"(train side), γ {search['gamma']}, r {search['verify_cost']:g}; chosen: skip "
+          f"{{{', '.join(map(str, search['options']['skip_layers']))}}}.\n\n" + "\n".join(rows))
+
+
+def _verbatim(run_folder: str, file: str, title: str) -> Callable[[Runs, str], str]:
+  def render(runs: Runs, prefix: str) -> str:
+    run = runs[run_folder]
+    text = (run.path / file).read_text().rstrip("\n")
+    return (f"{title} ([`{file}`]({prefix}{run.folder}/{file}), {run.date()} UTC, commit {run.commit}):\n\n"
+            f"```text\n{text}\n```")
+  return render
+
+
+def h200_costs_block(runs: Runs, prefix: str) -> str:
+  run = runs["accelerator"]
+  folder = run.path
+  by_dtype = {}
+  for path in sorted(folder.glob("*.json")):
+    measured = json.loads(path.read_text())
+    if "width_seconds" in measured and "decode" not in measured:
+      by_dtype[measured["dtype"]] = measured
+  dtypes = list(by_dtype)
+  widths = [w for w in next(iter(by_dtype.values()))["width_seconds"] if w.startswith("T") and w != "T1"]
+  methods = list(next(iter(by_dtype.values()))["costs"]["methods"])
+
+  def row(label: str, cell: Callable[[dict], str]) -> str:
+    return f"| {label} | " + " | ".join(cell(by_dtype[d]) for d in dtypes) + " |"
+
+  rows = ["| | " + " | ".join(dtypes) + " |", "|---|" + "---:|" * len(dtypes),
+          row("1-token decode step (ms)", lambda m: f"{1e3 * m['width_seconds']['T1']:.2f}"),
+          row("XLA's bytes per step ÷ step time ÷ copy bandwidth measured in the run", lambda m: format(
+              m["costs"]["target_step_bytes_xla"] / m["width_seconds"]["T1"] / 1e9 / m["bandwidth_gbs"], ".0%")),
+          row(f"forward over {' / '.join(w[1:] for w in widths)} tokens ÷ 1-token step",
+              lambda m: " / ".join(f"{m['width_seconds'][w] / m['width_seconds']['T1']:.2f}" for w in widths)),
+          row("batch-8 step ÷ batch-1 step", lambda m: f"{m['width_seconds']['B8'] / m['width_seconds']['T1']:.2f}"),
+          row(f"c: {' / '.join(methods)}",
+              lambda m: " / ".join(f"{m['costs']['methods'][x]['draft_cost']:.3f}" for x in methods))]
+  files = ", ".join(f"[`{p.name}`]({prefix}{run.folder}/{p.name})" for p in sorted(folder.glob("*.json"))
+                    if p.name in {f"h200_{d}.json" for d in dtypes})
+  device = next(iter(by_dtype.values()))
+  return (f"{device['device_kind']}, jax {device['jax']}, {device['weights']}, {run.date()} ({files}):\n\n" +
+          "\n".join(rows))
+
+
+def h200_decode_block(runs: Runs, prefix: str) -> str:
+  run = runs["accelerator"]
+  measured = json.loads((run.path / "h200_decode.json").read_text())
+  decode = measured["decode"]
+  rows = ["| method | γ | α (random weights) | measured | predicted | output equal to autoregressive |",
+          "|---|---:|---:|---:|---:|:---:|"]
+  for m, s in decode["methods"].items():
+    rows.append(f"| `{m}` | {s['gamma']} | {s['alpha']:.2f} | {s['speedup']:.2f}x | {s['predicted_speedup']:.2f}x | "
+                f"{'yes' if s['identical'] else 'NO'} |")
+  ratios = [s["speedup"] / s["predicted_speedup"] for s in decode["methods"].values()]
+  return (f"[`h200_decode.json`]({prefix}{run.folder}/h200_decode.json) ({measured['dtype']}, {decode['prompts']} "
+          f"prompts × {decode['new_tokens']} tokens, batch 1, fixed γ, {decode['repeats']} interleaved repeats; "
+          f"autoregressive decoding {decode['autoregressive_tokens_per_second']:.0f} tokens/s):\n\n" + "\n".join(rows) +
+          f"\n\nMeasured / predicted: {min(ratios):.2f}–{max(ratios):.2f}.")
+
+
+# The README's Results paragraph: each drafter from the newest run that measured it on every category.
+LABELS = {"prompt_lookup": "prompt lookup", "layer_skip_24": "the untrained exit after 24 layers",
+          "mtp_parallel": "the parallel MTP heads", "mtp_sequential": "the sequential MTP module",
+          "draft_model": "the distilled draft model", "layer_skip_trained": "the trained exit adapter"}
+HEADLINE_CONFIG = "adaptive_by_category-full"
+
+
+def readme_results_block(runs: Runs, prefix: str) -> str:
+  """One paragraph: every drafter of `LABELS` with adaptive drafting over all of Spec-Bench's categories, each from
+  the newest run of `HEADLINE_CONFIG` that measured it on every category, with that run's pairs, commit and the
+  code changes since."""
+  candidates = sorted((r for r in runs.values() if r.config == HEADLINE_CONFIG), key=lambda r: r.started, reverse=True)
+  if not candidates:
+    raise ValueError(f"no run of {HEADLINE_CONFIG} in results/")
+  widest = max(len(r.categories()) for r in candidates)
+  chosen: dict[str, list[str]] = {}  # run name -> its methods in the paragraph, each from the newest run covering it
+  for method in LABELS:
+    run = next((r for r in candidates if len(r.categories_of(method)) == widest), None)
+    if run is not None:
+      chosen.setdefault(run.name, []).append(method)
+  groups = []
+  for name, methods in sorted(chosen.items(), key=lambda item: runs[item[0]].started):
+    run = runs[name]
+    parts = []
+    for m in sorted(methods, key=lambda m: -float(np.median(_paired(run, m)))):
+      share = report.plain_share([r for r in run.records if r["method"] == m])
+      parts.append(f"{speedup_cell(_paired(run, m))} for {LABELS[m]}" + (", which never drafts" if share == 1 else ""))
+    pairs = {len(_paired(run, m)) for m in methods}
+    changed = [c.commit for c in CODE_CHANGES if run.concerned_by(c)]
+    note = f"; code changed since: {', '.join(changed)}" if changed else ""
+    lossless = run.results["summary"].get("all_lossless")
+    if lossless is not True:
+      note += "; NOT every output equal to autoregressive decoding's"
+    groups.append(f"{_join(parts)} ({'/'.join(map(str, sorted(pairs)))} pairs each, {_link(run, prefix)} at commit "
+                  f"{run.commit}{note})")
+  config = candidates[0].results["config"]
+  cpu_counts = {runs[name].results["environment"]["cpu_count"] for name in chosen}
+  setting = [f"{config['model']} {config['dtype']}",
+             "greedy" if config["temperature"] == 0 else f"temperature {config['temperature']}",
+             f"batch {config['batch_size']}", f"{config['max_new_tokens']} new tokens",
+             f"the first {config['prompts']['per_category']} prompts of each of Spec-Bench's {widest} categories"]
+  if all(runs[name].results["summary"].get("all_lossless") is True for name in chosen):
+    setting.append("every output equal to autoregressive decoding's")
+  return (f"With adaptive drafting on {'/'.join(map(str, sorted(cpu_counts)))} CPU cores ({', '.join(setting)}), "
+          f"the median paired speedup over autoregressive decoding, with its 90% interval, is "
+          + "; and ".join(groups) + ".")
+
+
+def _join(parts: Sequence[str]) -> str:
+  return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+
+
+def _category_block(folder: str, methods: Sequence[str] | None = None):
+  return lambda runs, prefix: category_block(runs[folder], prefix, methods)
+
+
+# name -> (file, renderer(runs, link prefix from that file to results/))
+BLOCKS: dict[str, tuple[str, Callable[[Runs, str], str]]] = {
+    "readme-results": ("README.md", readme_results_block),
+    "compare-drafters": ("docs/results.md", compare_drafters_block),
+    "compare-drafters-by-category": ("docs/results.md", compare_drafters_by_category_block),
+    "adaptive-by-category-full": ("docs/results.md", _category_block("adaptive_by_category-full")),
+    "adaptive-by-category-trained-all": ("docs/results.md", _category_block("adaptive_by_category-trained-all")),
+    "adaptive-by-category-others": ("docs/results.md", _category_block("adaptive_by_category-others")),
+    "adaptive-by-category-lowest": ("docs/results.md", _category_block("adaptive_by_category-lowest")),
+    "adaptive-by-category-scored": ("docs/results.md", _category_block("adaptive_by_category-scored")),
+    "adaptive-vs-fixed": ("docs/results.md", adaptive_vs_fixed_block),
+    "adaptive-optimism": ("docs/results.md", _category_block("adaptive_optimism")),
+    "adaptive-shadow": ("docs/results.md", _category_block("adaptive_shadow")),
+    "batch-sweep": ("docs/results.md", batch_sweep_block),
+    "bench-peers": ("docs/results.md", bench_peers_block),
+    "layer-skip-deep": ("docs/results.md", layer_skip_deep_block),
+    "bench-autoregressive": ("docs/benchmarks.md", _verbatim("benchmarks", "bench_autoregressive.txt",
+                                                             "`benchmarks/bench_autoregressive.py --repeats=3`")),
+    "bench-verify": ("docs/benchmarks.md", _verbatim("benchmarks", "bench_verify.txt",
+                                                     "`benchmarks/bench_verify.py --repeats=5`")),
+    "h200-costs": ("docs/benchmarks.md", h200_costs_block),
+    "h200-decode": ("docs/benchmarks.md", h200_decode_block),
+}
+
+
+def wrap(markdown: str, width: int = 116) -> str:
+  """Prose lines of a generated block wrapped to `width` (tables and code blocks as they are)."""
+  lines, fenced = [], False
+  for line in markdown.split("\n"):
+    if line.startswith("```"):
+      fenced = not fenced
+    lines.append(line if fenced or line.startswith(("|", "```")) else
+                 textwrap.fill(line, width, break_long_words=False, break_on_hyphens=False))
+  return "\n".join(lines)
+
+
+_BLOCK = re.compile(r"(<!-- publish:begin (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- publish:end (?P=name) -->)", re.S)
+
+
+def render(root: pathlib.Path = ROOT) -> dict[str, str]:
+  """Every published file (path relative to root -> its text) as the runs in root/results/ make it."""
+  runs = load_runs(root)
+  files = {INDEX: index(runs)}
+  for file in dict.fromkeys(file for file, _ in BLOCKS.values()):
+    text = (root / file).read_text()
+    prefix = "../" * file.count("/") + "results/"
+    found = [m.group("name") for m in _BLOCK.finditer(text)]
+    opened = re.findall(r"<!-- publish:begin ([\w-]+) -->", text)
+    expected = [name for name, (f, _) in BLOCKS.items() if f == file]
+    if sorted(found) != sorted(opened) or sorted(found) != sorted(expected):
+      raise ValueError(f"{file}: generated blocks {sorted(opened)} (closed: {sorted(found)}); expected "
+                       f"{sorted(expected)}, each once, between publish:begin and publish:end markers")
+    files[file] = _BLOCK.sub(lambda m: m.group(1) + wrap(BLOCKS[m.group("name")][1](runs, prefix).rstrip("\n")) +
+                             "\n" + m.group(4), text)
+  return files
+
+
+def check(root: pathlib.Path = ROOT) -> list[str]:
+  """What differs between the files and what the runs render (a unified diff per file), and misplaced folders."""
+  problems = misplaced(load_runs(root))
+  for file, text in render(root).items():
+    path = root / file
+    current = path.read_text() if path.exists() else ""
+    if current != text:
+      problems.append("".join(difflib.unified_diff(current.splitlines(True), text.splitlines(True),
+                                                   f"{file} (in the tree)", f"{file} (rendered from results/)")))
+  return problems
+
+
+def main(argv: Sequence[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if _CHECK.value:
+    problems = check()
+    if problems:
+      sys.exit("publication differs from results/ (run `python -m experiments.publish`):\n" + "\n".join(problems))
+    print("publication matches results/")
+    return
+  wrong = misplaced(load_runs())
+  for file, text in render().items():
+    (ROOT / file).write_text(text)
+  print(f"wrote {INDEX} and {len(BLOCKS)} generated blocks")
+  if wrong:
+    sys.exit("\n".join(wrong))
+
+
+if __name__ == "__main__":
+  app.run(main)

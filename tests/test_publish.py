@@ -1,0 +1,134 @@
+"""The publication is what its runs say: results/INDEX.md, the generated tables of docs/ and README's Results
+paragraph equal what `experiments.publish` renders from results/, and a number changed by hand fails the check."""
+
+from __future__ import annotations
+
+import datetime
+import pathlib
+import re
+import shutil
+
+import pytest
+
+from experiments import publish
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_published_files_match_what_the_runs_render():
+  problems = publish.check(ROOT)
+  assert not problems, "run `python -m experiments.publish`:\n" + "\n".join(problems)
+
+
+@pytest.fixture
+def publication_copy(tmp_path: pathlib.Path) -> pathlib.Path:
+  """The published files copied, and every run folder linked, so the copy renders exactly as the tree does."""
+  for file in {file for file, _ in publish.BLOCKS.values()}:
+    (tmp_path / file).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(ROOT / file, tmp_path / file)
+  (tmp_path / "configs").mkdir()
+  (tmp_path / "configs" / "layer_skip_sets").symlink_to(ROOT / "configs" / "layer_skip_sets")
+  (tmp_path / "results" / publish.ARCHIVE).mkdir(parents=True)
+  shutil.copy(ROOT / publish.INDEX, tmp_path / publish.INDEX)
+  for run_md in [*(ROOT / "results").glob("*/RUN.md"), *(ROOT / "results").glob(f"{publish.ARCHIVE}/*/RUN.md")]:
+    folder = run_md.parent
+    (tmp_path / folder.relative_to(ROOT)).symlink_to(folder)
+  return tmp_path
+
+
+def _change_first_number(text: str, start: int = 0) -> str:
+  """The first number with two decimals after `start`, its last digit changed."""
+  found = re.compile(r"\d\.\d\d").search(text, start)
+  assert found is not None
+  last = found.end() - 1
+  return text[:last] + str((int(text[last]) + 1) % 10) + text[last + 1:]
+
+
+def test_check_fails_when_a_published_number_is_changed(publication_copy):
+  planted = {"README.md": "readme-results", "docs/results.md": "adaptive-by-category-full",
+             "docs/benchmarks.md": "h200-costs"}
+  for file, block in planted.items():
+    path = publication_copy / file
+    text = path.read_text()
+    path.write_text(_change_first_number(text, text.index(f"<!-- publish:begin {block} -->")))
+  index = publication_copy / publish.INDEX  # INDEX.md quotes commits and dates: the time of a code change
+  index.write_text(index.read_text().replace("| 38c672e | 2026-11-30 22:47 |", "| 38c672e | 2026-11-30 22:48 |"))
+  problems = publish.check(publication_copy)
+  assert len(problems) == 4
+  for file, problem in zip([publish.INDEX, *planted], problems):
+    assert f"{file} (rendered from results/)" in problem
+
+
+def test_check_fails_when_a_generated_block_is_missing(publication_copy):
+  path = publication_copy / "docs" / "results.md"
+  path.write_text(re.sub(r"<!-- publish:begin batch-sweep -->.*?<!-- publish:end batch-sweep -->\n", "",
+                         path.read_text(), flags=re.S))
+  with pytest.raises(ValueError, match="batch-sweep"):
+    publish.check(publication_copy)
+
+
+def test_check_fails_while_a_superseded_run_is_outside_the_archive(publication_copy):
+  archived = publication_copy / "results" / publish.ARCHIVE / "adaptive_by_category-trained"
+  target = archived.resolve()
+  archived.unlink()
+  (publication_copy / "results" / "adaptive_by_category-trained").symlink_to(target)
+  problems = publish.check(publication_copy)
+  assert any("results/adaptive_by_category-trained is superseded: git mv it to "
+             "results/archive/adaptive_by_category-trained" in p for p in problems)
+
+
+def _run(name: str, started: str, cells: dict[str, list[int]], config: str = "adaptive_by_category-full",
+         commit: str = "abc1234", adaptive: bool = True) -> publish.Run:
+  """A run of `config` that timed each method on the given question ids (one category per ten ids)."""
+  questions = sorted({q for qs in cells.values() for q in qs})
+  records = [{"method": m, "question_ids": [q], "category": f"category{q // 10}"}
+             for m, qs in cells.items() for q in qs]
+  results = {"name": config,
+             "config": {"adaptive": adaptive, "methods": [{"name": "autoregressive"}] +
+                        [{"name": m, "drafter": m} for m in cells]},
+             "summary": {"baseline": "autoregressive", "methods": {"autoregressive": {}, **{m: {} for m in cells}}},
+             "prompts": [{"question_id": q, "category": f"category{q // 10}"} for q in questions],
+             "records": records}
+  return publish.Run(folder=name, path=pathlib.Path(name), heading=name, started=publish._utc(started),
+                     commit=commit, results=results, backend="cpu")
+
+
+def _runs(*runs: publish.Run) -> publish.Runs:
+  out = publish.Runs(ROOT)
+  out.update({run.name: run for run in runs})
+  return out
+
+
+def test_a_run_is_superseded_once_newer_runs_of_its_config_measured_all_it_measured():
+  old = _run("old", "2026-12-01 10:00", {"draft_model": [1, 2, 11], "mtp_parallel": [1, 2, 11]})
+  newer = _run("newer", "2026-12-02 10:00", {"draft_model": [1, 2, 11]})
+  newest = _run("newest", "2026-12-03 10:00", {"mtp_parallel": [1]})
+  other_config = _run("other", "2026-12-04 10:00", {"mtp_parallel": [2, 11]}, config="compare_drafters")
+  runs = _runs(old, newer, newest, other_config)
+  state = publish.status(old, runs)
+  assert not state.superseded and state.remaining == {("mtp_parallel", 2), ("mtp_parallel", 11)}
+  assert [(r.name, cells) for r, cells in state.replaced_by] == [
+      ("newest", {("mtp_parallel", 1)}), ("newer", {("draft_model", 1), ("draft_model", 2), ("draft_model", 11)})]
+  assert publish._cells_text(old, state.replaced_by[0][1]) == "mtp_parallel on category0 (some prompts)"
+  assert publish._cells_text(old, state.replaced_by[1][1]) == "draft_model on every category"
+  runs["latest"] = _run("latest", "2026-12-05 10:00", {"mtp_parallel": [2, 11]})
+  assert publish.status(old, runs).superseded
+  assert not publish.status(runs["latest"], runs).replaced_by
+  assert publish.misplaced(runs) == ["results/old is superseded: git mv it to results/archive/old"]
+
+
+def test_code_changes_are_listed_beside_the_runs_they_concern():
+  adaptive_run = _run("a", "2026-12-03 09:00", {"draft_model": [1]})
+  fixed_run = _run("f", "2026-12-03 09:00", {"draft_model": [1]}, adaptive=False)
+  at_the_change = _run("c", "2026-12-03 09:00", {"draft_model": [1]}, commit="b24eb40")
+  change = next(c for c in publish.CODE_CHANGES if c.commit == "b24eb40")
+  assert change.concerns == "adaptive" and change.committed > datetime.datetime(2026, 12, 3, 9)
+  assert adaptive_run.concerned_by(change)
+  assert not fixed_run.concerned_by(change)
+  assert not at_the_change.concerned_by(change)
+  assert not _run("later", "2026-12-03 13:00", {"draft_model": [1]}).concerned_by(change)
+
+
+def test_a_speedup_cell_gives_the_median_and_its_interval_or_the_pairs():
+  assert publish.speedup_cell([1.0, 1.1, 1.2, 0.9, 1.05, 0.95, 1.15]) == "1.05x (0.90–1.20)"  # x_(1), x_(7)
+  assert publish.speedup_cell([1.0, 1.2, 0.9]) == "1.00x (3 pairs)"
