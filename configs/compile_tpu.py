@@ -3,6 +3,7 @@ r"""specjax's programs compiled for TPU topologies on a machine without a TPU (e
   pip install -e ".[tpu]"                                              # libtpu
   python -m experiments.compile_for --config=configs/compile_tpu.py [--workdir=results/tpu_compile]
   python -m experiments.compile_for --config=configs/compile_tpu.py:small   # one model, one topology, a few minutes
+  python -m experiments.compile_for --config=configs/compile_tpu.py:programs  # every program of SmolLM2 on v5e:2x4
   python -m experiments.compile_for --config=configs/compile_tpu.py:cover   # every program on every topology: hours
   python -m experiments.compile_for --config=configs/compile_tpu.py:full    # every model too: longer still
 
@@ -21,8 +22,8 @@ DECODING = ("prefill", "autoregressive", "speculative", "steps")
 
 
 def get_config(arg=None):
-  if arg not in (None, "small", "cover", "full"):
-    raise ValueError(f"configs/compile_tpu.py takes no argument, 'small', 'cover' or 'full', got {arg!r}")
+  if arg not in (None, "small", "programs", "cover", "full"):
+    raise ValueError(f"configs/compile_tpu.py takes no argument, 'small', 'programs', 'cover' or 'full', got {arg!r}")
   config = ml_collections.ConfigDict()
   config.dtype = "bfloat16"
   # name: a `specjax.config.MODEL_SHAPES` entry; draft_vocab: the truncated draft vocabulary of its trained drafters
@@ -88,6 +89,10 @@ def get_config(arg=None):
   if arg == "small":
     config.runs = ({"models": ("smollm2-135m",), "topologies": ("v5e:2x4",), "programs": DECODING,
                     "drafters": ("prompt_lookup", "mtp_sequential")},)
+  elif arg == "programs":  # every program a user runs, with every drafter, for SmolLM2 on one slice
+    config.train_drafters = ("exit_adapter", "draft_model", "mtp_parallel", "mtp_sequential")
+    config.runs = (dict(everything, models=("smollm2-135m",), topologies=("v5e:2x4",),
+                        programs=tuple(p for p in PROGRAMS if p != "steps")),)
   elif arg == "cover":  # every program on every topology (SmolLM2), and every model on v5e:2x4
     config.train_drafters = ("exit_adapter", "draft_model", "mtp_parallel", "mtp_sequential")
     config.runs = (dict(everything, models=("smollm2-135m",)), dict(everything, topologies=("v5e:2x4",)))

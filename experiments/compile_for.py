@@ -34,7 +34,9 @@ every step drafting); otherwise gamma times a 1-token `propose` (a draft step). 
 round commits (bonus included) as measured on this project's CPU runs (`acceptance`: a results.json of
 experiments/run.py at fixed gamma; each drafter names the method it takes tau from):
 
-  projected speedup = tau * t(decode step) / (t(draft) + t(verify gamma + 1) + t(update)).
+  projected speedup = tau * t(decode step) / (t(draft) + t(verify gamma + 1) + t(update))
+
+(experiments/projection.py, which the experiments report and docs/results.md project the CPU runs' methods with).
 
 The step programs leave their input and output layouts to the compiler, as a loop's state is (`Lowering`). XLA's
 count is of the program as compiled: copies and slices between memory spaces count, and specjax's attention reads
@@ -83,7 +85,7 @@ from specjax.drafters import Drafter, DraftInputs, PromptInfo, RoundResult, keep
 from specjax.loading import Model
 from specjax.model import KVCache, forward, init_cache
 from specjax.sampling import SamplingParams, argmax
-from experiments import cli
+from experiments import cli, projection
 from experiments.cli import code_commit, environment, parse_flags
 
 _CONFIG = cli.define_config_flag("Compile config: configs/compile_tpu.py[:small].")
@@ -573,12 +575,14 @@ def projections(records: list[dict], config: ml_collections.ConfigDict,
       draft = whole["projected_seconds"] if counted_whole else gamma * single["projected_seconds"]
       update_seconds = update["projected_seconds"] if update else 0.0
       round_seconds = draft + verify["projected_seconds"] + update_seconds
+      costs = projection.round_costs(gamma, decode["projected_seconds"], draft, verify["projected_seconds"],
+                                     update_seconds)
       out.append({"model": model, "topology": topology, "drafter": name, "acceptance_of": method, "gamma": gamma,
                   "tau": tau, "decode_step_seconds": decode["projected_seconds"],
                   "draft_seconds": draft, "draft_counted": "propose(gamma)" if counted_whole else "gamma x propose(1)",
                   "verify_seconds": verify["projected_seconds"], "update_seconds": update_seconds,
-                  "round_seconds": round_seconds, "batch": config.batch_size,
-                  "projected_speedup": tau * decode["projected_seconds"] / round_seconds})
+                  "round_seconds": round_seconds, "batch": config.batch_size, **costs,
+                  "projected_speedup": projection.speedup(tau, costs)})
   return out
 
 
@@ -709,7 +713,7 @@ def libtpu_version() -> str | None:
 
 
 def machine() -> dict[str, Any]:
-  """The CPU model, its cores and memory (what compiling ran on)."""
+  """The CPU model, its cores and memory (what compiling ran on), and the niceness the process ran at."""
   model = ""
   try:
     with open("/proc/cpuinfo") as f:
@@ -717,7 +721,7 @@ def machine() -> dict[str, Any]:
   except OSError:
     pass
   memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
-  return {"cpu": model, "cores": os.cpu_count(), "memory_bytes": memory}
+  return {"cpu": model, "cores": os.cpu_count(), "memory_bytes": memory, "niceness": os.nice(0)}
 
 
 def run(config: ml_collections.ConfigDict, workdir: str, name: str = "compile_tpu", command: str = "") -> dict:
@@ -771,7 +775,7 @@ def run_md(results: dict) -> str:
       f"- code: commit {env['specjax_commit']}; jax {env['jax']}, libtpu {results['libtpu']}, Python {env['python']}, "
       f"{env['platform']}.",
       f"- machine: {m['cores']} cores ({m['cpu']}), {m['memory_bytes'] / 2**30:.0f} GiB; no TPU (the programs are "
-      "compiled for abstract devices).",
+      f"compiled for abstract devices); the process at niceness {m.get('niceness', 0)}.",
       f"- time: {results['wall_seconds'] / 60:.1f} min wall, {results['cpu_seconds'] / 60:.1f} min of CPU time in the "
       f"process; load average {results['load_average']['start']:.1f} at the start and "
       f"{results['load_average']['end']:.1f} at the end (the machine is shared; wall time grows with the load, CPU "
