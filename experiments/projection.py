@@ -20,9 +20,10 @@ name and gamma, at fixed gamma (an adaptive round's length varies, so fixed-gamm
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
-COSTS_FILE = "results/tpu_compile/results.json"
+COSTS_FILE = "results/tpu_compile/results.json"  # relative to the checkout's root
 MODEL = "smollm2-135m"  # the model the CPU runs decode, as shaped for the TPU (bf16)
 TOPOLOGY = "v5e:1x1"  # one chip (Colab's v5e-1): no communication between chips, which XLA's counts leave out
 
@@ -39,9 +40,11 @@ def speedup(tau: float, costs: dict[str, float]) -> float:
 
 
 def read(path: str = COSTS_FILE, model: str = MODEL, topology: str = TOPOLOGY) -> dict[str, dict[str, Any]]:
-  """{method: its round costs} from a compile_for results.json, for `model` on `topology`, keyed by the method of
-  the acceptance each drafter takes (`acceptance_of`); "source" names the file, model and topology."""
-  with open(path) as f:
+  """{method: its round costs} from a compile_for results.json (a relative path: from the checkout's root), for
+  `model` on `topology`, keyed by the method of the acceptance each drafter takes (`acceptance_of`); "source" names
+  the file, model and topology."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  with open(os.path.join(root, path)) as f:
     compiled = json.load(f)
   found = {p["acceptance_of"]: {**{k: p[k] for k in ("gamma", "draft_cost", "verify_cost", "update_cost")},
                                 "source": f"{path} ({model}, {topology})"}
