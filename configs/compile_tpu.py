@@ -4,6 +4,7 @@ r"""specjax's programs compiled for TPU topologies on a machine without a TPU (e
   python -m experiments.compile_for --config=configs/compile_tpu.py [--workdir=results/tpu_compile]
   python -m experiments.compile_for --config=configs/compile_tpu.py:small   # one model, one topology, a few minutes
   python -m experiments.compile_for --config=configs/compile_tpu.py:programs  # every program of SmolLM2 on v5e:2x4
+  python -m experiments.compile_for --config=configs/compile_tpu.py:gpu   # H100/H200s: pip install "jax[cuda12]"
   python -m experiments.compile_for --config=configs/compile_tpu.py:cover   # every program on every topology: hours
   python -m experiments.compile_for --config=configs/compile_tpu.py:full    # every model too: longer still
 
@@ -22,8 +23,9 @@ DECODING = ("prefill", "autoregressive", "speculative", "steps")
 
 
 def get_config(arg=None):
-  if arg not in (None, "small", "programs", "cover", "full"):
-    raise ValueError(f"configs/compile_tpu.py takes no argument, 'small', 'programs', 'cover' or 'full', got {arg!r}")
+  if arg not in (None, "small", "programs", "gpu", "cover", "full"):
+    raise ValueError("configs/compile_tpu.py takes no argument, 'small', 'programs', 'gpu', 'cover' or 'full', got "
+                     f"{arg!r}")
   config = ml_collections.ConfigDict()
   config.dtype = "bfloat16"
   # name: a `specjax.config.MODEL_SHAPES` entry; draft_vocab: the truncated draft vocabulary of its trained drafters
@@ -93,6 +95,10 @@ def get_config(arg=None):
     config.train_drafters = ("exit_adapter", "draft_model", "mtp_parallel", "mtp_sequential")
     config.runs = (dict(everything, models=("smollm2-135m",), topologies=("v5e:2x4",),
                         programs=tuple(p for p in PROGRAMS if p != "steps")),)
+  elif arg == "gpu":  # the decoding programs for one H200 and a node of 8 H100s (memory only: see compile_for)
+    config.topologies = (("h200:1x1x1", 1, 1), ("h100:1x1x8", 2, 4))
+    config.runs = ({"models": ("smollm2-135m",), "topologies": ("h200:1x1x1", "h100:1x1x8"),
+                    "programs": ("prefill", "autoregressive", "speculative"), "drafters": ("mtp_sequential",)},)
   elif arg == "cover":  # every program on every topology (SmolLM2), and every model on v5e:2x4
     config.train_drafters = ("exit_adapter", "draft_model", "mtp_parallel", "mtp_sequential")
     config.runs = (dict(everything, models=("smollm2-135m",)), dict(everything, topologies=("v5e:2x4",)))

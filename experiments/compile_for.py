@@ -2,7 +2,9 @@ r"""Compiles specjax's programs for TPU topologies this machine does not have, a
 
   python -m experiments.compile_for --config=configs/compile_tpu.py [--workdir=DIR]
 
-Needs libtpu (`pip install -e ".[tpu]"`). `jax.experimental.topologies.get_topology_desc` describes a TPU slice
+Needs libtpu (`pip install -e ".[tpu]"`); for GPUs ("h100:1x1x8", "h200:1x1x1": `GPUS`), JAX's CUDA plugin
+(`pip install "jax[cuda12]"`), which compiles for a described GPU without one, but gives no cost analysis then
+(memory only, no projection). `jax.experimental.topologies.get_topology_desc` describes a TPU slice
 ("v5e:2x4": 8 chips) as abstract devices; the parameters, prompts and caches are `jax.ShapeDtypeStruct`s with the
 shardings of the project's logical rules (`specjax.sharding`) on a (data, model) mesh of those devices, so no weight
 is read or downloaded; `jax.jit(program).lower(...).compile()` runs the TPU compiler itself. The programs are the
@@ -68,6 +70,9 @@ from typing import Any, Callable, NamedTuple, Sequence
 # Compiling without a TPU holds none, so several processes (two commands, test workers) may load libtpu at once: its
 # lock file is for the owner of a TPU. Read when JAX first initialises its backends.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+# Without a GPU (or its driver) JAX's CUDA plugin fails its version check and is not registered; compiling for
+# abstract GPUs needs the plugin, not the driver.
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
 import jax
 import jax.numpy as jnp
@@ -119,8 +124,16 @@ CHIPS = {
 }
 
 
+# NVIDIA's SXM parts (dense bf16, no sparsity), one device per GPU. XLA:GPU compiles for a GPU it does not have
+# from a description of it (`_gpu_description`): Hopper (sm_90), 132 SMs, 50 MiB of L2.
+GPUS = {
+    "h100": Chip(1, 80e9, 3.35e12, 989e12, "https://www.nvidia.com/en-us/data-center/h100/ (H100 SXM)"),
+    "h200": Chip(1, 141e9, 4.8e12, 989e12, "https://www.nvidia.com/en-us/data-center/h200/ (H200 SXM)"),
+}
+
+
 class Target(NamedTuple):
-  """A mesh of abstract TPU devices and what one device of it has."""
+  """A mesh of abstract TPU or GPU devices and what one device of it has."""
   topology: str
   mesh: jax.sharding.Mesh
   hbm_bytes: float  # per device
@@ -130,6 +143,55 @@ class Target(NamedTuple):
   def seconds(self, flops: float, bytes_accessed: float) -> float:
     """The roofline bound of a program on one device: max(bytes / bandwidth, flops / peak)."""
     return max(bytes_accessed / self.hbm_bytes_per_second, flops / self.bf16_flops_per_second)
+
+
+def target(topology: str, data: int, model: int) -> Target:
+  """The (data, model) mesh over a topology's abstract devices: a TPU slice ("v5e:2x4", `tpu_target`) or GPUs
+  ("h100:1x1x8", `gpu_target`)."""
+  if topology.partition(":")[0] in GPUS:
+    return gpu_target(topology, data, model)
+  return tpu_target(topology, data, model)
+
+
+def chip_of(topology: str) -> Chip:
+  generation = topology.partition(":")[0]
+  return GPUS[generation] if generation in GPUS else CHIPS[generation]
+
+
+def _gpu_description(name: str, chip: Chip) -> str:
+  """XLA:GPU's description of a device it compiles for (a GpuTargetConfigProto in text form)."""
+  return f"""
+gpu_device_info {{
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132 fpus_per_core: 128
+  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
+  memory_bandwidth: {int(chip.hbm_bytes_per_second)} l2_cache_size: 52428800 clock_rate_ghz: 1.98
+  device_memory_size: {int(chip.hbm_bytes)} shared_memory_per_block_optin: 232448
+  cuda_compute_capability {{ major: 9 }} registers_per_core_limit: 65536 registers_per_block_limit: 65536
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 8 }}
+runtime_version {{ major: 12 minor: 9 }}
+device_description_str: "NVIDIA {name.upper()}"
+"""
+
+
+def gpu_target(topology: str, data: int, model: int) -> Target:
+  """The (data, model) mesh over abstract GPUs: "h100:1x1x8" is 1 slice of 1 host with 8 H100s. XLA:GPU's cost
+  analysis is not available without a GPU, so the programs compiled for one have memory but no flops or bytes."""
+  try:
+    from jax.experimental import topologies
+    import jax_plugins.xla_cuda12  # noqa: F401  (imported for its error only)
+  except ImportError as e:
+    raise SystemExit(f"compiling for a GPU needs JAX's CUDA plugin: pip install 'jax[cuda12]' ({e})") from e
+  name, _, shape = topology.partition(":")
+  if not re.fullmatch(r"\d+x\d+x\d+", shape):
+    raise ValueError(f"topology {topology!r}: expected <gpu>:<slices>x<hosts>x<gpus per host>, e.g. 'h100:1x1x8'")
+  chip = GPUS[name]
+  devices = topologies.get_topology_desc(platform="cuda", topology=shape,
+                                         target_config=_gpu_description(name, chip)).devices
+  return Target(topology, sharding.make_mesh(data, model, devices=devices), chip.hbm_bytes,
+                chip.hbm_bytes_per_second, chip.bf16_flops_per_second)
 
 
 def tpu_target(topology: str, data: int, model: int) -> Target:
@@ -456,9 +518,12 @@ def compile_program(lowering: Lowering, target: Target) -> dict[str, Any]:
   costs = compiled.cost_analysis()
   if isinstance(costs, (list, tuple)):  # older jax: one dict per computation
     costs = costs[0] if costs else {}
-  record["flops"] = float(costs.get("flops", 0.0))
-  record["bytes_accessed"] = float(costs.get("bytes accessed", 0.0))
-  record["projected_seconds"] = target.seconds(record["flops"], record["bytes_accessed"])
+  if costs:  # XLA:GPU gives none without a GPU
+    record["flops"] = float(costs.get("flops", 0.0))
+    record["bytes_accessed"] = float(costs.get("bytes accessed", 0.0))
+    record["projected_seconds"] = target.seconds(record["flops"], record["bytes_accessed"])
+  else:
+    record["flops"] = record["bytes_accessed"] = record["projected_seconds"] = None
   record["has_loop"] = bool(re.search(r"\bwhile\(", compiled.as_text()))
   return record
 
@@ -516,9 +581,9 @@ def compile_all(config: ml_collections.ConfigDict, progress: Callable[[str], Non
     if key not in shapes:
       shapes.clear()
       jax.clear_caches()  # the executables of the last model and topology are not needed again
-      target = tpu_target(topology, data, model_axis)
+      mesh_target = target(topology, data, model_axis)
       model_config = model_configs.get(model) or shaped_config(model, config.dtype)
-      shapes[key] = model_shapes(model_config, models[model]["draft_vocab"], target, config, acceptance)
+      shapes[key] = model_shapes(model_config, models[model]["draft_vocab"], mesh_target, config, acceptance)
     s = shapes[key]
     for lowering in programs_of(s, config, which, drafters):
       record = compile_program(lowering, s.target)
@@ -553,7 +618,7 @@ def projections(records: list[dict], config: ml_collections.ConfigDict,
   docstring). Drafters whose step programs did not all compile, or whose method has no acceptance, are left out."""
   steps: dict[tuple, dict] = {}
   for r in records:
-    if r["kind"] == "steps" and r["status"] == "compiled":
+    if r["kind"] == "steps" and r["status"] == "compiled" and r["projected_seconds"] is not None:
       steps[(r["model"], r["topology"], r["program"], r["drafter"])] = r
   out = []
   for model, topology in sorted({(m, t) for m, t, _, _ in steps}):
@@ -616,8 +681,9 @@ def markdown(results: dict) -> str:
       continue
     sizes = ["", "", "", ""]
     if r["status"] == "compiled":
-      sizes = [_gib(r["bytes_per_device"]), f"{r['hbm_fraction']:.0%}", f"{r['flops'] / 1e9:.1f}",
-               f"{r['bytes_accessed'] / 1e9:.2f}"]
+      counted = r["flops"] is not None
+      sizes = [_gib(r["bytes_per_device"]), f"{r['hbm_fraction']:.0%}", f"{r['flops'] / 1e9:.1f}" if counted else "–",
+               f"{r['bytes_accessed'] / 1e9:.2f}" if counted else "–"]
     lines.append(f"| {r['model']} | {r['topology']} | {r['mesh'][0]} x {r['mesh'][1]} | {_program_label(r)} | "
                  f"{r['status']} | {r['seconds']:.1f} | " + " | ".join(sizes) + " |")
   failures = [r for r in records if r["status"] != "compiled"]
@@ -625,7 +691,7 @@ def markdown(results: dict) -> str:
     lines += ["", "Not compiled:", ""]
     lines += [f"- {r['model']} {r['topology']} {_program_label(r)}: {r['status']}: `{r['error'][:300]}`"
               for r in failures]
-  step_records = [r for r in records if r["kind"] == "steps" and r["status"] == "compiled"]
+  step_records = [r for r in records if r["kind"] == "steps" and r["status"] == "compiled" and r["flops"] is not None]
   if step_records:
     lines += ["", "## Step costs (XLA's count per device, loop-free programs)", "",
               "MB of arguments: the program's inputs on one device (for a decode step or a verification, the "
@@ -738,10 +804,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, name: str = "compile_tp
   targets = {}
   for topology, data, model_axis in config.topologies:
     if any(r["topology"] == topology for r in records):
-      t = tpu_target(topology, data, model_axis)
+      t = target(topology, data, model_axis)
       targets[topology] = {"hbm_bytes": t.hbm_bytes, "hbm_bytes_per_second": t.hbm_bytes_per_second,
-                           "bf16_flops_per_second": t.bf16_flops_per_second,
-                           "source": CHIPS[topology.split(":")[0]].source}
+                           "bf16_flops_per_second": t.bf16_flops_per_second, "source": chip_of(topology).source}
   results = {"name": name, "command": command, "config": config.to_dict(), "environment": environment(),
              "libtpu": libtpu_version(), "machine": machine(), "started": time.strftime(
                  "%Y-%m-%d %H:%M", time.gmtime(time.time() - wall)), "wall_seconds": wall, "cpu_seconds": cpu,

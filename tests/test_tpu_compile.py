@@ -109,6 +109,8 @@ def test_the_default_grid_projects_every_drafter_on_every_topology():
   assert len(compile_for.blocks(compile_tpu.get_config("full"))) == 3 * len(config.topologies) * len(
       compile_for.PROGRAMS)
   assert compile_for.blocks(compile_tpu.get_config("small"))
+  assert {t for _, (t, _, _), _, _ in compile_for.blocks(compile_tpu.get_config("gpu"))} <= {
+      f"{gpu}:{shape}" for gpu in compile_for.GPUS for shape in ("1x1x1", "1x1x8")}
 
 
 def test_a_block_naming_an_unknown_program_is_an_error():
@@ -156,7 +158,7 @@ def test_a_run_writes_its_results_tables_plot_and_run_record(tmp_path, monkeypat
                         ("propose_4", "heads", 0, 81.9e6))]
   monkeypatch.setattr(compile_for, "compile_all", lambda config, log_path=None: [program, too_big] + steps)
   v5e = compile_for.CHIPS["v5e"]
-  monkeypatch.setattr(compile_for, "tpu_target", lambda topology, data, model: compile_for.Target(
+  monkeypatch.setattr(compile_for, "target", lambda topology, data, model: compile_for.Target(
       topology, sharding.make_mesh(1, 1), v5e.hbm_bytes, v5e.hbm_bytes_per_second, v5e.bf16_flops_per_second))
   results = compile_for.run(config, str(tmp_path), command="python -m experiments.compile_for --config=x")
   assert sorted(p.name for p in tmp_path.iterdir()) == ["RUN.md", "compile_tpu.png", "results.json", "results.md"]
