@@ -307,12 +307,12 @@ def describe(run: Run) -> str:
 
 
 def describe_compiled(results: dict[str, Any]) -> str:
-  """What a compile_for run compiled: its programs' count and statuses, models and topologies."""
+  """What a compile_for run compiled: its programs' count and statuses, models and topologies (TPU or GPU)."""
   records = results["records"]
   counts = {s: sum(r["status"] == s for r in records) for s in ("compiled", "does_not_fit", "failed")}
   models = ", ".join(dict.fromkeys(r["model"] for r in records))
   topologies = ", ".join(dict.fromkeys(r["topology"] for r in records))
-  return (f"{len(records)} programs compiled for TPU topologies without a TPU ({models}; {topologies}): "
+  return (f"{len(records)} programs of {models} for {topologies}, compiled without the devices: "
           f"{counts['compiled']} compiled, {counts['does_not_fit']} do not fit, {counts['failed']} failed")
 
 
