@@ -666,7 +666,7 @@ def markdown(results: dict) -> str:
   """results.md: the compile table per model and topology, the step costs and the projections."""
   records, lines = results["records"], []
   counts = {s: sum(r["status"] == s for r in records) for s in ("compiled", "does_not_fit", "failed")}
-  lines += [f"# Compiled for TPU topologies ({results['name']})", "",
+  lines += [f"# Compiled without the devices ({results['name']})", "",
             f"{len(records)} programs: {counts['compiled']} compiled, {counts['does_not_fit']} do not fit in HBM, "
             f"{counts['failed']} failed; {results['compile_seconds']:.0f} s compiling, "
             f"{results['wall_seconds']:.0f} s in all. bf16, batch {results['config']['batch_size']}, cache "
@@ -837,10 +837,11 @@ def run_md(results: dict) -> str:
   counts = {s: sum(r["status"] == s for r in results["records"]) for s in ("compiled", "does_not_fit", "failed")}
   return "\n".join([
       f"# {results['name']}, {results['started']} UTC", "", "```bash", results["command"], "```", "",
-      f"- code: commit {env['specjax_commit']}; jax {env['jax']}, libtpu {results['libtpu']}, Python {env['python']}, "
+      f"- code: commit {env['specjax_commit']}; jax {env['jax']}"
+      + (f", libtpu {results['libtpu']}" if results.get("libtpu") else "") + f", Python {env['python']}, "
       f"{env['platform']}.",
-      f"- machine: {m['cores']} cores ({m['cpu']}), {m['memory_bytes'] / 2**30:.0f} GiB; no TPU (the programs are "
-      f"compiled for abstract devices); the process at niceness {m.get('niceness', 0)}.",
+      f"- machine: {m['cores']} cores ({m['cpu']}), {m['memory_bytes'] / 2**30:.0f} GiB; no TPU or GPU (the programs "
+      f"are compiled for abstract devices); the process at niceness {m.get('niceness', 0)}.",
       f"- time: {results['wall_seconds'] / 60:.1f} min wall, {results['cpu_seconds'] / 60:.1f} min of CPU time in the "
       f"process; load average {results['load_average']['start']:.1f} at the start and "
       f"{results['load_average']['end']:.1f} at the end (the machine is shared; wall time grows with the load, CPU "

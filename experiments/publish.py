@@ -544,8 +544,8 @@ def tpu_compile_block(runs: Runs, prefix: str) -> str:
   for run in compiled:
     r = run.results
     lines.append(f"{_link(run, prefix)} (commit {run.commit}, {run.date()} UTC, {r['cpu_seconds'] / 60:.0f} min of CPU "
-                 f"time and {r['wall_seconds'] / 60:.0f} min wall on {r['machine']['cores']} shared cores, libtpu "
-                 f"{r['libtpu']}): {describe_compiled(r)}.")
+                 f"time and {r['wall_seconds'] / 60:.0f} min wall on {r['machine']['cores']} shared cores"
+                 + (f", libtpu {r['libtpu']}" if r.get("libtpu") else "") + f"): {describe_compiled(r)}.")
   default = runs.get("tpu_compile")
   if default is None:
     return "\n\n".join(lines)
