@@ -94,7 +94,7 @@ from experiments import cli, projection
 from experiments.cli import code_commit, environment, parse_flags
 
 _CONFIG = cli.define_config_flag("Compile config: configs/compile_tpu.py[:small].")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (default: workdirs/compile_tpu-<time>).")
+_WORKDIR = cli.define_workdir_flag("Output folder (default: workdirs/<config>-<time>).")
 _RENDER = flags.DEFINE_string("render", None, "A run's folder: write its tables, plot and RUN.md again from its "
                               "results.json, compiling nothing.")
 

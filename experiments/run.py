@@ -79,7 +79,7 @@ from experiments import cli, costs, peers, projection, report, spec_bench
 from experiments.cli import code_commit, environment, parse_flags
 
 _CONFIG = cli.define_config_flag("Experiment config: configs/<name>.py[:arg].")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (default: workdirs/<config>-<time>).")
+_WORKDIR = cli.define_workdir_flag("Output folder (default: workdirs/<config>-<time>).")
 distributed.define_flags()  # --coordinator_address, --num_processes, --process_id (multi-process runs)
 
 METHOD_KEYS = {"name", "drafter", "peer", "options", "gamma", "adaptive", "needs"}

@@ -5,7 +5,9 @@ specjax.ops."""
 from __future__ import annotations
 
 import ast
+import importlib
 import pathlib
+import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 OUTSIDE = ("experiments", "benchmarks")
@@ -164,3 +166,19 @@ def test_the_fast_tier_check_leaves_out_slow_tests(tmp_path):
       "import pytest\nfrom specjax import a\n\n@pytest.mark.slow\ndef test_c():\n  import specjax.c\n")
   (tmp_path / "tests" / "test_two.py").write_text("import pytest\nimport specjax.d\npytestmark = pytest.mark.slow\n")
   assert fast_tier_imports(tmp_path) == {"specjax.a", "specjax.b"}
+
+
+def test_the_experiment_commands_define_their_flags_once_in_one_process():
+  """The commands' modules import side by side (the test suite does, in one process), and absl refuses a flag
+  defined twice: a flag two of them share (--config, --workdir) is defined once, by `experiments.cli`, and no other
+  flag name is defined by two modules."""
+  defined: dict[str, list[str]] = {}
+  for path in sorted((ROOT / "experiments").glob("*.py")):
+    for name in re.findall(r"flags\.DEFINE_\w+\(\s*\"(\w+)\"", path.read_text()):
+      defined.setdefault(name, []).append(path.stem)
+  shared = {"config", "workdir"}
+  twice = {name: modules for name, modules in defined.items()
+           if len(modules) > 1 or (name in shared and modules != ["cli"])}
+  assert twice == {} and shared <= set(defined)
+  for module in ("run", "compile_for", "train", "prepare_data"):
+    importlib.import_module(f"experiments.{module}")

@@ -1,7 +1,8 @@
 """Compiling for TPU topologies without a TPU (experiments/compile_for.py, configs/compile_tpu.py).
 
 The tests marked `tpu_compile` run the TPU compiler (libtpu) on abstract devices, in a command of their own:
-`pip install -e '.[tpu]' && python -m pytest -m tpu_compile -q` (README, Tests; CI runs it after the whole suite).
+`pip install -e '.[tpu]' && python -m pytest tests/test_tpu_compile.py -m tpu_compile -q` (README, Tests; CI runs
+it after the whole suite).
 Without `-m tpu_compile` they are deselected (conftest.py), and selected without libtpu they fail with the install
 command. The rest check the grid, the projection's arithmetic, the model shapes and the published run without it.
 """
