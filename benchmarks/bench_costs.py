@@ -224,17 +224,15 @@ def report(result: dict, alphas: dict[str, dict]) -> None:
         + f" | {seconds[f'B{batch}'] / t_1:.2f} |")
 
   fmt = lambda x, spec: "–" if x is None else format(x, spec)  # noqa: E731
-  print("\n| method | γ | c | r | c from bytes | alpha | predicted speedup | projected from bytes |")
-  print("|---|---:|---:|---:|---:|---:|---:|---:|")
+  print("\n| method | γ | c | r | c from bytes | alpha | predicted speedup |")
+  print("|---|---:|---:|---:|---:|---:|---:|")
   for name, cost in measured["methods"].items():
     gamma, alpha = cost["gamma"], alphas.get(name, {}).get("alpha")
-    predicted = projected = None
+    predicted = None
     if alpha is not None:
       predicted = leviathan.predicted_speedup(alpha, gamma, cost["draft_cost"], cost["verify_cost"])
-      projected = leviathan.predicted_speedup(alpha, gamma, cost["draft_cost_bytes"], cost["verify_cost_bytes"])
     print(f"| {name} | {gamma} | {cost['draft_cost']:.3f} | {cost['verify_cost']:.2f} | "
-          f"{cost['draft_cost_bytes']:.3f} | {fmt(alpha, '.2f')} | {fmt(predicted, '.2f')}x | "
-          f"{fmt(projected, '.2f')}x |")
+          f"{cost['draft_cost_bytes']:.3f} | {fmt(alpha, '.2f')} | {fmt(predicted, '.2f')}x |")
   if "decode" in result:
     d = result["decode"]
     print(f"\nDecoding {d['prompts']} prompts x {d['new_tokens']} tokens, batch 1, fixed gamma, {d['repeats']} "

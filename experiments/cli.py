@@ -24,6 +24,13 @@ def define_config_flag(help_text: str):
   return flags.FLAGS["config"]
 
 
+def define_workdir_flag(help_text: str):
+  """The --workdir flag, defined once per process as `define_config_flag` is. Read it as `.value`."""
+  if "workdir" not in flags.FLAGS:
+    flags.DEFINE_string("workdir", None, help_text)
+  return flags.FLAGS["workdir"]
+
+
 def _missing_config(path: str) -> str:
   configs = [c for c in sorted(glob.glob(os.path.join("configs", "*.py"))) if not c.endswith("__init__.py")]
   return f"FATAL --config: no config file {path!r}" + (f"; configs here: {', '.join(configs)}" if configs else "")

@@ -26,16 +26,6 @@ import specjax
 from specjax.data import features
 from experiments.train import CHECKPOINT_ARGUMENT
 
-_DRAFTER = flags.DEFINE_string("drafter", None, "make_drafter's name: mtp_parallel, mtp_sequential, layer_skip, ...")
-_CANDIDATE = flags.DEFINE_string("candidate", None, "the new checkpoint (.safetensors)")
-_SHIPPED = flags.DEFINE_string("shipped", "default", "the checkpoint to beat; default: the one shipped for the model")
-_HELD_OUT = flags.DEFINE_string("held_out", None, "a held-out feature cache (prepare_data's <workdir>/held_out)")
-_MODEL = flags.DEFINE_string("model", "smollm2-135m", "the target")
-_PROMPTS = flags.DEFINE_integer("prompts", 48, "held-out prompts")
-_GAMMA = flags.DEFINE_integer("gamma", 4, "draft tokens per round")
-_MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 64, "new tokens per prompt")
-
-
 def held_out_prompts(cache: features.FeatureCache, count: int) -> list[list[int]]:
   """The prompt of each of the first `count` sequences of `cache`: its tokens before the first answer position."""
   prompts = []
@@ -79,12 +69,13 @@ def compare(model, candidate, shipped, prompts: Sequence[Sequence[int]], *, gamm
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  model = specjax.load(_MODEL.value, dtype="float32")
-  argument = CHECKPOINT_ARGUMENT.get(_DRAFTER.value, "path")
-  candidate = specjax.make_drafter(_DRAFTER.value, model, **{argument: _CANDIDATE.value})
-  shipped = specjax.make_drafter(_DRAFTER.value, model, **{argument: _SHIPPED.value})
-  prompts = held_out_prompts(features.FeatureCache.open(_HELD_OUT.value), _PROMPTS.value)
-  result = compare(model, candidate, shipped, prompts, gamma=_GAMMA.value, max_new_tokens=_MAX_NEW_TOKENS.value)
+  model = specjax.load(flags.FLAGS.model, dtype="float32")
+  argument = CHECKPOINT_ARGUMENT.get(flags.FLAGS.drafter, "path")
+  candidate = specjax.make_drafter(flags.FLAGS.drafter, model, **{argument: flags.FLAGS.candidate})
+  shipped = specjax.make_drafter(flags.FLAGS.drafter, model, **{argument: flags.FLAGS.shipped})
+  prompts = held_out_prompts(features.FeatureCache.open(flags.FLAGS.held_out), flags.FLAGS.prompts)
+  result = compare(model, candidate, shipped, prompts, gamma=flags.FLAGS.gamma,
+                   max_new_tokens=flags.FLAGS.max_new_tokens)
   for name in ("candidate", "shipped"):
     r = result[name]
     print(f"{name}: {r['mean_accepted']:.2f} tokens per target forward, draft cost {r['draft_cost']:.3f}, "
@@ -95,6 +86,19 @@ def main(argv: Sequence[str]) -> None:
   print(json.dumps({k: v for k, v in result.items() if k not in ("candidate", "shipped")}))
 
 
+def _define_flags():
+  """Defined when the command runs, not on import: its names (--model, --prompts, --gamma) are other commands' too."""
+  flags.DEFINE_string("drafter", None, "make_drafter's name: mtp_parallel, mtp_sequential, layer_skip, ...")
+  flags.DEFINE_string("candidate", None, "the new checkpoint (.safetensors)")
+  flags.DEFINE_string("shipped", "default", "the checkpoint to beat; default: the one shipped for the model")
+  flags.DEFINE_string("held_out", None, "a held-out feature cache (prepare_data's <workdir>/held_out)")
+  flags.DEFINE_string("model", "smollm2-135m", "the target")
+  flags.DEFINE_integer("prompts", 48, "held-out prompts")
+  flags.DEFINE_integer("gamma", 4, "draft tokens per round")
+  flags.DEFINE_integer("max_new_tokens", 64, "new tokens per prompt")
+
+
 if __name__ == "__main__":
+  _define_flags()
   flags.mark_flags_as_required(["drafter", "candidate", "held_out"])
   app.run(main)

@@ -34,8 +34,6 @@ from absl import app, flags  # noqa: E402
 
 from experiments.cli import code_commit  # noqa: E402
 
-_WORKDIRS = flags.DEFINE_list("workdirs", ["workdirs/budget"], "training workdirs, or folders holding them")
-_OUT = flags.DEFINE_string("out", "workdirs/budget/curves", "where curves.png, results.json and results.md go")
 
 # The project's targets (Spec-Bench, greedy, gamma 4 chain): family -> (metric of the evaluation points, value).
 TARGETS = {"sequential": ("spec_bench_mean_accepted", 2.2), "parallel": ("spec_bench_mean_accepted", 1.6),
@@ -188,10 +186,17 @@ def curves(workdirs: Sequence[str], out: str) -> dict[str, Any]:
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  results = curves(_WORKDIRS.value, _OUT.value)
+  results = curves(flags.FLAGS.workdirs, flags.FLAGS.out)
   print(results_markdown(results))
-  print(f"wrote {_OUT.value}/curves.png, results.json and results.md")
+  print(f"wrote {flags.FLAGS.out}/curves.png, results.json and results.md")
+
+
+def _define_flags():
+  """Defined when the command runs, not on import (--out is a benchmark's flag too)."""
+  flags.DEFINE_list("workdirs", ["workdirs/budget"], "training workdirs, or folders holding them")
+  flags.DEFINE_string("out", "workdirs/budget/curves", "where curves.png, results.json and results.md go")
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)

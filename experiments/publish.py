@@ -34,8 +34,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from absl import app, flags
 
-from experiments import report
-from specjax import leviathan
+from experiments import projection, report
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ARCHIVE = "archive"
@@ -94,8 +93,8 @@ class Run:
   heading: str  # RUN.md's first line, without the "# "
   started: datetime.datetime  # RUN.md's date, and its start time where it gives one (else midnight)
   commit: str | None
-  results: dict[str, Any] | None  # results.json, for runs of experiments.run
-  backend: str | None  # "cpu", "gpu", ...: where it was timed
+  results: dict[str, Any] | None  # results.json, for runs of experiments.run and experiments.compile_for
+  backend: str | None  # "cpu", "gpu", ...: where it was timed (None: not timed)
 
   @property
   def name(self) -> str:
@@ -107,8 +106,13 @@ class Run:
     return self.results["name"] if self.results else self.name
 
   @property
+  def compiled(self) -> bool:
+    """A run of experiments.compile_for: programs compiled for TPU topologies, no method timed."""
+    return bool(self.results) and "summary" not in self.results
+
+  @property
   def records(self) -> list[dict]:
-    return self.results["records"] if self.results else []
+    return self.results["records"] if self.results and not self.compiled else []
 
   @property
   def baseline(self) -> str:
@@ -116,7 +120,9 @@ class Run:
 
   def methods(self) -> list[str]:
     """The methods compared with the baseline, in the run's order."""
-    return [m for m in self.results["summary"]["methods"] if m != self.baseline] if self.results else []
+    if not self.results or self.compiled:
+      return []
+    return [m for m in self.results["summary"]["methods"] if m != self.baseline]
 
   def method_spec(self, method: str) -> dict:
     return next(m for m in self.results["config"]["methods"] if m["name"] == method)
@@ -173,7 +179,7 @@ def _started(run_md: str) -> datetime.datetime:
 
 def _backend(folder: pathlib.Path, results: dict | None) -> str | None:
   if results:
-    return results["environment"]["backend"]
+    return results["environment"]["backend"] if "summary" in results else None  # compiled, not timed
   for path in sorted(folder.glob("*.json")):
     backend = json.loads(path.read_text()).get("backend")
     if backend:
@@ -290,6 +296,8 @@ def describe(run: Run) -> str:
     outputs = sorted(p.name for p in run.path.glob("*") if p.suffix in (".txt", ".json"))
     title = re.sub(r",? \d{4}-\d{2}-\d{2}.*$", "", run.heading)
     return f"{title} ({', '.join(outputs)})" if outputs else title
+  if run.compiled:
+    return describe_compiled(run.results)
   config = run.results["config"]
   methods = run.methods()
   fixed_at: dict[str, list[int]] = {}
@@ -311,6 +319,16 @@ def describe(run: Run) -> str:
   return (f"{', '.join(listed)} ({mode}); {_describe_prompts(run)}; {config['max_new_tokens']} new tokens, "
           f"{sampling}, batch {', '.join(map(str, batches))}, {config['repeats']} repeat"
           f"{'s' if config['repeats'] != 1 else ''}")
+
+
+def describe_compiled(results: dict[str, Any]) -> str:
+  """What a compile_for run compiled: its programs' count and statuses, models and topologies (TPU or GPU)."""
+  records = results["records"]
+  counts = {s: sum(r["status"] == s for r in records) for s in ("compiled", "does_not_fit", "failed")}
+  models = ", ".join(dict.fromkeys(r["model"] for r in records))
+  topologies = ", ".join(dict.fromkeys(r["topology"] for r in records))
+  return (f"{len(records)} programs of {models} for {topologies}, compiled without the devices: "
+          f"{counts['compiled']} compiled, {counts['does_not_fit']} do not fit, {counts['failed']} failed")
 
 
 def run_line(run: Run, prefix: str) -> str:
@@ -429,34 +447,22 @@ def category_block(run: Run, prefix: str, methods: Sequence[str] | None = None) 
   return run_line(run, prefix) + "\n\n" + "\n".join(rows)
 
 
-def _h200_predictions(runs: Runs, method: str, alpha: float, gamma: int) -> str:
-  """Leviathan's prediction with the run's alpha and the c and r measured on the H200 (every float32 file that
-  measured the method: a range over runs)."""
-  accelerator = runs["accelerator"].path
-  values = []
-  for path in sorted(accelerator.glob("*.json")):
-    measured = json.loads(path.read_text())
-    cost = measured["costs"]["methods"].get(method) if measured.get("dtype") == "float32" else None
-    if cost is not None and cost["gamma"] == gamma:
-      values.append(leviathan.predicted_speedup(alpha, gamma, cost["draft_cost"], cost["verify_cost"]))
-  if not values:
-    return "–"
-  low, high = f"{min(values):.2f}", f"{max(values):.2f}"
-  return low if low == high else f"{low}–{high}"
-
-
 def compare_drafters_block(runs: Runs, prefix: str) -> str:
+  """The fixed-γ comparison, each method with Leviathan's prediction from its costs on this CPU and its projection
+  from its round's costs compiled for one TPU chip (experiments/projection.py: the costs file of results/)."""
   run = runs["compare_drafters"]
+  compiled = projection.read(str(runs.root / projection.COSTS_FILE))
   rows = ["| method | γ | speedup (paired median, 90% interval) | mean accepted | alpha | "
-          "accepted at k = 1 / 2 / 3 / 4 | c | r | predicted | accelerator projection | predicted with H200 costs |",
-          "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
+          f"accepted at k = 1 / 2 / 3 / 4 | c | r | predicted | projected on TPU {projection.TOPOLOGY} |",
+          "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
   for m in run.methods():
     s = run.results["summary"]["methods"][m]
     per_position = " / ".join(f"{a:.2f}" for a in s["acceptance_per_position"] or [])
+    projected = projection.project(dict(s, adaptive=run.adaptive(m)), compiled, m)
     rows.append(f"| `{m}` | {s['gamma']} | {speedup_cell(_paired(run, m))} | {s['mean_accepted']:.2f} | "
                 f"{_num(s['alpha'], '.2f')} | {per_position} | {_num(s.get('draft_cost'), '.3f')} | "
                 f"{_num(s.get('verify_cost'), '.2f')} | {_num(s.get('predicted_speedup'), '.2f')} | "
-                f"{_num(s.get('projected_speedup'), '.2f')} | {_h200_predictions(runs, m, s['alpha'], s['gamma'])} |")
+                f"{_num(projected, '.2f')} |")
   efficiency = [s["efficiency"] for m, s in run.results["summary"]["methods"].items() if s.get("efficiency")]
   return (run_line(run, prefix) + "\n\n" + "\n".join(rows) + "\n\n" +
           f"Measured / predicted (the summary's ratio of median tokens/s over the prediction): "
@@ -542,6 +548,53 @@ def layer_skip_deep_block(runs: Runs, prefix: str) -> str:
           f"{search['search']['evaluations']} sets scored on {calibration['conversations']} ShareGPT conversations "
           f"(train side), γ {search['gamma']}, r {search['verify_cost']:g}; chosen: skip "
           f"{{{', '.join(map(str, search['options']['skip_layers']))}}}.\n\n" + "\n".join(rows))
+
+
+def tpu_compile_block(runs: Runs, prefix: str) -> str:
+  """The runs of experiments.compile_for: what compiled, the 8B-shaped target's memory per chip, the projected
+  speedups per drafter and topology, and where the accelerator projection takes its costs from."""
+  compiled = sorted((r for r in runs.values() if r.compiled and not r.folder.startswith(ARCHIVE)),
+                    key=lambda r: r.started)
+  lines = []
+  for run in compiled:
+    r = run.results
+    lines.append(f"{_link(run, prefix)} (commit {run.commit}, {run.date()} UTC, {r['cpu_seconds'] / 60:.0f} min of CPU "
+                 f"time and {r['wall_seconds'] / 60:.0f} min wall on {r['machine']['cores']} shared cores"
+                 + (f", libtpu {r['libtpu']}" if r.get("libtpu") else "") + f"): {describe_compiled(r)}.")
+  default = runs.get("tpu_compile")
+  if default is None:
+    return "\n\n".join(lines)
+  results = default.results
+  config = results["config"]
+  big = [r for r in results["records"] if r["model"] == "llama-3.1-8b" and r["kind"] in ("autoregressive",
+                                                                                        "speculative")]
+  if big:
+    lines.append(f"The Llama-3.1-8B-shaped target in {config['dtype']}, batch {config['batch_size']}, a KV cache of "
+                 f"{config['cache_len']} positions, with the default sharding rules on {big[0]['topology']} "
+                 f"({big[0]['mesh'][0]} x {big[0]['mesh'][1]}), bytes per chip of its 16 GiB of HBM: " + "; ".join(
+                     f"{_program_label(r)} {r['bytes_per_device'] / 2**30:.2f} GiB ({r['hbm_fraction']:.0%})"
+                     for r in big) + ".")
+  projected = [p for p in results["projections"] if p["model"] == projection.MODEL]
+  topologies = list(dict.fromkeys(p["topology"] for p in projected))
+  drafters = list(dict.fromkeys(p["drafter"] for p in projected))
+  cell = {(p["drafter"], p["topology"]): p for p in projected}
+  rows = ["| drafter (τ, γ) | " + " | ".join(topologies) + " |", "|---|" + "---:|" * len(topologies)]
+  for d in drafters:
+    first = next(p for p in projected if p["drafter"] == d)
+    rows.append(f"| {d} ({first['tau']:.2f}, {first['gamma']}) | " + " | ".join(
+        f"{cell[d, t]['projected_speedup']:.2f}x" if (d, t) in cell else "–" for t in topologies) + " |")
+  lines.append(f"Projected speedups of {projection.MODEL} (τ measured on this CPU, from "
+               f"`{config['acceptance']}`; batch {config['batch_size']}, cache {config['cache_len']}):\n\n"
+               + "\n".join(rows))
+  lines.append(f"The accelerator projection of the experiments report and of [results](results.md) takes its round "
+               f"costs from [`{projection.COSTS_FILE.removeprefix('results/')}`]"
+               f"({prefix}{projection.COSTS_FILE.removeprefix('results/')}): {projection.MODEL} on "
+               f"{projection.TOPOLOGY} (experiments/projection.py).")
+  return "\n\n".join(lines)
+
+
+def _program_label(record: dict) -> str:
+  return record["program"] + (f" with {record['drafter']}" if record["drafter"] else "")
 
 
 def _verbatim(run_folder: str, file: str, title: str) -> Callable[[Runs, str], str]:
@@ -678,6 +731,7 @@ BLOCKS: dict[str, tuple[str, Callable[[Runs, str], str]]] = {
                                                              "`benchmarks/bench_autoregressive.py --repeats=3`")),
     "bench-verify": ("docs/benchmarks.md", _verbatim("benchmarks", "bench_verify.txt",
                                                      "`benchmarks/bench_verify.py --repeats=5`")),
+    "tpu-compile": ("docs/scaling.md", tpu_compile_block),
     "h200-costs": ("docs/benchmarks.md", h200_costs_block),
     "h200-decode": ("docs/benchmarks.md", h200_decode_block),
 }

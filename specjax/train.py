@@ -164,14 +164,20 @@ def init_train_state(trainable: Params, optimizer: optax.GradientTransformation,
   state = TrainState(step=jnp.zeros((), jnp.int32), params=trainable, opt_state=optimizer.init(trainable))
   if mesh is None:
     return jax.device_put(state, may_alias=False)  # own copies: train steps donate the state's buffers
+  return jax.device_put(state, train_state_sharding(state, optimizer, mesh), may_alias=False)
+
+
+def train_state_sharding(state: TrainState, optimizer: optax.GradientTransformation, mesh: Mesh) -> TrainState:
+  """The NamedSharding of every array of `state` (arrays or `jax.ShapeDtypeStruct`s) on `mesh`: optimizer moments
+  take the sharding of their parameters (replicated when a parameter is not on the mesh), step counters are
+  replicated."""
   replicated = sharding.replicated(mesh)
   param_sharding = jax.tree.map(
       lambda x: x.sharding if isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh else replicated,
-      trainable)
+      state.params)
   opt_sharding = optax.tree_map_params(optimizer, lambda _, s: s, state.opt_state, param_sharding,
                                        transform_non_params=lambda _: replicated)
-  return jax.device_put(state, TrainState(step=replicated, params=param_sharding, opt_state=opt_sharding),
-                        may_alias=False)
+  return TrainState(step=replicated, params=param_sharding, opt_state=opt_sharding)
 
 
 def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, mesh: Mesh | None = None, *,

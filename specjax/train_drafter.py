@@ -158,6 +158,20 @@ def _write_records(path: str, records: list[dict[str, Any]]) -> None:
   os.replace(tmp, path)
 
 
+def training_split(drafter: Drafter, target_params, drafter_params):
+  """(trainable, frozen, loss_fn): the drafter's trainable arrays (`draft_head.is_trainable`), everything the loss
+  reads but does not train ({"target": target_params, "drafter": the drafter's fixed arrays}), and
+  loss_fn(trainable, frozen, batch) -> (loss, metrics) for `train.make_train_step(..., has_aux=True)`."""
+  trainable, fixed = train.split_params(drafter_params, lambda path, leaf: draft_head.is_trainable(path))
+  options = drafter.options
+
+  def loss_fn(trainable_params, frozen_params, batch):
+    params = train.merge_params(trainable_params, frozen_params["drafter"])
+    return drafter.loss(frozen_params["target"], params, options, batch)
+
+  return trainable, {"target": target_params, "drafter": fixed}, loss_fn
+
+
 def train_drafter(model, drafter: Drafter, train_cache, held_out_cache, *, workdir: str, steps: int,
                   batch_size: int = 8, learning_rate: float = 1e-3, warmup_steps: int = 100,
                   weight_decay: float = 0.0, clip_norm: float = 1.0, seed: int = 0, log_every: int = 10,
@@ -191,13 +205,8 @@ def train_drafter(model, drafter: Drafter, train_cache, held_out_cache, *, workd
   if mesh is not None:
     target_params = sharding.shard_params(target_params, model.config, mesh)
     drafter_params = sharding.shard_tree(drafter_params, drafter.param_specs, mesh)
-  trainable, fixed = train.split_params(drafter_params, lambda path, leaf: draft_head.is_trainable(path))
-  frozen = {"target": target_params, "drafter": fixed}
-  options = drafter.options
-
-  def loss_fn(trainable_params, frozen_params, batch):
-    params = train.merge_params(trainable_params, frozen_params["drafter"])
-    return drafter.loss(frozen_params["target"], params, options, batch)
+  trainable, frozen, loss_fn = training_split(drafter, target_params, drafter_params)
+  fixed = frozen["drafter"]
 
   def batch_fn(step: int):
     return _batch(train_cache, batch_indices(num_sequences, batch_size, seed, step), layers)

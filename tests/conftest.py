@@ -45,12 +45,20 @@ SLOW_FIXTURES = frozenset({"smollm2", "smollm2_path", "hf_smollm2", "tiny_hf_lla
 
 def pytest_collection_modifyitems(config, items):
   """Keeps the fast tier fast: a test that needs SmolLM2 or HF transformers through a fixture and is not marked
-  slow is a collection error, not a minute added to every `-m "not slow"` run."""
+  slow is a collection error, not a minute added to every `-m "not slow"` run. Deselects the `tpu_compile` tests
+  unless the marker expression names them."""
   unmarked = [item.nodeid for item in items
               if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) and item.get_closest_marker("slow") is None]
   if unmarked:
     raise pytest.UsageError("tests that use SmolLM2 or HF transformers fixtures must be marked slow: "
                             + ", ".join(unmarked))
+  # The tests that compile for TPU topologies need libtpu (the `[tpu]` extra) and run in a command of their own,
+  # `pytest -m tpu_compile` (README, Tests); any other selection leaves them out, and says so in its count.
+  if "tpu_compile" not in (config.getoption("markexpr") or ""):
+    tpu = [item for item in items if item.get_closest_marker("tpu_compile") is not None]
+    if tpu:
+      config.hook.pytest_deselected(items=tpu)
+      items[:] = [item for item in items if item.get_closest_marker("tpu_compile") is None]
 
 
 @pytest.fixture(autouse=True, scope="module")

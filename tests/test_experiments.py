@@ -508,9 +508,13 @@ def _tiny_config(**overrides) -> ml_collections.ConfigDict:
   return config
 
 
-def test_run_reports_costs_prediction_efficiency_and_projection(tiny_chat, tmp_path):
+def test_run_reports_costs_prediction_efficiency_and_projection(tiny_chat, tmp_path, monkeypatch):
   config = _tiny_config(repeats=5)
   config.costs.repeats = 3  # a tiny model's step is ~1 ms: a median of three keeps the load from flipping a sign
+  # The accelerator projection's costs file, as compiled: the heads at this run's gamma, the exit at another.
+  compiled = {"heads": {"gamma": 3, "draft_cost": 0.02, "verify_cost": 1.1, "update_cost": 0.01, "source": "f"},
+              "exit2": {"gamma": 4, "draft_cost": 0.5, "verify_cost": 1.0, "update_cost": 0.0, "source": "f"}}
+  monkeypatch.setattr(run.projection, "read", lambda: compiled)
   results = run.run(config, str(tmp_path), model=tiny_chat, name="costs")
   with open(tmp_path / "results.json") as f:
     saved = json.load(f)
@@ -534,14 +538,16 @@ def test_run_reports_costs_prediction_efficiency_and_projection(tiny_chat, tmp_p
     assert s["predicted_speedup"] == pytest.approx(leviathan.predicted_speedup(
         s["alpha"], s["gamma"], s["draft_cost"], s["verify_cost"]))
     assert s["efficiency"] == pytest.approx(s["speedup"] / s["predicted_speedup"])
-    assert s["projected_speedup"] == pytest.approx(leviathan.predicted_speedup(
-        s["alpha"], s["gamma"], s["draft_cost_bytes"], s["verify_cost_bytes"]))
     assert s["draft_cost"] == pytest.approx(
         saved["costs"]["draft_seconds"][name] / s["gamma"] / saved["costs"]["target_seconds"]["1"])
   # Bytes per step: two layers of three read less than a target step; prompt lookup reads next to nothing.
   assert methods["prompt_lookup"]["draft_cost_bytes"] < 0.01 < methods["exit2"]["draft_cost_bytes"] < 1
   assert methods["autoregressive"]["alpha"] is None and methods["autoregressive"]["mean_accepted"] == 1
   assert results["summary"]["methods"]["heads"]["gamma"] == 3
+  # Projected where the costs file has the method at its gamma: tau / (gamma c + r + u) in compiled decode steps.
+  assert methods["heads"]["projected_speedup"] == pytest.approx(
+      methods["heads"]["mean_accepted"] / (3 * 0.02 + 1.1 + 0.01))
+  assert "projected_speedup" not in methods["exit2"] and "projected_speedup" not in methods["prompt_lookup"]
   costs = saved["costs"]
   assert summary["roofline_fraction"] == pytest.approx(
       costs["target_step_bytes"] / costs["target_seconds"]["1"] / costs["read_bandwidth"])
@@ -560,7 +566,7 @@ def test_run_reports_costs_prediction_efficiency_and_projection(tiny_chat, tmp_p
   text = (tmp_path / "results.md").read_text()
   assert f"{summary['roofline_fraction']:.0%} of the read bandwidth measured in this run" in text
   assert "LOSSLESS CHECK FAILED" not in text
-  assert "**Accelerator projection**" in text and "(γ·c_bytes + r_bytes)" in text
+  assert "**Accelerator projection**" in text and "τ / (γ·c + r + u)" in text and "costs from f)" in text
   assert "| heads | 3 |" in text and "## Acceptance per draft position" in text
   assert "Left out (shipped checkpoint missing): unshipped (exit_adapter.safetensors)" in text
   assert "## Speedup by category" in text and "| qa (5) |" in text

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from experiments import publish
+from experiments import projection, publish
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -145,3 +145,20 @@ def test_code_changes_are_listed_beside_the_runs_they_concern():
 def test_a_speedup_cell_gives_the_median_and_its_interval_or_the_pairs():
   assert publish.speedup_cell([1.0, 1.1, 1.2, 0.9, 1.05, 0.95, 1.15]) == "1.05x (0.90–1.20)"  # x_(1), x_(7)
   assert publish.speedup_cell([1.0, 1.2, 0.9]) == "1.00x (3 pairs)"
+
+
+def test_the_accelerator_projection_of_the_results_is_the_compile_runs_own():
+  """docs/results.md projects the fixed-γ comparison with the round costs compiled for a TPU
+  (experiments/projection.py): for the methods whose τ the compile run took from that comparison, the same speedups
+  as the compile run's."""
+  runs = publish.load_runs(ROOT)
+  compiled = runs["tpu_compile"].results
+  costs = projection.read()
+  table = publish.compare_drafters_block(runs, "")
+  mine = [p for p in compiled["projections"]
+          if p["model"] == projection.MODEL and p["topology"] == projection.TOPOLOGY]
+  assert mine
+  for p in mine:
+    assert projection.speedup(p["tau"], costs[p["acceptance_of"]]) == pytest.approx(p["projected_speedup"])
+    row = next(line for line in table.splitlines() if line.startswith(f"| `{p['acceptance_of']}` |"))
+    assert row.endswith(f"| {p['projected_speedup']:.2f} |")

@@ -52,11 +52,14 @@ def test_readme_opens_with_the_quickstart_and_the_test_command():
 
 
 @pytest.mark.slow
-def test_ci_runs_the_readme_test_command():
+def test_ci_runs_the_readme_test_command_and_the_tpu_compile_tests():
   proc = subprocess.run(["bash", os.path.join(REPO_ROOT, ".ci", "run"), "--print-test-command"],
                         capture_output=True, text=True, timeout=60)
   assert proc.returncode == 0, proc.stderr
-  assert proc.stdout.strip() == code_blocks(readme().split("\n## ", 1)[0], "bash")[1].strip()
+  tests_section = readme().split("\n## Tests\n", 1)[1].split("\n## ", 1)[0]
+  tpu = [block.strip() for block in code_blocks(tests_section, "bash") if "-m tpu_compile" in block]
+  assert proc.stdout.strip().splitlines() == [code_blocks(readme().split("\n## ", 1)[0], "bash")[1].strip()] + tpu
+  assert "pip install -e '.[tpu]'" in tpu[0]
 
 
 def test_readme_python_snippets_include_the_mesh_with_the_flag_it_needs():

@@ -13,7 +13,9 @@ the loop to run (regenerated training data, the layer-skip search, benchmarks) i
 from __future__ import annotations
 
 import ast
+import importlib
 import pathlib
+import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 OUTSIDE = ("experiments", "benchmarks", "configs")
@@ -230,3 +232,41 @@ def test_the_fast_tier_check_leaves_out_slow_tests(tmp_path):
       "import pytest\nfrom specjax import a\n\n@pytest.mark.slow\ndef test_c():\n  import specjax.c\n")
   (tmp_path / "tests" / "test_two.py").write_text("import pytest\nimport specjax.d\npytestmark = pytest.mark.slow\n")
   assert fast_tier_imports(tmp_path) == {"specjax.a", "specjax.b"}
+
+
+def import_time_flags(path: pathlib.Path) -> list[str]:
+  """The flags a module defines when it is imported: `flags.DEFINE_*("name", ...)` calls in its top-level statements
+  and in the functions those call at import time (`cli.define_*`); a command's `main` defining its own flags when it
+  runs is not an import."""
+  tree = ast.parse(path.read_text())
+  names = []
+  for statement in tree.body:
+    if isinstance(statement, (ast.FunctionDef, ast.ClassDef)):
+      continue
+    for node in ast.walk(statement):
+      if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr.startswith("DEFINE_")
+          and node.args and isinstance(node.args[0], ast.Constant)):
+        names.append(node.args[0].value)
+  return names
+
+
+def test_the_experiment_commands_define_their_flags_once_in_one_process():
+  """The commands' modules import side by side (the test suite does, in one process), and absl refuses a flag
+  defined twice: a flag two of them share (--config, --workdir) is defined once, by `experiments.cli`, and no other
+  flag name is defined by two modules."""
+  defined: dict[str, list[str]] = {}
+  for path in sorted([*(ROOT / "experiments").glob("*.py"), *(ROOT / "benchmarks").glob("*.py")]):
+    # experiments.cli defines the shared flags in functions the commands call (once per process, guarded).
+    names = re.findall(r"flags\.DEFINE_\w+\(\s*\"(\w+)\"", path.read_text()) if path.stem == "cli" else \
+        import_time_flags(path)
+    for name in names:
+      defined.setdefault(name, []).append(path.stem)
+  shared = {"config", "workdir"}
+  # Benchmarks are scripts run one per process and may share names among themselves, not with the experiments
+  # (tests import both; benchmarks/bench_costs.py imports experiments.run).
+  experiments = {path.stem for path in (ROOT / "experiments").glob("*.py")}
+  twice = {name: modules for name, modules in defined.items()
+           if len(set(modules) & experiments) and len(modules) > 1 or (name in shared and modules != ["cli"])}
+  assert twice == {} and shared <= set(defined)
+  for module in ("run", "compile_for", "train", "prepare_data"):
+    importlib.import_module(f"experiments.{module}")

@@ -1,0 +1,108 @@
+r"""specjax's programs compiled for TPU topologies on a machine without a TPU (experiments/compile_for.py).
+
+  pip install -e ".[tpu]"                                              # libtpu
+  python -m experiments.compile_for --config=configs/compile_tpu.py [--workdir=results/tpu_compile]
+  python -m experiments.compile_for --config=configs/compile_tpu.py:small   # one model, one topology, a few minutes
+  python -m experiments.compile_for --config=configs/compile_tpu.py:programs  # every program of SmolLM2 on v5e:2x4
+  python -m experiments.compile_for --config=configs/compile_tpu.py:gpu   # H100/H200s: pip install "jax[cuda12]"
+  python -m experiments.compile_for --config=configs/compile_tpu.py:cover   # every program on every topology: hours
+  python -m experiments.compile_for --config=configs/compile_tpu.py:full    # every model too: longer still
+
+The models are SmolLM2-135M and Llama-3.2-1B and Llama-3.1-8B shaped (specjax.config.MODEL_SHAPES; no weights), each
+with drafters sized for it: the shipped SmolLM2 drafters' options (4 parallel heads, a recurrent EAGLE-3-style
+sequential module, a 4-layer distilled draft, an exit adapter) with a draft vocabulary of `draft_vocab` tokens, plain
+layer skip, and prompt lookup. bf16, batch 8, a KV cache of 4096 positions. Topologies: v5e:2x4, v6e:2x4, v5p:2x2x1,
+v5e:4x4, Colab's v2-8 (v2:2x2) and a single v5e chip (Colab's v5e-1), each with a (data, model) mesh. Compiling is
+CPU work that grows with the layers of every unrolled forward: results/tpu_compile/RUN.md gives the default's time.
+"""
+
+import ml_collections
+
+PROGRAMS = ("prefill", "autoregressive", "speculative", "train_drafter", "train", "steps")
+DECODING = ("prefill", "autoregressive", "speculative", "steps")
+
+
+def get_config(arg=None):
+  if arg not in (None, "small", "programs", "gpu", "cover", "full"):
+    raise ValueError("configs/compile_tpu.py takes no argument, 'small', 'programs', 'gpu', 'cover' or 'full', got "
+                     f"{arg!r}")
+  config = ml_collections.ConfigDict()
+  config.dtype = "bfloat16"
+  # name: a `specjax.config.MODEL_SHAPES` entry; draft_vocab: the truncated draft vocabulary of its trained drafters
+  # (SmolLM2's shipped ones: 8192 of 49,152; EAGLE-3's Llama 3.1 8B draft: 32,000 of 128,256).
+  config.models = (
+      {"name": "smollm2-135m", "draft_vocab": 8192},
+      {"name": "llama-3.2-1b", "draft_vocab": 32768},
+      {"name": "llama-3.1-8b", "draft_vocab": 32768},
+  )
+  # (topology, data, model): a mesh over all of the slice's devices (v2: one device per TensorCore, 2 per chip).
+  config.topologies = (
+      ("v5e:2x4", 2, 4),
+      ("v6e:2x4", 2, 4),
+      ("v5p:2x2x1", 1, 4),
+      ("v5e:4x4", 4, 4),
+      ("v2:2x2", 2, 4),
+      ("v5e:1x1", 1, 1),
+  )
+  config.batch_size = 8
+  config.prompt_len = 1024
+  config.cache_len = 4096
+  config.gamma = 4  # the speculative programs' largest draft
+  config.temperature = 0.0
+  config.stop_ids = (2,)
+  # Where each drafter's tau (tokens per target forward) comes from: a fixed-gamma run of experiments/run.py.
+  config.acceptance = "results/compare_drafters/results.json"
+  # name; drafter and options for `specjax.make_drafter` (fresh parameters: no checkpoint is read); layers as fractions
+  # of the model's (`exit_layer_fraction`, `skip_layer_fraction`); draft_vocab: a truncated head of the model's
+  # `draft_vocab` tokens; acceptance_of: the method of `acceptance` whose tau (and gamma) the projection takes.
+  config.drafters = (
+      {"name": "prompt_lookup", "drafter": "prompt_lookup", "acceptance_of": "prompt_lookup"},
+      {"name": "layer_skip", "drafter": "layer_skip", "exit_layer_fraction": 0.8, "acceptance_of": "layer_skip_exit24"},
+      {"name": "layer_skip_set", "drafter": "layer_skip", "skip_layer_fraction": 0.4,
+       "acceptance_of": "layer_skip_best_set"},
+      {"name": "exit_adapter", "drafter": "layer_skip", "options": {"adapter": "fresh", "mlp": True},
+       "exit_layer_fraction": 4 / 30, "draft_vocab": True, "acceptance_of": "layer_skip_trained_exit"},
+      {"name": "draft_model", "drafter": "draft_model", "options": {"draft": "fresh", "num_layers": 4},
+       "draft_vocab": True, "acceptance_of": "draft_model"},
+      {"name": "mtp_parallel", "drafter": "mtp_parallel", "options": {"path": None, "num_heads": 4},
+       "draft_vocab": True, "acceptance_of": "mtp_parallel"},
+      {"name": "mtp_sequential", "drafter": "mtp_sequential",
+       "options": {"path": None, "depth": 4, "recurrent": True, "eagle3": True}, "draft_vocab": True,
+       "acceptance_of": "mtp_sequential"},
+  )
+  config.train_drafters = ("mtp_sequential",)  # whose training step is compiled
+  config.train = ml_collections.ConfigDict({"batch_size": 8, "seq_len": 1024, "top_k": 32})
+
+  names = tuple(m["name"] for m in config.models)
+  topologies = tuple(t[0] for t in config.topologies)
+  everything = {"models": names, "topologies": topologies, "programs": PROGRAMS}
+  # Blocks of the grid, each crossing its models, topologies and programs, with its `drafters` (default: all) in the
+  # speculative, step and drafter-training programs (experiments/compile_for.py). The default, ~15 min of CPU time:
+  # the 8B target on v5e:2x4 (its decoding program and the speculative one with the sequential MTP module, and the
+  # steps of the drafters that read few weights), and every drafter's step programs (the projection) for SmolLM2 on
+  # every topology.
+  config.runs = (
+      {"models": ("llama-3.1-8b",), "topologies": ("v5e:2x4",), "programs": ("autoregressive", "speculative"),
+       "drafters": ("mtp_sequential",)},
+      {"models": ("llama-3.1-8b",), "topologies": ("v5e:2x4",), "programs": ("steps",),
+       "drafters": ("prompt_lookup", "mtp_parallel", "mtp_sequential")},
+      {"models": ("smollm2-135m",), "topologies": topologies, "programs": ("steps",)},
+  )
+  if arg == "small":
+    config.runs = ({"models": ("smollm2-135m",), "topologies": ("v5e:2x4",), "programs": DECODING,
+                    "drafters": ("prompt_lookup", "mtp_sequential")},)
+  elif arg == "programs":  # every program a user runs, with every drafter, for SmolLM2 on one slice
+    config.train_drafters = ("exit_adapter", "draft_model", "mtp_parallel", "mtp_sequential")
+    config.runs = (dict(everything, models=("smollm2-135m",), topologies=("v5e:2x4",),
+                        programs=tuple(p for p in PROGRAMS if p != "steps")),)
+  elif arg == "gpu":  # the decoding programs for one H200 and a node of 8 H100s (memory only: see compile_for)
+    config.topologies = (("h200:1x1x1", 1, 1), ("h100:1x1x8", 2, 4))
+    config.runs = ({"models": ("smollm2-135m",), "topologies": ("h200:1x1x1", "h100:1x1x8"),
+                    "programs": ("prefill", "autoregressive", "speculative"), "drafters": ("mtp_sequential",)},)
+  elif arg == "cover":  # every program on every topology (SmolLM2), and every model on v5e:2x4
+    config.train_drafters = ("exit_adapter", "draft_model", "mtp_parallel", "mtp_sequential")
+    config.runs = (dict(everything, models=("smollm2-135m",)), dict(everything, topologies=("v5e:2x4",)))
+  elif arg == "full":  # the whole cross product
+    config.train_drafters = ("exit_adapter", "draft_model", "mtp_parallel", "mtp_sequential")
+    config.runs = (everything,)
+  return config

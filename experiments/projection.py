@@ -1,0 +1,70 @@
+r"""The accelerator projection: a drafter's speedup on a TPU, from the tokens its rounds commit as measured on this
+CPU and what a round's programs cost as compiled for the TPU (experiments/compile_for.py, results/tpu_compile/).
+
+Each program's time is the roofline bound (Williams et al. 2009) of XLA's count of it as compiled for the chip, per
+device: t = max(bytes accessed / HBM bandwidth, flops / peak bf16 flops). In units of one decode step of the target
+(a 1-token forward over the KV cache), a round of gamma drafts costs
+
+  c = t(draft of gamma tokens) / gamma,   r = t(verification of gamma + 1 tokens),   u = t(the drafter's update),
+
+and with tau the tokens a round commits (bonus included: Leviathan et al. 2023's E(alpha, gamma), here measured),
+
+  projected speedup = tau / (gamma c + r + u).
+
+The costs file is a compile_for results.json; its `projections` give each drafter's costs at the gamma of the
+fixed-gamma run its acceptance comes from (`acceptance_of`: the method name in that run), for each model shape and
+topology compiled. The experiments report and the published tables project the methods of a run with the same
+name and gamma, at fixed gamma (an adaptive round's length varies, so fixed-gamma costs do not describe it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+COSTS_FILE = "results/tpu_compile/results.json"  # relative to the checkout's root
+MODEL = "smollm2-135m"  # the model the CPU runs decode, as shaped for the TPU (bf16)
+# The slice the 8B-shaped target is fitted to (configs/compile_tpu.py). Not a single chip: there XLA's count of a
+# decode step includes copies of the cache between memory spaces that a verification's does not, so a verification
+# would count as cheaper than a decode step (results/tpu_compile/results.md). Communication between chips is left
+# out of XLA's counts, and so of the projection.
+TOPOLOGY = "v5e:2x4"
+
+
+def round_costs(gamma: int, decode_step: float, draft: float, verify: float, update: float) -> dict[str, float]:
+  """c, r and u (the module docstring) from the programs' times in seconds."""
+  return {"gamma": gamma, "draft_cost": draft / gamma / decode_step, "verify_cost": verify / decode_step,
+          "update_cost": update / decode_step}
+
+
+def speedup(tau: float, costs: dict[str, float]) -> float:
+  """tau / (gamma c + r + u)."""
+  return tau / (costs["gamma"] * costs["draft_cost"] + costs["verify_cost"] + costs["update_cost"])
+
+
+def read(path: str = COSTS_FILE, model: str = MODEL, topology: str = TOPOLOGY) -> dict[str, dict[str, Any]]:
+  """{method: its round costs} from a compile_for results.json (a relative path: from the checkout's root), for
+  `model` on `topology`, keyed by the method of the acceptance each drafter takes (`acceptance_of`); "source" names
+  the file, model and topology."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  with open(os.path.join(root, path)) as f:
+    compiled = json.load(f)
+  found = {p["acceptance_of"]: {**round_costs(p["gamma"], p["decode_step_seconds"], p["draft_seconds"],
+                                             p["verify_seconds"], p["update_seconds"]),
+                                "source": f"{path} ({model}, {topology})"}
+           for p in compiled["projections"] if p["model"] == model and p["topology"] == topology}
+  if not found:
+    raise ValueError(f"{path} projects no drafter of {model} on {topology}; it has "
+                     f"{sorted({(p['model'], p['topology']) for p in compiled['projections']})}")
+  return found
+
+
+def project(method: dict[str, Any], costs: dict[str, dict[str, Any]], name: str) -> float | None:
+  """The projected speedup of a run's method (its summary: gamma, mean_accepted, adaptive) from `read`'s costs, or
+  None where the costs file has no such method at its gamma or the method drafts adaptively."""
+  cost = costs.get(name)
+  if (cost is None or method.get("adaptive") or method.get("gamma") != cost["gamma"]
+      or method.get("mean_accepted") is None):
+    return None
+  return speedup(method["mean_accepted"], cost)

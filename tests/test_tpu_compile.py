@@ -1,0 +1,225 @@
+"""Compiling for TPU topologies without a TPU (experiments/compile_for.py, configs/compile_tpu.py).
+
+The tests marked `tpu_compile` run the TPU compiler (libtpu) on abstract devices, in a command of their own:
+`pip install -e '.[tpu]' && python -m pytest tests/test_tpu_compile.py -m tpu_compile -q` (README, Tests; CI runs
+it after the whole suite).
+Without `-m tpu_compile` they are deselected (conftest.py), and selected without libtpu they fail with the install
+command. The rest check the grid, the projection's arithmetic, the model shapes and the published run without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import compile_tpu
+from experiments import compile_for
+from specjax import sharding
+from specjax.config import shaped_config
+
+RESULTS = os.path.join(os.path.dirname(__file__), "..", "results", "tpu_compile", "results.json")
+
+
+@pytest.fixture(scope="module")
+def libtpu():
+  if importlib.util.find_spec("libtpu") is None:
+    pytest.fail("the tpu_compile tests compile for TPU topologies with libtpu: pip install -e '.[tpu]'")
+
+
+def small_shapes(config, target):
+  """SmolLM2's shapes and config's drafters on `target`, at a short prompt and cache (compiling takes as long)."""
+  config.batch_size, config.prompt_len, config.cache_len = 4, 64, 256
+  return compile_for.model_shapes(shaped_config("smollm2-135m", config.dtype), 8192, target, config,
+                                  compile_for.measured_acceptance(config.acceptance))
+
+
+@pytest.mark.slow
+@pytest.mark.tpu_compile
+def test_the_speculative_program_compiled_for_a_v5e_slice_holds_no_cpu_custom_call(libtpu):
+  """generate's speculative program (SmolLM2 in bf16, the parallel MTP heads, adaptive drafting), with the sharding
+  rules on a (data, model) mesh of v5e:2x4's abstract devices: the TPU compiler builds it, and neither the lowered
+  nor the compiled program calls specjax's CPU kernels. Lowered for this host's CPU, the same program calls the
+  attention kernel: its shapes are ones the kernel takes, so only the platform keeps it out of the TPU's."""
+  config = compile_tpu.get_config()
+  on_cpu = compile_for.Target("cpu", sharding.make_mesh(1, 1), 0.0, 1.0, 1.0)
+  (lowering,) = compile_for.generate_programs(small_shapes(config, on_cpu), config, "speculative", ("mtp_parallel",))
+  assert "specjax_decode_attention" in lowering.lower().as_text()
+  (lowering,) = compile_for.generate_programs(small_shapes(config, compile_for.tpu_target("v5e:2x4", 2, 4)), config,
+                                              "speculative", ("mtp_parallel",))
+  lowered = lowering.lower()
+  assert "specjax_" not in lowered.as_text()
+  compiled = lowered.compile()
+  assert "specjax_" not in compiled.as_text()
+  memory = compiled.memory_analysis()
+  assert 0 < memory.argument_size_in_bytes < compile_for.CHIPS["v5e"].hbm_bytes
+
+
+@pytest.mark.slow
+@pytest.mark.tpu_compile
+def test_a_program_larger_than_the_chips_memory_is_reported_as_not_fitting(libtpu, tiny_config):
+  # One layer, and an embedding of 2^22 x 2048 bf16 (16 GiB) on a single v5e chip (16 GiB of HBM).
+  huge = dataclasses.replace(tiny_config, vocab_size=2**22, hidden_size=2048, intermediate_size=512, num_layers=1,
+                             num_heads=32, num_kv_heads=8, head_dim=64, dtype="bfloat16")
+  config = compile_tpu.get_config()
+  config.models = ({"name": "huge", "draft_vocab": 128},)
+  config.topologies = (("v5e:1x1", 1, 1),)
+  config.batch_size, config.prompt_len, config.cache_len = 1, 32, 128
+  config.drafters = ()
+  config.runs = ({"models": ("huge",), "topologies": ("v5e:1x1",), "programs": ("prefill",)},)
+  records = compile_for.compile_all(config, progress=lambda line: None, model_configs={"huge": huge})
+  assert [r["status"] for r in records] == ["does_not_fit"]
+  assert "RESOURCE_EXHAUSTED" in records[0]["error"] or "memory" in records[0]["error"]
+
+
+@pytest.mark.tpu_compile
+def test_a_topology_gives_its_devices_and_the_chips_published_figures(libtpu):
+  target = compile_for.tpu_target("v2:2x2", 2, 4)  # Colab's v2-8: 4 chips of 2 TensorCores, one device each
+  assert dict(target.mesh.shape) == {"data": 2, "model": 4}
+  assert target.hbm_bytes == 8 * 2**30 and target.bf16_flops_per_second == 23e12
+  single = compile_for.tpu_target("v5e:1x1", 1, 1)
+  assert single.mesh.size == 1 and single.hbm_bytes_per_second == 819e9
+  with pytest.raises(ValueError, match="expected <generation>"):
+    compile_for.tpu_target("v9z:2x4", 2, 4)
+
+
+def test_the_cover_grid_has_every_program_on_every_topology_and_every_model():
+  config = compile_tpu.get_config("cover")
+  grid = compile_for.blocks(config)
+  topologies = {t[0] for t in config.topologies}
+  drafters = tuple(d["name"] for d in config.drafters)
+  assert {(t[0], p) for _, t, p, _ in grid} == {(t, p) for t in topologies for p in compile_for.PROGRAMS}
+  assert {m for m, _, _, _ in grid} == {m["name"] for m in config.models}
+  assert all(d == drafters for _, _, _, d in grid)
+  assert len(grid) == len({(m, t, p) for m, t, p, _ in grid})
+
+
+def test_the_default_grid_projects_every_drafter_on_every_topology():
+  config = compile_tpu.get_config()
+  grid = compile_for.blocks(config)
+  drafters = tuple(d["name"] for d in config.drafters)
+  steps = {t[0] for m, t, p, d in grid if p == "steps" and m == "smollm2-135m" and d == drafters}
+  assert steps == {t[0] for t in config.topologies}
+  assert ("llama-3.1-8b", ("v5e:2x4", 2, 4), "speculative", ("mtp_sequential",)) in grid
+  assert len(compile_for.blocks(compile_tpu.get_config("full"))) == 3 * len(config.topologies) * len(
+      compile_for.PROGRAMS)
+  assert compile_for.blocks(compile_tpu.get_config("small"))
+  assert {t for _, (t, _, _), _, _ in compile_for.blocks(compile_tpu.get_config("gpu"))} <= {
+      f"{gpu}:{shape}" for gpu in compile_for.GPUS for shape in ("1x1x1", "1x1x8")}
+
+
+def test_a_block_naming_an_unknown_program_is_an_error():
+  config = compile_tpu.get_config()
+  config.runs = ({"models": ("smollm2-135m",), "topologies": ("v5e:2x4",), "programs": ("decode",)},)
+  with pytest.raises(ValueError, match="unknown programs"):
+    compile_for.blocks(config)
+
+
+def step_record(program, drafter, flops, bytes_accessed):
+  return {"kind": "steps", "status": "compiled", "model": "m", "topology": "v5e:2x4", "program": program,
+          "drafter": drafter, "flops": flops, "bytes_accessed": bytes_accessed,
+          "projected_seconds": max(bytes_accessed / 819e9, flops / 197e12)}  # v5e's roofline
+
+
+def test_the_projection_is_tau_decode_steps_over_a_round_of_draft_verify_and_update():
+  config = compile_tpu.get_config()
+  config.drafters = ({"name": "heads", "acceptance_of": "heads"}, {"name": "loop", "acceptance_of": "loop"})
+  records = [step_record("decode_step", None, 1e9, 819e6),  # 1 ms, memory-bound
+             step_record("verify_5", None, 394e12, 819e6),  # 2 s: compute-bound (394 TFLOP at 197 TFLOP/s)
+             step_record("propose_4", "heads", 0, 1638e6),
+             step_record("update", "heads", 0, 819e6),
+             step_record("propose_1", "loop", 0, 819e6)]
+  acceptance = {"heads": {"gamma": 4, "tau": 3.0}, "loop": {"gamma": 4, "tau": 2.0}}
+  by_drafter = {p["drafter"]: p for p in compile_for.projections(records, config, acceptance)}
+  # heads: its whole proposal (2 ms), verify (2 s), update (1 ms); tau 3 decode steps of 1 ms each.
+  assert by_drafter["heads"]["projected_speedup"] == pytest.approx(3 * 1e-3 / (2e-3 + 2.0 + 1e-3))
+  # loop: a drafter that drafts in a loop is counted by one step, gamma times (4 ms); no update: it keeps no state.
+  assert by_drafter["loop"]["draft_seconds"] == pytest.approx(4e-3)
+  assert by_drafter["loop"]["projected_speedup"] == pytest.approx(2 * 1e-3 / (4e-3 + 2.0))
+
+
+def test_a_run_writes_its_results_tables_plot_and_run_record(tmp_path, monkeypatch):
+  config = compile_tpu.get_config()
+  config.drafters = ({"name": "heads", "acceptance_of": "mtp_parallel"},)
+  config.topologies = (("v5e:2x4", 2, 4),)
+  program = {"kind": "speculative", "status": "compiled", "model": "m", "topology": "v5e:2x4", "mesh": [2, 4],
+             "program": "speculative", "drafter": "heads", "seconds": 30.0, "cpu_seconds": 20.0,
+             "memory": {"arguments": 2**30, "outputs": 0, "temporaries": 2**30, "code": 0, "aliased": 0},
+             "bytes_per_device": 2**31, "hbm_fraction": 0.125, "flops": 1e9, "bytes_accessed": 1e9}
+  too_big = dict(program, drafter=None, program="train", kind="train", status="does_not_fit",
+                 error="RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm")
+  steps = [dict(step_record(*args), mesh=[2, 4], seconds=1.0, cpu_seconds=1.0, memory=program["memory"])
+           for args in (("decode_step", None, 1e9, 819e6), ("verify_5", None, 1e9, 819e6),
+                        ("propose_4", "heads", 0, 81.9e6))]
+  monkeypatch.setattr(compile_for, "compile_all", lambda config, log_path=None: [program, too_big] + steps)
+  v5e = compile_for.CHIPS["v5e"]
+  monkeypatch.setattr(compile_for, "target", lambda topology, data, model: compile_for.Target(
+      topology, sharding.make_mesh(1, 1), v5e.hbm_bytes, v5e.hbm_bytes_per_second, v5e.bf16_flops_per_second))
+  results = compile_for.run(config, str(tmp_path), command="python -m experiments.compile_for --config=x")
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["RUN.md", "compile_tpu.png", "results.json", "results.md"]
+  table, run_md = (tmp_path / "results.md").read_text(), (tmp_path / "RUN.md").read_text()
+  assert "| m | v5e:2x4 | 2 x 4 | speculative heads | compiled | 30.0 | 2.00 | 12% |" in table
+  assert "train: does_not_fit: `RESOURCE_EXHAUSTED" in table
+  tau = compile_for.measured_acceptance(config.acceptance)["mtp_parallel"]["tau"]
+  assert results["projections"][0]["projected_speedup"] == pytest.approx(tau * 1e-3 / (0.1e-3 + 1e-3))
+  assert "python -m experiments.compile_for --config=x" in run_md
+  assert "5 programs: 4 compiled, 1 do not fit in HBM, 0 failed" in run_md
+
+
+def test_the_acceptance_comes_from_a_fixed_gamma_run():
+  acceptance = compile_for.measured_acceptance(compile_tpu.get_config().acceptance)
+  assert acceptance["mtp_sequential"]["gamma"] == 4 and 1.0 < acceptance["mtp_sequential"]["tau"] < 5.0
+  assert acceptance["layer_skip_best_set"]["gamma"] == 2
+  assert "autoregressive" not in acceptance
+
+
+def test_the_llama_shapes_have_their_published_parameter_counts():
+  assert shaped_config("llama-3.2-1b").num_params == pytest.approx(1.236e9, rel=1e-3)
+  assert shaped_config("llama-3.1-8b").num_params == pytest.approx(8.030e9, rel=1e-3)
+  with pytest.raises(ValueError, match="unknown model shape"):
+    shaped_config("llama-9")
+
+
+@pytest.mark.slow
+def test_the_smollm2_shape_is_the_shipped_models_config(smollm2):
+  shaped = shaped_config("smollm2-135m")
+  assert shaped == dataclasses.replace(smollm2.config, rms_norm_eps=shaped.rms_norm_eps)
+  assert shaped.rms_norm_eps == pytest.approx(smollm2.config.rms_norm_eps)
+
+
+def test_abstract_params_carry_the_shardings_of_the_rules(tiny_config):
+  mesh = sharding.make_mesh(1, 1)
+  config = tiny_config
+  abstract = sharding.abstract_params(config, mesh)
+  expected = sharding.param_shardings(config, mesh)
+  assert jax.tree.structure(abstract) == jax.tree.structure(expected)
+  leaves = jax.tree.leaves(abstract)
+  assert all(isinstance(x, jax.ShapeDtypeStruct) and x.dtype == jnp.float32 for x in leaves)
+  assert [x.sharding for x in leaves] == jax.tree.leaves(expected)
+  assert sum(int(np.prod(x.shape)) for x in leaves) == config.num_params
+
+
+def test_the_published_run_is_of_the_default_config_and_compiled_every_program():
+  """results/tpu_compile/ (what docs/scaling.md and the experiments report's projection read): every program of
+  the default grid compiled, and each drafter projected on every topology its steps were compiled for."""
+  with open(RESULTS) as f:
+    results = json.load(f)
+  config = compile_tpu.get_config()
+  assert {(r["model"], r["topology"], r["kind"]) for r in results["records"]} == {
+      (m, t[0], p) for m, t, p, _ in compile_for.blocks(config)}
+  assert [r for r in results["records"] if r["status"] != "compiled"] == []
+  projected = {(p["model"], p["topology"], p["drafter"]) for p in results["projections"]}
+  for model, (topology, _, _), program, drafters in compile_for.blocks(config):
+    if program == "steps":
+      assert {(model, topology, d) for d in drafters} <= projected
+  # Drafters that draft in a loop are counted by one step; parallel heads and the sequential module (its later steps
+  # under jax.lax.cond) as a whole proposal.
+  counted = {p["drafter"]: p["draft_counted"] for p in results["projections"]}
+  assert counted["mtp_parallel"] == counted["mtp_sequential"] == "propose(gamma)"
+  assert counted["draft_model"] == counted["layer_skip"] == "gamma x propose(1)"
