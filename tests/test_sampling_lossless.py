@@ -95,8 +95,6 @@ DRAFTERS = {
         "mtp_parallel", target, path=None, num_heads=3, token_map=list(range(3, VOCAB))), seed=3, scale=0.1),
     "mtp_sequential": lambda target, draft: perturbed(specjax.make_drafter(
         "mtp_sequential", target, path=None, depth=2, recurrent=True), seed=3, scale=0.5),
-    # Trees only: the target's own top tokens as siblings (their target mass is what a sibling rule can get wrong).
-    "own_tree": lambda target, draft: own_tree_drafter(target),
 }
 
 
@@ -110,7 +108,7 @@ ADAPTIVE = specjax.AdaptiveDrafting(min_confidence=0.3, prior_alpha=0.5, forward
 
 def speculative_samples(target, draft, sampling, seed=0, gamma=3, samples=SAMPLES, drafter="draft_model",
                         adaptive=ADAPTIVE, tree_nodes=None):
-  drafter = DRAFTERS[drafter](target, draft)
+  drafter = DRAFTERS[drafter](target, draft) if isinstance(drafter, str) else drafter
   drafter = dataclasses.replace(drafter, cost=dataclasses.replace(drafter.cost, step=0.1))
   out = specjax.generate(target, [PROMPT] * samples, max_new_tokens=3, drafter=drafter, gamma=gamma, seed=seed,
                          temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, stop_ids=[],
@@ -216,7 +214,8 @@ def test_tree_speculative_sampling_matches_the_target_distribution(drafter, targ
 def own_tree_samples(target, sampling, samples=SAMPLES, chunk=5_000):
   """Samples of trees of 6 nodes, 2 deep, whose siblings are the target's own top tokens, in runs of `chunk` rows
   (one compilation; each node's children are scored from its own copy of the cache)."""
-  runs = [speculative_samples(target, None, sampling, seed=seed, gamma=2, samples=chunk, drafter="own_tree",
+  drafter = own_tree_drafter(target)
+  runs = [speculative_samples(target, None, sampling, seed=seed, gamma=2, samples=chunk, drafter=drafter,
                               adaptive=False, tree_nodes=6) for seed in range(samples // chunk)]
   return np.concatenate([tokens for tokens, _ in runs]), [s for _, s in runs]
 
