@@ -9,8 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import specjax
 from specjax import trees, verify
-from specjax.model import forward, init_cache
+from specjax.drafters import mtp_parallel
+from specjax.model import forward, init_cache, lm_head
 from specjax.sampling import sample_from_probs
 
 # Two rows, each its own tree over 7 nodes (block indices of the parents: 0 is the pending token).
@@ -171,3 +173,46 @@ def test_recursive_rejection_over_siblings_emits_p():
 def test_the_sibling_rule_test_detects_a_residual_not_updated_after_a_rejected_sibling():
   observed, _ = sibling_samples(residual_kept_after_a_rejected_sibling)
   assert np.max(np.abs(observed - np.array([0.4, 0.25, 0.2, 0.1, 0.05, 0.0]))) > 0.02
+
+
+def test_a_static_tree_keeps_the_rank_paths_of_highest_expected_acceptance():
+  """Values: (0) .6, (0, 0) .3, (1) .2, (0, 1) .18, then (0, 2) .06: four nodes, depth by depth, parents first."""
+  accuracy = [[0.6, 0.2, 0.1], [0.5, 0.3, 0.1]]
+  parents, heads, ranks = mtp_parallel.static_tree(accuracy, depth=2, nodes=4)
+  assert (parents, heads, ranks) == ((0, 0, 1, 1), (0, 0, 1, 1), (0, 1, 0, 1))
+  parents, heads, ranks = mtp_parallel.static_tree(accuracy, depth=1, nodes=3)  # one level: the heads' ranks
+  assert (parents, heads, ranks) == ((0, 0, 0), (0, 0, 0), (0, 1, 2))
+  with pytest.raises(ValueError, match="holds 3 nodes, got tree_nodes=4"):
+    mtp_parallel.static_tree(accuracy, depth=1, nodes=4)
+
+
+def test_rank_accuracy_counts_each_heads_rank_that_is_the_targets_next_token(tiny):
+  """A fresh head is the target's own LM head over h_t; with the target's token t + 2 set to its rank-(t mod 3)
+  token at t (and position 5 masked), head 1's hits by rank are the positions of each residue."""
+  drafter = specjax.make_drafter("mtp_parallel", tiny, path=None, num_heads=1)
+  rng = np.random.default_rng(0)
+  length = 12
+  features = rng.standard_normal((1, length, 1, tiny.config.hidden_size)).astype(np.float32)
+  ranked = np.argsort(-np.asarray(lm_head(tiny.params, jnp.asarray(features[:, :, 0]), tiny.config))[0], axis=-1)
+  teacher = np.zeros((1, length, 8), np.int32)
+  for t in range(length - 1):
+    teacher[0, t + 1, 0] = ranked[t, t % 3]
+  mask = np.ones((1, length), bool)
+  mask[0, 5] = False  # what head 1 compares at position 4
+  batch = {"features": features, "teacher_ids": teacher, "mask": mask}
+  hits, counted = mtp_parallel.rank_hits(tiny.params, drafter.params, drafter.options, batch, ranks=4)
+  assert int(counted[0]) == length - 2  # the last position has no next token, position 4's is masked
+  np.testing.assert_array_equal(hits[0], [4, 3, 3, 0])  # t in 0..10 but 4: residues 0, 1, 2 four, three, three times
+
+
+def test_a_checkpoints_measured_rank_accuracy_makes_its_trees_static(tiny, tmp_path):
+  from specjax.drafters import draft_head
+  fresh = specjax.make_drafter("mtp_parallel", tiny, path=None, num_heads=2)
+  path = draft_head.save(fresh, str(tmp_path / "heads.safetensors"), tiny)
+  assert specjax.make_drafter("mtp_parallel", tiny, path=path).options.rank_accuracy is None  # grown: EAGLE-2
+  stored = mtp_parallel.save_rank_accuracy(path, [[0.5, 0.25], [0.4, 0.125]], source="a test")
+  assert stored == str(tmp_path / "heads.ranks.json")
+  loaded = specjax.make_drafter("mtp_parallel", tiny, path=path)
+  assert loaded.options.rank_accuracy == ((0.5, 0.25), (0.4, 0.125))
+  with pytest.raises(ValueError, match="a row of ranks per head"):
+    specjax.make_drafter("mtp_parallel", tiny, path=path, rank_accuracy=[[0.5, 0.25]])
