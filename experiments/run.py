@@ -50,6 +50,10 @@ summary, every batch size's per-method summary is in `summary.by_batch_size["<b>
 plotted (speedup_vs_batch_size.png). Costs are measured at the first batch size.
 Gamma sweeps: `config.gammas` (a tuple; empty: each method's own gamma) runs every drafter at each gamma, named
 `<method>_g<gamma>` (`family` and `gamma` in its summary).
+Draft trees: a method's `"tree_nodes": N` drafts a tree of N nodes, `gamma` deep, every round
+(`specjax.generate(..., tree_nodes=N)`; a drafter that drafts trees, and `"adaptive": False`: no policy chooses among
+trees yet); `tree_nodes` is in its summary. Costs are measured for chain methods only (experiments/costs.py times
+chain rounds).
 Methods that need a shipped checkpoint name it (`"needs": ("exit_adapter",)`: specjax/checkpoints/<model>/
 exit_adapter.safetensors); while it is not shipped, the method is left out with a warning in the log, and the
 results list it under `summary.skipped_methods`. A layer-skip method may name a searched skip set instead of its
@@ -85,7 +89,7 @@ _CONFIG = cli.define_config_flag("Experiment config: configs/<name>.py[:arg].")
 _WORKDIR = cli.define_workdir_flag("Output folder (default: workdirs/<config>-<time>).")
 distributed.define_flags()  # --coordinator_address, --num_processes, --process_id (multi-process runs)
 
-METHOD_KEYS = {"name", "drafter", "peer", "options", "gamma", "adaptive", "needs", "skip_set"}
+METHOD_KEYS = {"name", "drafter", "peer", "options", "gamma", "adaptive", "needs", "skip_set", "tree_nodes"}
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # skip sets' paths start here
 
 
@@ -99,6 +103,7 @@ class Method:
   peer: Any = None  # from peers.make: another implementation, which decodes instead of specjax
   # adaptive drafting (specjax/adaptive.py): True (the defaults) or its options; False: every round drafts `gamma`
   adaptive: bool | specjax.AdaptiveDrafting = False
+  tree_nodes: int | None = None  # N: every round drafts a tree of N nodes, gamma deep (None: a chain)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +117,7 @@ class PromptBatch:
 def check_methods(config: ml_collections.ConfigDict) -> list[dict]:
   """The method specs `make_methods` builds, the autoregressive baseline (the first method without a drafter) first
   and `config.only` applied, each checked as far as it can be without the model: its keys, a known drafter or peer
-  (not both), a unique name, its adaptive drafting options, its skip set."""
+  (not both), a unique name, its adaptive drafting options, its skip set, its tree size."""
   specs = [dict(m) for m in config.methods]
   for spec in specs:
     if "name" not in spec or set(spec) - METHOD_KEYS:
@@ -128,6 +133,13 @@ def check_methods(config: ml_collections.ConfigDict) -> list[dict]:
       if spec.get("drafter") != "layer_skip":
         raise ValueError(f"method {spec['name']!r}: a skip set is a layer_skip drafter's, got {spec}")
       method_options(spec)
+    if spec.get("tree_nodes") is not None:
+      nodes, adaptive = spec["tree_nodes"], spec.get("adaptive", config.get("adaptive", True))
+      if not spec.get("drafter") or not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1:
+        raise ValueError(f"method {spec['name']!r}: tree_nodes is a positive integer of a drafting method, got {spec}")
+      if adaptive is not False:
+        raise ValueError(f"method {spec['name']!r}: a tree method drafts its whole tree every round: set "
+                         f"'adaptive': False on it (or config.adaptive = False), got adaptive={adaptive!r}")
   names = [s["name"] for s in specs]
   if len(set(names)) != len(names):
     raise ValueError(f"method names must be unique, got {names}")
@@ -171,15 +183,18 @@ def make_methods(config: ml_collections.ConfigDict, model: specjax.Model) -> lis
       continue
     adaptive = adaptive_drafting(spec.get("adaptive", config.get("adaptive", True)), spec["name"])  # default: True
     drafter = specjax.make_drafter(spec["drafter"], model, **options) if spec.get("drafter") else None
+    tree_nodes = spec.get("tree_nodes")
     if drafter is None or not gammas:
-      methods.append(Method(spec["name"], drafter, gamma, spec["name"], options, adaptive=adaptive))
+      methods.append(Method(spec["name"], drafter, gamma, spec["name"], options, adaptive=adaptive,
+                            tree_nodes=tree_nodes))
       continue
     for gamma in gammas:
       if drafter.max_gamma is not None and gamma > drafter.max_gamma:
         logging.warning("%s proposes at most %d tokens a round: no run at gamma %d", spec["name"], drafter.max_gamma,
                         gamma)
         continue
-      methods.append(Method(f"{spec['name']}_g{gamma}", drafter, gamma, spec["name"], options, adaptive=adaptive))
+      methods.append(Method(f"{spec['name']}_g{gamma}", drafter, gamma, spec["name"], options, adaptive=adaptive,
+                            tree_nodes=tree_nodes))
   return methods
 
 
@@ -278,7 +293,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model: specjax.Model
     out = specjax.generate(model, list(batch.prompts), max_new_tokens=config.max_new_tokens,
                            temperature=temperature, top_k=config.top_k, top_p=config.top_p,
                            seed=config.seed, drafter=method.drafter, gamma=method.gamma, adaptive=method.adaptive,
-                           mesh=mesh)
+                           tree_nodes=method.tree_nodes, mesh=mesh)
     return out, time.perf_counter() - start, compilation.count() - compiled_before
 
   records, outputs, summaries = [], [], {}
@@ -398,7 +413,8 @@ def _record(method: Method, batch: PromptBatch, repeat: int, temperature: float,
 def _method_info(methods: Sequence[Method]) -> dict[str, dict[str, Any]]:
   return {m.name: {"drafter": m.drafter.name if m.drafter is not None else None, "family": m.family or m.name,
                    "options": m.options, "gamma": m.gamma if m.drafter is not None else None,
-                   "adaptive": _adaptive_info(m.adaptive) if m.drafter is not None else None} for m in methods}
+                   "adaptive": _adaptive_info(m.adaptive) if m.drafter is not None else None,
+                   "tree_nodes": m.tree_nodes} for m in methods}
 
 
 def _adaptive_info(adaptive: bool | specjax.AdaptiveDrafting) -> bool | dict[str, Any]:
@@ -414,7 +430,7 @@ def _measure_costs(config: ml_collections.ConfigDict, model: specjax.Model, meth
   """experiments/costs.py on the run's typical context: the prompt of median length with the first half of its
   baseline answer, in a cache of the prompts' median size, `rows` rows."""
   options = config.get("costs")
-  drafted = [(m.name, m.drafter, m.gamma) for m in methods if m.drafter is not None]
+  drafted = [(m.name, m.drafter, m.gamma) for m in methods if m.drafter is not None and m.tree_nodes is None]
   if options is None or not options.enabled or not drafted:
     return None
   if jax.process_count() > 1:

@@ -143,15 +143,21 @@ def qkv(layer: Params, x: jax.Array, positions: jax.Array, config: ModelConfig):
 
 
 def attention_block(layer: Params, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
-                    config: ModelConfig, *, rope_positions: jax.Array | None = None, mask: jax.Array | None = None):
+                    config: ModelConfig, *, block: BlockMask | None = None):
   """Pre-norm grouped-query self-attention over the cache: x [B, T, D] written at cache slots `positions` [B, T],
-  each seeing slots up to its own (and only those where mask [B, T, S] is True, when given). `rope_positions`
-  [B, T]: the positions RoPE encodes, where they differ from the slots (a draft tree's nodes, `BlockMask`).
-  Returns (residual update, k_cache, v_cache)."""
-  q, k, v = qkv(layer, x, positions if rope_positions is None else rope_positions, config)
+  each seeing slots up to its own. With a `block` (a draft tree's nodes), token t is at RoPE position
+  positions[b, 0] + depths[b, t] and sees the slots before the block and, of the block's own keys, the visible
+  ones. Returns (residual update, k_cache, v_cache)."""
+  rope_positions = positions if block is None else positions[:, :1] + block.depths
+  q, k, v = qkv(layer, x, rope_positions, config)
   k_cache = _write(k_cache, k, positions)
   v_cache = _write(v_cache, v, positions)
-  out = ops.attention(q, k_cache, v_cache, positions, mask=mask)
+  if block is None:
+    out = ops.attention(q, k_cache, v_cache, positions)
+  else:  # the committed slots (all of them, for every node), then the block's keys under the tree mask
+    committed = jnp.broadcast_to(positions[:, :1] - 1, positions.shape)
+    out = ops.attention(q, k_cache, v_cache, committed, extra_keys=k.astype(k_cache.dtype),
+                        extra_values=v.astype(v_cache.dtype), extra_mask=block.visible)
   return merge_heads(out, layer["wo"]), k_cache, v_cache
 
 
@@ -205,18 +211,11 @@ def forward(params: Params, tokens: jax.Array | None, cache: KVCache, positions:
   x = embed(params, tokens) if hidden is None else hidden
   t = x.shape[1]
   pos = positions[:, None].astype(jnp.int32) + jnp.arange(t, dtype=jnp.int32)[None, :]
-  rope_positions = mask = None
-  if block is not None:
-    rope_positions = positions[:, None].astype(jnp.int32) + block.depths
-    slot = jnp.arange(cache.k[0].shape[1])[None, :] - positions[:, None]  # [B, S]: slot - the block's first
-    in_block = jnp.take_along_axis(block.visible, jnp.clip(slot, 0, t - 1)[:, None, :], axis=2)  # [B, T, S]
-    mask = (slot < 0)[:, None, :] | ((slot < t)[:, None, :] & in_block)
   k_all, v_all = list(cache.k), list(cache.v)
   layer_hidden = []
   for i in (range(config.num_layers) if layers is None else layers):
     layer = params["layers"][i]
-    attn, k_all[i], v_all[i] = attention_block(layer, x, k_all[i], v_all[i], pos, config,
-                                               rope_positions=rope_positions, mask=mask)
+    attn, k_all[i], v_all[i] = attention_block(layer, x, k_all[i], v_all[i], pos, config, block=block)
     x = x + attn
     x = x + mlp_block(layer, x, config)
     if return_layer_hidden:

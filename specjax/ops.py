@@ -34,39 +34,75 @@ def matmul(x: jax.Array, w, preferred_element_type=None) -> jax.Array:
 
 
 def attention(q: jax.Array, keys: jax.Array, values: jax.Array, positions: jax.Array, *, mask: jax.Array | None = None,
-              extra_keys: jax.Array | None = None, extra_values: jax.Array | None = None) -> jax.Array:
+              extra_keys: jax.Array | None = None, extra_values: jax.Array | None = None,
+              extra_mask: jax.Array | None = None) -> jax.Array:
   """Causal grouped-query attention of queries at per-row positions over a cache; [B, T, H, hd].
 
   q [B, T, H, hd]; keys/values [B, S, KV, hd] (a KV cache, or a sequence's own), H a multiple of KV (grouped-query
   attention, Ainslie et al. 2023: each KV head serves H / KV query heads). The query at positions[b, t] sees slots
-  0..positions[b, t]; of those, only where mask [B, T, S] is True when one is given. extra_keys/values
-  [B, T, E, KV, hd] are E more keys and values per query, always seen: a draft's own keys beside a cache it reads
-  but does not write. softmax(q k^T / sqrt(hd)) v (Vaswani et al. 2017), in float32.
+  0..positions[b, t]; of those, only where mask [B, T, S] is True when one is given. extra_keys/values are E more
+  keys and values beside the cache, [B, T, E, KV, hd] per query or [B, E, KV, hd] for every query, seen where
+  extra_mask [B, T, E] is True (always when None): a draft's own keys beside a cache it reads but does not write, a
+  draft tree's block (each node sees its ancestors) beside the committed cache. softmax(q k^T / sqrt(hd)) v
+  (Vaswani et al. 2017), in float32.
+
+  The cache and the extra keys are attended apart and merged by their softmax denominators (the online softmax,
+  Milakov & Gimelshein 2018; FlashAttention's merge): o = (Z_c o_c + Z_e o_e) / (Z_c + Z_e), Z = sum exp(scores).
+  So the CPU kernel serves the cache part whatever the extra keys, with no mask over the cache.
   """
   if (extra_keys is None) != (extra_values is None):
     raise ValueError("attention takes extra_keys and extra_values together")
+  if extra_mask is not None and extra_keys is None:
+    raise ValueError("attention takes extra_mask with extra_keys only")
   if q.shape[2] % keys.shape[2]:
     raise ValueError(f"{q.shape[2]} query heads do not share {keys.shape[2]} KV heads evenly")
-  if mask is None and extra_keys is None and cpu.attention_applies(q, keys, values):
-    kernel = functools.partial(cpu.attention, reference=_attention)
-    return jax.lax.platform_dependent(q, keys, values, positions, cpu=kernel, default=_attention)
-  return _attention(q, keys, values, positions, mask, extra_keys, extra_values)
+  if mask is None and cpu.attention_applies(q, keys, values):
+    kernel = functools.partial(cpu.attention, reference=_cache_attention)
+    out, lse = jax.lax.platform_dependent(q, keys, values, positions, cpu=kernel, default=_cache_attention)
+  else:
+    out, lse = _cache_attention(q, keys, values, positions, mask)
+  if extra_keys is None:
+    return out
+  extra_out, extra_lse = _extra_attention(q, extra_keys, extra_values, extra_mask)
+  most = jnp.maximum(lse, extra_lse)[..., None]  # [B, T, H, 1]; finite: -1e30 stands for no key seen
+  weight, extra_weight = jnp.exp(lse[..., None] - most), jnp.exp(extra_lse[..., None] - most)
+  merged = (weight * out.astype(jnp.float32) + extra_weight * extra_out) / (weight + extra_weight)
+  return merged.astype(out.dtype)
 
 
-def _attention(q, keys, values, positions, mask=None, extra_keys=None, extra_values=None):
+def _scores(q, keys):
+  """q [B, T, H, hd] against keys [B, (T,) S, KV, hd]: float32 scores [B, KV, H / KV, T, S]."""
   b, t, h, hd = q.shape
-  s, kv = keys.shape[1], keys.shape[2]
+  kv = keys.shape[-2]
   q = q.reshape(b, t, kv, h // kv, hd)
-  scores = jnp.einsum("btkgh,bskh->bkgts", q, keys, preferred_element_type=jnp.float32) / np.sqrt(hd)
-  visible = jnp.arange(s)[None, None, :] <= positions[:, :, None]  # [B, T, S]
+  spec = "btkgh,bskh->bkgts" if keys.ndim == 4 else "btkgh,btskh->bkgts"
+  return jnp.einsum(spec, q, keys, preferred_element_type=jnp.float32) / np.sqrt(hd)
+
+
+def _softmax_out(scores, values, q_shape):
+  """softmax over the last axis of scores [B, KV, G, T, S] applied to values [B, (T,) S, KV, hd]: (out [B, T, H,
+  hd] in values' dtype, lse [B, T, H] float32)."""
+  b, t, h, hd = q_shape
+  lse = jax.nn.logsumexp(scores, axis=-1)  # [B, KV, G, T]
+  probs = jnp.exp(scores - lse[..., None]).astype(values.dtype)
+  spec = "bkgts,bskh->btkgh" if values.ndim == 4 else "bkgts,btskh->btkgh"
+  out = jnp.einsum(spec, probs, values).reshape(b, t, h, hd)
+  return out, jnp.moveaxis(lse, 3, 1).reshape(b, t, h)
+
+
+def _cache_attention(q, keys, values, positions, mask=None):
+  """The cache part (out, lse): the query at positions[b, t] over slots 0..positions[b, t] (and mask)."""
+  visible = jnp.arange(keys.shape[1])[None, None, :] <= positions[:, :, None]  # [B, T, S]
   if mask is not None:
     visible = visible & mask
-  scores = jnp.where(visible[:, None, None], scores, -1e30)
-  if extra_keys is None:
-    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-    return jnp.einsum("bkgts,bskh->btkgh", probs, values).reshape(b, t, h, hd)
-  extra = jnp.einsum("btkgh,btekh->bkgte", q, extra_keys, preferred_element_type=jnp.float32) / np.sqrt(hd)
-  probs = jax.nn.softmax(jnp.concatenate([scores, extra], axis=-1), axis=-1).astype(values.dtype)
-  out = (jnp.einsum("bkgts,bskh->btkgh", probs[..., :s], values)
-         + jnp.einsum("bkgte,btekh->btkgh", probs[..., s:], extra_values))
-  return out.reshape(b, t, h, hd)
+  scores = jnp.where(visible[:, None, None], _scores(q, keys), -1e30)
+  return _softmax_out(scores, values, q.shape)
+
+
+def _extra_attention(q, extra_keys, extra_values, extra_mask=None):
+  """The extra part (out float32, lse): every query over its extra keys (where extra_mask)."""
+  scores = _scores(q, extra_keys)
+  if extra_mask is not None:
+    scores = jnp.where(extra_mask[:, None, None], scores, -1e30)
+  out, lse = _softmax_out(scores, extra_values.astype(jnp.float32), q.shape)
+  return out, lse

@@ -12,8 +12,10 @@ import numpy as np
 from specjax import train
 from specjax.config import ModelConfig
 from specjax.data.features import build_feature_cache
+from specjax.drafters import Drafter, Proposal, keep_state, no_state
+from specjax.drafters import draft_tree
 from specjax.loading import Model
-from specjax.model import init_params
+from specjax.model import forward, init_params
 
 VOCAB = 32  # the vocabulary of conftest's TINY_CONFIG: progressions run over all of it
 
@@ -64,6 +66,33 @@ def perturbed(drafter, seed=1, scale=0.3):
   leaves = [x + scale * jax.random.normal(k, x.shape, x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
             for x, k in zip(leaves, keys)]
   return dataclasses.replace(drafter, params=jax.tree.unflatten(treedef, leaves))
+
+
+def own_tree_propose(target_params, params, config: ModelConfig, state, inputs, gamma, sampling):
+  """A tree of the target's own top tokens: `draft_tree.grow` over the target's next-token distributions, each node's
+  children scored by a target forward through its path (the node's payload: the cache with its ancestors' K/V)."""
+  rows = jnp.arange(inputs.position.shape[0])
+  pending = forward(target_params, inputs.sequence[rows, inputs.position][:, None], inputs.target_cache,
+                    inputs.position, config)
+
+  def expand(depth, tokens, cache):  # tokens [B, k] at depth - 1, cache [B, k, ...] holding their ancestors
+    batch, k = tokens.shape
+    flat = jax.tree.map(lambda a: a.reshape((batch * k,) + a.shape[2:]), cache)
+    out = forward(target_params, tokens.reshape(-1, 1), flat, jnp.repeat(inputs.position + depth - 1, k), config)
+    return (out.logits.reshape(batch, k, -1), jax.tree.map(lambda a: a.reshape((batch, k) + a.shape[1:]), out.cache))
+
+  tokens, probs, parents = draft_tree.grow(pending.logits[:, 0], pending.cache, expand, gamma, inputs.tree_nodes,
+                                           sampling)
+  return Proposal(tokens=tokens, probs=probs, state=state, target_cache=inputs.target_cache,
+                  steps=jnp.asarray(gamma, jnp.int32), parents=parents)
+
+
+def own_tree_drafter(target: Model) -> Drafter:
+  """The target drafting trees for itself (trees only): siblings are the target's most probable tokens, so a rejected
+  first sibling leaves a residual far from p, which is what a sibling rule gets wrong (a random drafter's siblings
+  hold little target mass, and a residual left stale after them moves the output little)."""
+  return Drafter(name="own_tree", init=no_state, propose=own_tree_propose, update=keep_state, options=target.config,
+                 params={}, param_specs={}, trees=True)
 
 
 def ragged_prompts(batch, seed=0):

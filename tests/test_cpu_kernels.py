@@ -219,11 +219,11 @@ def test_turned_off_by_environment(tmp_path):
 
 @pytest.mark.parametrize("b,t,h,kv,s,d", [(1, 1, 9, 3, 64, 64), (2, 5, 9, 3, 128, 64), (3, 16, 4, 2, 40, 32),
                                           (2, 3, 4, 4, 20, 16), (1, 16, 9, 3, 200, 64), (8, 5, 9, 3, 160, 64),
-                                          (1, 16, 32, 2, 50, 96)])
+                                          (1, 16, 32, 2, 50, 96), (2, 33, 9, 3, 128, 64)])
 def test_attention_equals_xla(b, t, h, kv, s, d):
   """Positions anywhere in the cache, past its end too (such a query sees every slot), and rows of one call
   at different positions; with few (row, KV head) pairs a call's tokens are split over the threads; a task's
-  queries fill one, several or part of a pass of 16; head_dim not a multiple of 64."""
+  queries fill one, several or part of a pass of 16; head_dim not a multiple of 64; a 32-node tree's block."""
   rng = np.random.default_rng(b * 100 + t)
   q = jnp.asarray(rng.standard_normal((b, t, h, d), np.float32))
   k = jnp.asarray(rng.standard_normal((b, s, kv, d), np.float32))
@@ -236,6 +236,27 @@ def test_attention_equals_xla(b, t, h, kv, s, d):
   # A query's output does not depend on the other queries of the call.
   alone = np.asarray(jax.jit(fn)(q[:1, :1], k[:1], v[:1], positions[:1, :1]))
   np.testing.assert_array_equal(got[:1, :1], alone)
+
+
+def test_attention_gives_each_querys_log_softmax_denominator():
+  """lse = log sum over the slots a query sees of exp(q.k / sqrt(hd)) (what merges attention over more keys), -inf
+  for a query that sees no slot (its output zeros)."""
+  assert cpu.build()
+  rng = np.random.default_rng(6)
+  q = jnp.asarray(rng.standard_normal((2, 4, 9, 64), np.float32))
+  k = jnp.asarray(rng.standard_normal((2, 40, 3, 64), np.float32))
+  v = jnp.asarray(rng.standard_normal((2, 40, 3, 64), np.float32))
+  positions = jnp.asarray([[0, 7, 39, 50], [-1, 3, 3, 20]], jnp.int32)
+  out, lse = jax.jit(lambda *a: cpu.attention(*a, reference=None))(q, k, v, positions)
+  scores = np.einsum("btkgd,bskd->btkgs", np.asarray(q, np.float64).reshape(2, 4, 3, 3, 64),
+                     np.asarray(k, np.float64)) / 8.0
+  seen = np.arange(40)[None, None, None, None, :] <= np.asarray(positions)[:, :, None, None, None]
+  with np.errstate(divide="ignore"):
+    want = np.log(np.sum(np.where(seen, np.exp(scores), 0.0), axis=-1)).reshape(2, 4, 9)
+  np.testing.assert_allclose(np.asarray(lse), want, rtol=1e-5, atol=1e-5)
+  assert np.all(np.isneginf(np.asarray(lse)[1, 0])) and not np.any(np.asarray(out)[1, 0])
+  np.testing.assert_allclose(np.asarray(out)[:, 1:], np.asarray(_xla_attention(q, k, v, positions))[:, 1:],
+                             rtol=1e-5, atol=1e-5)
 
 
 def test_attention_over_a_bfloat16_cache():

@@ -20,7 +20,7 @@ from ml_collections import config_flags
 import specjax
 from configs import (adaptive_by_category, adaptive_optimism, adaptive_vs_fixed, batch_sweep,
                      bench_peers, common, compare_drafters, depth_sweep, gamma_sweep, quickstart,
-                     spec_bench as spec_bench_config)
+                     spec_bench as spec_bench_config, trees)
 from experiments import costs, report, run, spec_bench
 from specjax import leviathan
 
@@ -92,6 +92,8 @@ CONFIGS = [
     (adaptive_optimism, "small", 14, 64),
     (bench_peers, None, 26, 128),
     (bench_peers, "small", 13, 64),
+    (trees, None, 65, 128),
+    (trees, "small", 13, 64),
 ]
 
 
@@ -171,7 +173,7 @@ def test_configs_name_each_method_once_from_the_one_method_list():
       if base is None:
         layer = int(method["name"].removeprefix("layer_skip_exit"))
         base = common.layer_skip_exit(layer)
-      assert {k: v for k, v in method.items() if k not in ("name", "gamma", "adaptive")} == {
+      assert {k: v for k, v in method.items() if k not in ("name", "gamma", "adaptive", "tree_nodes")} == {
           k: v for k, v in base.items() if k != "name"}, (module.__name__, method)
 
 
@@ -386,6 +388,29 @@ def test_make_methods_rejects_bad_adaptive_options(adaptive, message):
 def test_make_methods_rejects_bad_method_lists(methods, only, message):
   with pytest.raises(ValueError, match=message):
     run.make_methods(_config(methods=methods, only=only), model=None)  # fails before building drafters
+
+
+def test_tree_methods_draft_trees_of_their_size_in_fixed_rounds(tiny_chat):
+  heads = {"drafter": "mtp_parallel", "options": {"path": None, "num_heads": 2}}
+  config = _config(methods=({"name": "ar"}, {"name": "heads", **heads}, {"name": "heads_tree4", **heads,
+                                                                           "tree_nodes": 4}), adaptive=False)
+  methods = run.make_methods(config, tiny_chat)
+  assert [(m.name, m.tree_nodes, m.adaptive) for m in methods] == [
+      ("ar", None, False), ("heads", None, False), ("heads_tree4", 4, False)]
+  assert run._method_info(methods)["heads_tree4"]["tree_nodes"] == 4
+  names = [m["name"] for m in trees.get_config("small").methods]
+  assert names[:3] == ["autoregressive", "mtp_parallel", "mtp_sequential"] and "mtp_sequential_tree32" in names
+
+
+@pytest.mark.parametrize("method, adaptive, message", [
+    ({"name": "heads_tree4", "drafter": "mtp_parallel", "tree_nodes": 4}, True, "set 'adaptive': False"),
+    ({"name": "heads_tree0", "drafter": "mtp_parallel", "tree_nodes": 0, "adaptive": False}, False,
+     "tree_nodes is a positive integer"),
+    ({"name": "ar_tree4", "tree_nodes": 4}, False, "tree_nodes is a positive integer of a drafting method"),
+])
+def test_check_methods_rejects_bad_tree_methods(method, adaptive, message):
+  with pytest.raises(ValueError, match=message):
+    run.check_methods(_config(methods=({"name": "ar"}, method), adaptive=adaptive))
 
 
 def test_batches_never_mix_categories():

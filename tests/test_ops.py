@@ -13,9 +13,11 @@ from specjax import compilation, ops
 from specjax.backends import cpu
 
 
-def _direct_attention(q, keys, values, positions, mask=None, extra_keys=None, extra_values=None) -> np.ndarray:
+def _direct_attention(q, keys, values, positions, mask=None, extra_keys=None, extra_values=None,
+                      extra_mask=None) -> np.ndarray:
   """Query by query: softmax over the keys it sees (slots <= its position where the mask allows, then its extra
-  keys) of q.k / sqrt(hd), times their values; query head i reads KV head i // (H / KV)."""
+  keys where the extra mask allows) of q.k / sqrt(hd), times their values; query head i reads KV head i // (H / KV).
+  Extra keys [B, E, KV, hd] are every query's."""
   q, keys, values, positions = map(np.asarray, (q, keys, values, positions))
   b, t, h, hd = q.shape
   group = h // keys.shape[2]
@@ -28,8 +30,12 @@ def _direct_attention(q, keys, values, positions, mask=None, extra_keys=None, ex
         seen_keys = [keys[row, s, kv_head] for s in slots]
         seen_values = [values[row, s, kv_head] for s in slots]
         if extra_keys is not None:
-          seen_keys += list(np.asarray(extra_keys)[row, i, :, kv_head])
-          seen_values += list(np.asarray(extra_values)[row, i, :, kv_head])
+          own_keys, own_values = np.asarray(extra_keys)[row], np.asarray(extra_values)[row]
+          if own_keys.ndim == 4:  # per query
+            own_keys, own_values = own_keys[i], own_values[i]
+          seen = [e for e in range(own_keys.shape[0]) if extra_mask is None or extra_mask[row, i, e]]
+          seen_keys += [own_keys[e, kv_head] for e in seen]
+          seen_values += [own_values[e, kv_head] for e in seen]
         scores = np.array([q[row, i, head] @ k for k in seen_keys], np.float64) / np.sqrt(hd)
         weights = np.exp(scores - scores.max())
         out[row, i, head] = (weights / weights.sum()) @ np.array(seen_values, np.float64)
@@ -37,10 +43,11 @@ def _direct_attention(q, keys, values, positions, mask=None, extra_keys=None, ex
 
 
 @pytest.mark.parametrize("with_mask", [False, True], ids=["causal", "masked"])
-@pytest.mark.parametrize("extra", [0, 2], ids=["no_extra", "two_extra"])
+@pytest.mark.parametrize("extra", [0, 2, "block"], ids=["no_extra", "two_extra", "block"])
 def test_attention_sees_its_slots_its_mask_and_its_extra_keys(with_mask, extra):
   """The target's causal attention over its cache (the CPU kernel runs it here), an MTP module's over the
-  committed slots and its own (a mask), its training's and the layer-skip search's with extra keys."""
+  committed slots and its own (a mask), its training's and the layer-skip search's with extra keys, a draft tree's
+  block (keys every query shares, under a tree mask; a row whose queries see no cache slot) beside the cache."""
   rng = np.random.default_rng(7)
   b, t, h, kv, s, hd = 2, 3, 4, 2, 12, 16
   q = jnp.asarray(rng.standard_normal((b, t, h, hd), np.float32))
@@ -49,15 +56,21 @@ def test_attention_sees_its_slots_its_mask_and_its_extra_keys(with_mask, extra):
   positions = jnp.asarray([[3, 4, 9], [0, 7, 11]], jnp.int32)
   mask = jnp.asarray(rng.random((b, t, s)) < 0.6).at[:, :, 0].set(True) if with_mask else None
   extras = {}
-  if extra:
+  if extra == "block":
+    positions = jnp.asarray([[5, 5, 5], [-1, -1, -1]], jnp.int32)
+    extras = {"extra_keys": jnp.asarray(rng.standard_normal((b, t, kv, hd), np.float32)),
+              "extra_values": jnp.asarray(rng.standard_normal((b, t, kv, hd), np.float32)),
+              "extra_mask": jnp.asarray([[[1, 0, 0], [1, 1, 0], [1, 0, 1]], [[1, 0, 0], [0, 1, 0], [1, 1, 1]]], bool)}
+  elif extra:
     extras = {"extra_keys": jnp.asarray(rng.standard_normal((b, t, extra, kv, hd), np.float32)),
               "extra_values": jnp.asarray(rng.standard_normal((b, t, extra, kv, hd), np.float32))}
   fn = jax.jit(lambda *a: ops.attention(*a, mask=mask, **extras))
   got = np.asarray(fn(q, keys, values, positions))
   uses_kernel = "specjax_decode_attention" in fn.lower(q, keys, values, positions).as_text()
-  assert uses_kernel == (not with_mask and not extra)  # the kernel serves plain causal attention only
+  assert uses_kernel == (not with_mask)  # the kernel serves the cache part, extra keys or not
   want = _direct_attention(q, keys, values, positions, None if mask is None else np.asarray(mask),
-                           extras.get("extra_keys"), extras.get("extra_values"))
+                           extras.get("extra_keys"), extras.get("extra_values"),
+                           None if "extra_mask" not in extras else np.asarray(extras["extra_mask"]))
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 

@@ -21,7 +21,8 @@ import specjax
 from specjax import sampling, speculative, verify
 from specjax.loading import Model
 from specjax.model import init_params
-from tests.task_drafters import perturbed
+from tests.task_drafters import own_tree_drafter, perturbed
+from tests.test_trees import residual_kept_after_a_rejected_sibling
 from specjax.sampling import SamplingParams, probabilities, sample_from_probs
 
 VOCAB, SAMPLES, PROMPT = 16, 20_000, [3, 1, 4, 1, 5]
@@ -107,7 +108,7 @@ ADAPTIVE = specjax.AdaptiveDrafting(min_confidence=0.3, prior_alpha=0.5, forward
 
 def speculative_samples(target, draft, sampling, seed=0, gamma=3, samples=SAMPLES, drafter="draft_model",
                         adaptive=ADAPTIVE, tree_nodes=None):
-  drafter = DRAFTERS[drafter](target, draft)
+  drafter = DRAFTERS[drafter](target, draft) if isinstance(drafter, str) else drafter
   drafter = dataclasses.replace(drafter, cost=dataclasses.replace(drafter.cost, step=0.1))
   out = specjax.generate(target, [PROMPT] * samples, max_new_tokens=3, drafter=drafter, gamma=gamma, seed=seed,
                          temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, stop_ids=[],
@@ -208,6 +209,37 @@ def test_tree_speculative_sampling_matches_the_target_distribution(drafter, targ
                                    tree_nodes=6)
   assert sum(s["accepted_per_row"]) >= 300 and sum(s["rejections_per_row"]) >= 300
   assert chi_square_pvalue(samples, exact_joint(target, SETTINGS[1])) > 1e-3
+
+
+def own_tree_samples(target, sampling, samples=SAMPLES, chunk=5_000):
+  """Samples of trees of 6 nodes, 2 deep, whose siblings are the target's own top tokens, in runs of `chunk` rows
+  (one compilation; each node's children are scored from its own copy of the cache)."""
+  drafter = own_tree_drafter(target)
+  runs = [speculative_samples(target, None, sampling, seed=seed, gamma=2, samples=chunk, drafter=drafter,
+                              adaptive=False, tree_nodes=6) for seed in range(samples // chunk)]
+  return np.concatenate([tokens for tokens, _ in runs]), [s for _, s in runs]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampling", SETTINGS, ids=["t1", "topk_topp"])
+def test_tree_sampling_over_the_targets_own_top_tokens_matches_the_target_distribution(sampling, target):
+  """First siblings the target itself favours: rejecting one moves a lot of mass, which the residual must follow."""
+  samples, stats = own_tree_samples(target, sampling)
+  accepted, rejections = (sum(sum(s[name]) for s in stats) for name in ["accepted_per_row", "rejections_per_row"])
+  assert accepted >= 300 and rejections >= 300
+  assert chi_square_pvalue(samples, exact_joint(target, sampling)) > 1e-3
+
+
+@pytest.mark.slow
+def test_the_tree_test_detects_a_residual_not_updated_after_a_rejected_sibling(target, monkeypatch):
+  monkeypatch.setattr(speculative, "speculative_verify", residual_kept_after_a_rejected_sibling)
+  speculative._speculative_program.clear()  # retrace with the broken rule
+  try:
+    samples, _ = own_tree_samples(target, SETTINGS[0], samples=5_000)  # a gross error needs few
+  finally:
+    monkeypatch.undo()
+    speculative._speculative_program.clear()
+  assert chi_square_pvalue(samples, exact_joint(target, SETTINGS[0])) < 1e-6
 
 
 def test_verify_rule_emits_p_for_one_slot():

@@ -9,14 +9,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import specjax
 from specjax import trees, verify
-from specjax.model import forward, init_cache
+from specjax.drafters import mtp_parallel
+from specjax.model import forward, init_cache, lm_head
 from specjax.sampling import sample_from_probs
 
 # Two rows, each its own tree over 7 nodes (block indices of the parents: 0 is the pending token).
 PARENTS = np.array([[0, 0, 1, 2, 2, 5, 0],  # siblings at depths 1 and 2; block 6 three deep through second siblings
                     [0, 1, 2, 3, 4, 5, 6]], np.int32)  # a chain of 7
-PROMPT_LENGTHS = np.array([9, 5])  # ragged: each row's block at its own offset
+PROMPT_LENGTHS = np.array([8, 5])  # ragged: each row's block at its own offset
 
 
 def block_paths(parents_row):
@@ -32,7 +34,8 @@ def prefilled(tiny):
   """The tiny model's cache after ragged prompts, and a random block [pending, 7 nodes] per row."""
   rng = np.random.default_rng(0)
   vocab = tiny.config.vocab_size
-  prompts = rng.integers(0, vocab, (2, PROMPT_LENGTHS.max()))
+  # As wide as the block, so that the prefill and every path's causal forward share one compilation.
+  prompts = rng.integers(0, vocab, (2, PARENTS.shape[1] + 1))
   cache = chain_forward(tiny.params, jnp.asarray(prompts), init_cache(tiny.config, 2, 32), jnp.zeros(2, jnp.int32),
                         config=tiny.config).cache
   return prompts, cache, jnp.asarray(rng.integers(0, vocab, (2, PARENTS.shape[1] + 1)), jnp.int32)
@@ -50,12 +53,13 @@ def chain_forward(params, tokens, cache, position, *, config):
 
 
 def path_forward(model, block_tokens, cache, row, path):
-  """A causal forward of the block's tokens along `path` in `row`, padded to the block's length (one compilation;
-  what follows a path's tokens changes neither their logits nor their K/V)."""
-  tokens = np.zeros((1, block_tokens.shape[1]), np.int32)
-  tokens[0, :len(path)] = np.asarray(block_tokens[row])[np.asarray(path)]
-  return chain_forward(model.params, jnp.asarray(tokens), jax.tree.map(lambda a: a[row:row + 1], cache),
-                       jnp.asarray(PROMPT_LENGTHS[row:row + 1]), config=model.config)
+  """A causal forward of the block's tokens along `path` in `row` (entry `row` of the output; the other row runs
+  zeros), padded to the block's length (the prefill's compilation; what follows a path's tokens changes neither
+  their logits nor their K/V)."""
+  tokens = np.zeros(block_tokens.shape, np.int32)
+  tokens[row, :len(path)] = np.asarray(block_tokens[row])[np.asarray(path)]
+  out = chain_forward(model.params, jnp.asarray(tokens), cache, jnp.asarray(PROMPT_LENGTHS), config=model.config)
+  return jax.tree.map(lambda a: a[row:row + 1], out)
 
 
 def test_describe_gives_depths_and_ancestors():
@@ -135,21 +139,28 @@ def residual_kept_after_a_rejected_sibling(key, draft_tokens, draft_probs, targe
   return current, sample_from_probs(residual_key, residual)
 
 
-def sibling_samples(rule, n=200_000):
+SIBLING_P = jnp.asarray([0.4, 0.25, 0.2, 0.1, 0.05, 0.0])
+SIBLING_Q = jnp.asarray([0.05, 0.1, 0.3, 0.3, 0.15, 0.1])
+
+
+@functools.partial(jax.jit, static_argnames=("rule", "n"))
+def emitted_after_siblings(rule, n):
   """One depth, three siblings drawn without replacement from q (Gumbel top-3), each tested with q renormalised
-  without the siblings before it: the emitted token."""
-  p = jnp.asarray([0.4, 0.25, 0.2, 0.1, 0.05, 0.0])
-  q = jnp.asarray([0.05, 0.1, 0.3, 0.3, 0.15, 0.1])
+  without the siblings before it: (the emitted token [n], the accepted block index [n])."""
   key_draft, key_verify = jax.random.split(jax.random.PRNGKey(5))
   gumbel = jax.random.gumbel(key_draft, (n, 6))
-  siblings = jax.lax.top_k(jnp.log(q) + gumbel, 3)[1].astype(jnp.int32)
+  siblings = jax.lax.top_k(jnp.log(SIBLING_Q) + gumbel, 3)[1].astype(jnp.int32)
   removed = jnp.cumsum(jax.nn.one_hot(siblings, 6), axis=1) - jax.nn.one_hot(siblings, 6)  # earlier siblings
-  draft_probs = jnp.where(removed > 0, 0.0, q)
+  draft_probs = jnp.where(removed > 0, 0.0, SIBLING_Q)
   draft_probs = draft_probs / jnp.sum(draft_probs, axis=-1, keepdims=True)
-  target_probs = jnp.broadcast_to(p, (n, 4, 6))
-  end, next_token = jax.jit(rule)(key_verify, siblings, draft_probs, target_probs, None,
-                                  jnp.zeros((n, 3), jnp.int32))
-  emitted = jnp.where(end > 0, siblings[jnp.arange(n), jnp.maximum(end - 1, 0)], next_token)
+  target_probs = jnp.broadcast_to(SIBLING_P, (n, 4, 6))
+  end, next_token = rule(key_verify, siblings, draft_probs, target_probs, None, jnp.zeros((n, 3), jnp.int32))
+  return jnp.where(end > 0, siblings[jnp.arange(n), jnp.maximum(end - 1, 0)], next_token), end
+
+
+def sibling_samples(rule, n=200_000):
+  """The emitted tokens' frequencies (`emitted_after_siblings`) and the accepted block indices."""
+  emitted, end = emitted_after_siblings(rule, n)
   return np.bincount(np.asarray(emitted), minlength=6) / n, np.asarray(end)
 
 
@@ -162,3 +173,46 @@ def test_recursive_rejection_over_siblings_emits_p():
 def test_the_sibling_rule_test_detects_a_residual_not_updated_after_a_rejected_sibling():
   observed, _ = sibling_samples(residual_kept_after_a_rejected_sibling)
   assert np.max(np.abs(observed - np.array([0.4, 0.25, 0.2, 0.1, 0.05, 0.0]))) > 0.02
+
+
+def test_a_static_tree_keeps_the_rank_paths_of_highest_expected_acceptance():
+  """Values: (0) .6, (0, 0) .3, (1) .2, (0, 1) .18, then (0, 2) .06: four nodes, depth by depth, parents first."""
+  accuracy = [[0.6, 0.2, 0.1], [0.5, 0.3, 0.1]]
+  parents, heads, ranks = mtp_parallel.static_tree(accuracy, depth=2, nodes=4)
+  assert (parents, heads, ranks) == ((0, 0, 1, 1), (0, 0, 1, 1), (0, 1, 0, 1))
+  parents, heads, ranks = mtp_parallel.static_tree(accuracy, depth=1, nodes=3)  # one level: the heads' ranks
+  assert (parents, heads, ranks) == ((0, 0, 0), (0, 0, 0), (0, 1, 2))
+  with pytest.raises(ValueError, match="holds 3 nodes, got tree_nodes=4"):
+    mtp_parallel.static_tree(accuracy, depth=1, nodes=4)
+
+
+def test_rank_accuracy_counts_each_heads_rank_that_is_the_targets_next_token(tiny):
+  """A fresh head is the target's own LM head over h_t; with the target's token t + 2 set to its rank-(t mod 3)
+  token at t (and position 5 masked), head 1's hits by rank are the positions of each residue."""
+  drafter = specjax.make_drafter("mtp_parallel", tiny, path=None, num_heads=1)
+  rng = np.random.default_rng(0)
+  length = 12
+  features = rng.standard_normal((1, length, 1, tiny.config.hidden_size)).astype(np.float32)
+  ranked = np.argsort(-np.asarray(lm_head(tiny.params, jnp.asarray(features[:, :, 0]), tiny.config))[0], axis=-1)
+  teacher = np.zeros((1, length, 8), np.int32)
+  for t in range(length - 1):
+    teacher[0, t + 1, 0] = ranked[t, t % 3]
+  mask = np.ones((1, length), bool)
+  mask[0, 5] = False  # what head 1 compares at position 4
+  batch = {"features": features, "teacher_ids": teacher, "mask": mask}
+  hits, counted = mtp_parallel.rank_hits(tiny.params, drafter.params, drafter.options, batch, ranks=4)
+  assert int(counted[0]) == length - 2  # the last position has no next token, position 4's is masked
+  np.testing.assert_array_equal(hits[0], [4, 3, 3, 0])  # t in 0..10 but 4: residues 0, 1, 2 four, three, three times
+
+
+def test_a_checkpoints_measured_rank_accuracy_makes_its_trees_static(tiny, tmp_path):
+  from specjax.drafters import draft_head
+  fresh = specjax.make_drafter("mtp_parallel", tiny, path=None, num_heads=2)
+  path = draft_head.save(fresh, str(tmp_path / "heads.safetensors"), tiny)
+  assert specjax.make_drafter("mtp_parallel", tiny, path=path).options.rank_accuracy is None  # grown: EAGLE-2
+  stored = mtp_parallel.save_rank_accuracy(path, [[0.5, 0.25], [0.4, 0.125]], source="a test")
+  assert stored == str(tmp_path / "heads.ranks.json")
+  loaded = specjax.make_drafter("mtp_parallel", tiny, path=path)
+  assert loaded.options.rank_accuracy == ((0.5, 0.25), (0.4, 0.125))
+  with pytest.raises(ValueError, match="a row of ranks per head"):
+    specjax.make_drafter("mtp_parallel", tiny, path=path, rank_accuracy=[[0.5, 0.25]])

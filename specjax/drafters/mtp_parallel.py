@@ -11,9 +11,12 @@ over a truncated draft vocabulary (`draft_head`). Head k predicts token t+1+k. T
 hidden state the verification forward already produced (`RoundResult.verify_hidden` at the last accepted
 position), so drafting costs K small matrix-vector products and one head over V' tokens: no target call.
 
-Trees (Medusa's): head k's top tokens are the candidates at depth k under every node of depth k - 1, and the tree
-keeps the N paths of highest product of the heads' probabilities (`draft_tree.grow`; the heads read one hidden
-state, so expanding a node costs nothing).
+Trees (Medusa's): head k's top tokens are the candidates at depth k under every node of depth k - 1. With a measured
+per-(head, rank) accuracy (`rank_accuracy` on held-out cached features, stored beside the checkpoint as
+<checkpoint>.ranks.json, `save_rank_accuracy`), the tree is Medusa's static one: the N rank paths (r_1..r_d) of
+highest expected acceptance prod_k accuracy[k][r_k] (`static_tree`), each node the rank-r_d token of head d. Until
+such a measurement exists, the tree keeps the N paths of highest product of the heads' own probabilities
+(`draft_tree.grow`, EAGLE-2's rule; the heads read one hidden state, so expanding a node costs nothing).
 
 Training (self-distillation, `loss`): at every position t of a cached sequence, head k learns the target's
 next-token distribution at position t+k, with loss weight 0.8^(k-1) (Medusa's decay).
@@ -22,9 +25,14 @@ next-token distribution at position t+k, with loss weight 0.8^(k-1) (Medusa's de
 from __future__ import annotations
 
 import dataclasses
+import functools
+import heapq
+import json
+import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.config import ModelConfig
 from specjax import leviathan
@@ -43,6 +51,8 @@ class Options:
   config: ModelConfig
   num_heads: int
   draft_vocab: int | None  # V' of a truncated draft vocabulary; None scores the full vocabulary
+  # [K][R] measured share of positions where head k's rank-r token is the target's (None: trees grown, EAGLE-2)
+  rank_accuracy: tuple[tuple[float, ...], ...] | None = None
 
   def saved(self) -> dict:
     """The options a checkpoint records (the target's config is checked separately)."""
@@ -78,6 +88,15 @@ def propose(target_params, params, options: Options, hidden, inputs: DraftInputs
   if gamma > options.num_heads:  # static; generate() checks max_gamma first with a clearer message
     raise ValueError(f"{NAME} has {options.num_heads} heads, gamma={gamma}")
   logits = draft_head.logits(target_params, params, heads(params, hidden, gamma), options.config)  # [B, g, V']
+  if inputs.tree_nodes and options.rank_accuracy is not None:
+    parents, node_heads, node_ranks = static_tree(options.rank_accuracy, gamma, inputs.tree_nodes)
+    top = jax.lax.top_k(logits, len(options.rank_accuracy[0]))[1]  # [B, g, R] draft-vocabulary indices
+    tokens = top[:, np.asarray(node_heads), np.asarray(node_ranks)]
+    tokens = (tokens if "token_map" not in params else params["token_map"][tokens]).astype(jnp.int32)
+    probs = None if sampling.greedy else jax.nn.one_hot(tokens, options.config.vocab_size, dtype=jnp.float32)
+    return Proposal(tokens=tokens, probs=probs, state=hidden, target_cache=inputs.target_cache,
+                    steps=jnp.ones((), jnp.int32),
+                    parents=jnp.broadcast_to(jnp.asarray(parents, jnp.int32), tokens.shape))
   if inputs.tree_nodes:
     def expand(d, tokens, payload):  # head d scores the children of every node of depth d - 1 alike
       return jnp.broadcast_to(logits[:, None, d - 1], tokens.shape + logits.shape[-1:]), payload
@@ -90,6 +109,75 @@ def propose(target_params, params, options: Options, hidden, inputs: DraftInputs
   # All heads run at once (one small product each), so stopping early trims the verification, not drafting.
   return Proposal(tokens=tokens, probs=probs, state=hidden, target_cache=inputs.target_cache,
                   lengths=draft_lengths(confidence(logits, probs), inputs, gamma), steps=jnp.ones((), jnp.int32))
+
+
+def static_tree(accuracy, depth: int, nodes: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+  """Medusa's static tree (Cai et al. 2024, section 2.1.2) from accuracy [K][R] (head k's rank-r token is the
+  target's): the `nodes` rank paths (r_1..r_d), d <= depth, of highest expected acceptance prod_k accuracy[k][r_k].
+
+  Best first from the root: a path's value never exceeds its prefix's, and a path is a candidate only once its prefix
+  is chosen, so the chosen paths hold each one's parent (equal values: the path found first). Returns per node, in
+  the order of depth then choice (every parent before its children): its parent's block index (0: the pending
+  token, node i at i + 1; `specjax.trees`), its head (depth - 1) and its rank."""
+  depth = min(depth, len(accuracy))
+  frontier = [(-float(a), (r,)) for r, a in enumerate(accuracy[0])]
+  heapq.heapify(frontier)
+  chosen = []
+  while frontier and len(chosen) < nodes:
+    value, path = heapq.heappop(frontier)
+    chosen.append(path)
+    if len(path) < depth:
+      for r, a in enumerate(accuracy[len(path)]):
+        heapq.heappush(frontier, (value * float(a), path + (r,)))
+  if len(chosen) < nodes:
+    raise ValueError(f"a static tree {depth} deep over {len(accuracy[0])} ranks holds {len(chosen)} nodes, got "
+                     f"tree_nodes={nodes}")
+  ordered = sorted(chosen, key=lambda path: (len(path), chosen.index(path)))
+  block = {path: i + 1 for i, path in enumerate(ordered)}
+  return (tuple(block.get(path[:-1], 0) for path in ordered), tuple(len(path) - 1 for path in ordered),
+          tuple(path[-1] for path in ordered))
+
+
+def rank_hits(target_params, params, options: Options, batch, ranks: int = draft_tree.TOP_K):
+  """(hits [K, R], counted [K]) over a batch of cached features (`specjax.data.features.FeatureCache.batch`): the
+  positions where head k's rank-r token is the target's greedy token t+1+k, and the positions compared."""
+  h = heads(params, jnp.asarray(batch["features"][:, :, 0, :], jnp.float32), options.num_heads)
+  hits, counted = [], []
+  for k in range(1, options.num_heads + 1):
+    logits = draft_head.logits(target_params, params, h[:, :, k - 1], options.config)
+    top = jax.lax.top_k(logits, ranks)[1]
+    top = top if "token_map" not in params else params["token_map"][top]
+    target = draft_head.shifted(jnp.asarray(batch["teacher_ids"])[..., 0], k)
+    valid = draft_head.shifted(jnp.asarray(batch["mask"]), k, False)
+    hits.append(jnp.sum((top == target[..., None]) & valid[..., None], axis=(0, 1)))
+    counted.append(jnp.sum(valid))
+  return jnp.stack(hits), jnp.stack(counted)
+
+
+def rank_accuracy(model, drafter, cache, batch_size: int = 16) -> np.ndarray:
+  """[K, R]: the share of the positions of `cache` (held-out cached features, `FeatureCache`) where head k's rank-r
+  token is the target's greedy token (`rank_hits`), what `static_tree` builds Medusa's tree from."""
+  hits_of = jax.jit(functools.partial(rank_hits, options=drafter.options))
+  hits, counted = 0, 0
+  for start in range(0, len(cache), batch_size):
+    h, c = hits_of(model.params, drafter.params, batch=cache.batch(np.arange(start, min(start + batch_size,
+                                                                                         len(cache)))))
+    hits, counted = hits + np.asarray(h, np.int64), counted + np.asarray(c, np.int64)
+  return hits / np.maximum(counted, 1)[:, None]
+
+
+def ranks_path(checkpoint_path: str) -> str:
+  """Where a checkpoint's measured rank accuracy lives: beside it, <name>.ranks.json."""
+  return os.path.splitext(checkpoint_path)[0] + ".ranks.json"
+
+
+def save_rank_accuracy(checkpoint_path: str, accuracy, source: str) -> str:
+  """Writes `accuracy` [K, R] beside the checkpoint (`ranks_path`), with the data it was measured on."""
+  path = ranks_path(checkpoint_path)
+  with open(path, "w") as f:
+    json.dump({"rank_accuracy": np.asarray(accuracy, np.float64).round(6).tolist(), "measured_on": source}, f,
+              indent=1)
+  return path
 
 
 def update(target_params, params, options: Options, hidden, result: RoundResult):
@@ -127,11 +215,12 @@ def fresh_params(model, options: Options, token_map=None) -> dict:
   return params
 
 
-def make(model, path: str | None = "default", num_heads: int = 4, token_map=None) -> Drafter:
+def make(model, path: str | None = "default", num_heads: int = 4, token_map=None, rank_accuracy=None) -> Drafter:
   """path: "default" (the checkpoint shipped for this model), a checkpoint file, or None for fresh heads.
 
   num_heads and token_map (the draft vocabulary: token ids, most frequent first) apply to fresh heads;
-  a checkpoint brings its own.
+  a checkpoint brings its own. rank_accuracy [K][R] (head k's rank-r token is the target's) makes trees Medusa's
+  static ones (`static_tree`); None reads it from beside the checkpoint (`ranks_path`) where one was measured.
   """
   config = model.config
   if path is None:
@@ -144,6 +233,17 @@ def make(model, path: str | None = "default", num_heads: int = 4, token_map=None
   else:
     options, params = draft_head.load(model, NAME, path, saved_specs, lambda saved: Options(
         config=config, num_heads=int(saved["num_heads"]), draft_vocab=saved["draft_vocab"]))
+  if rank_accuracy is None and path is not None:
+    stored = ranks_path(draft_head.shipped_checkpoint(model, NAME) if path == "default" else str(path))
+    if os.path.exists(stored):
+      with open(stored) as f:
+        rank_accuracy = json.load(f)["rank_accuracy"]
+  if rank_accuracy is not None:
+    rank_accuracy = tuple(tuple(float(a) for a in head) for head in rank_accuracy)
+    if len(rank_accuracy) != options.num_heads or len({len(head) for head in rank_accuracy}) != 1:
+      raise ValueError(f"rank_accuracy holds a row of ranks per head ({options.num_heads} heads), got "
+                       f"{[len(head) for head in rank_accuracy]}")
+    options = dataclasses.replace(options, rank_accuracy=rank_accuracy)
   if options.draft_vocab is not None:
     params["head"] = draft_head.head_columns(model.params, config, params["token_map"])
   return Drafter(name=NAME, init=init, propose=propose, update=update, options=options, params=params,

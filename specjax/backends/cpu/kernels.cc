@@ -27,6 +27,7 @@
 // runs it.
 
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -172,7 +173,9 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
 
 // ---------------------------------------------------------------------------------------------------------
 // Attention. q [B, T, H, D], k/v cache [B, S, KV, D], positions [B, T] (query t of row b sits at positions[b, t]
-// and sees cache slots 0..positions[b, t]); out [B, T, H, D]. Head h uses KV head h / (H / KV).
+// and sees cache slots 0..positions[b, t]); out [B, T, H, D] and lse [B, T, H], the log of each query's softmax
+// denominator (log sum over its slots of exp(score); -inf when it sees none), so that attention over more keys
+// can be merged with it (Milakov & Gimelshein 2018's online softmax). Head h uses KV head h / (H / KV).
 
 constexpr int64_t kMaxHeadVecs = 16;  // head_dim <= 256
 
@@ -183,6 +186,7 @@ struct Attention {
   const W* v;
   const int32_t* pos;
   float* out;
+  float* lse;
   int64_t B, T, H, KV, S, D;
   float scale;
 };
@@ -319,6 +323,7 @@ void AttendTask(const Attention<W>& a, int64_t b, int64_t kh, int64_t t_begin, i
     const int64_t nq = queries - i0 < kQueryLanes ? queries - i0 : kQueryLanes;
     int32_t visible[kQueryLanes];
     float* out[kQueryLanes];
+    int64_t query_index[kQueryLanes];
     int64_t most = 0;
     for (int64_t l = 0; l < kQueryLanes; ++l) {
       if (l < nq) {
@@ -326,7 +331,8 @@ void AttendTask(const Attention<W>& a, int64_t b, int64_t kh, int64_t t_begin, i
         const float* qv = a.q + ((b * a.T + t) * a.H + head) * a.D;
         for (int64_t d = 0; d < a.D; ++d) qt[d * kQueryLanes + l] = qv[d];
         visible[l] = static_cast<int32_t>(visible_of(t));
-        out[l] = a.out + ((b * a.T + t) * a.H + head) * a.D;
+        query_index[l] = (b * a.T + t) * a.H + head;
+        out[l] = a.out + query_index[l] * a.D;
         most = visible[l] > most ? visible[l] : most;
       } else {
         visible[l] = 0;  // an unused lane keeps an earlier query (or the scratch's zeros): its scores are masked
@@ -353,8 +359,11 @@ void AttendTask(const Attention<W>& a, int64_t b, int64_t kh, int64_t t_begin, i
       Store(sc + s * kQueryLanes, e);
       total += e;
     }
-    float sums[kQueryLanes];
+    float sums[kQueryLanes], bests[kQueryLanes];
     Store(sums, total);
+    Store(bests, best);
+    for (int64_t l = 0; l < nq; ++l)
+      a.lse[query_index[l]] = visible[l] ? bests[l] + std::log(sums[l]) : -__builtin_inff();
     for (int64_t q0 = 0; q0 < nq; q0 += kValueQueries) {
       const int64_t n = nq - q0 < kValueQueries ? nq - q0 : kValueQueries;
       WithConstant<1, 2, 3, 4, 5, 6>(n, [&](auto count) {
@@ -366,7 +375,8 @@ void AttendTask(const Attention<W>& a, int64_t b, int64_t kh, int64_t t_begin, i
 
 template <ffi::DataType WT>
 ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<WT> k, ffi::Buffer<WT> v,
-                         ffi::Buffer<ffi::S32> pos, ffi::ResultBuffer<ffi::F32> out) {
+                         ffi::Buffer<ffi::S32> pos, ffi::ResultBuffer<ffi::F32> out,
+                         ffi::ResultBuffer<ffi::F32> lse) {
   using W = ffi::NativeType<WT>;
   const auto qd = q.dimensions();
   const auto kd = k.dimensions();
@@ -377,7 +387,7 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   if (kd[0] != a.B || kd[3] != a.D || a.KV == 0 || a.H % a.KV != 0 || a.D % 16 != 0 || a.D > 16 * kMaxHeadVecs)
     return ffi::Error::InvalidArgument("specjax: attention shapes do not match");
   a.q = q.typed_data(), a.k = k.typed_data(), a.v = v.typed_data(), a.pos = pos.typed_data();
-  a.out = out->typed_data();
+  a.out = out->typed_data(), a.lse = lse->typed_data();
   a.scale = 1.f / __builtin_sqrtf(static_cast<float>(a.D));
   // Tasks are (row, KV head, chunk of tokens). With fewer (row, KV head) pairs than 4 per thread (SmolLM2 at batch
   // 1: 3 KV heads on 2 cores), a verification's tokens are split over the threads too, or one thread would take
@@ -405,7 +415,8 @@ auto MatmulBinding() {
 template <ffi::DataType WT>
 auto AttentionBinding() {
   return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<WT>>()
-      .template Arg<ffi::Buffer<WT>>().template Arg<ffi::Buffer<ffi::S32>>().template Ret<ffi::Buffer<ffi::F32>>();
+      .template Arg<ffi::Buffer<WT>>().template Arg<ffi::Buffer<ffi::S32>>().template Ret<ffi::Buffer<ffi::F32>>()
+      .template Ret<ffi::Buffer<ffi::F32>>();
 }
 
 }  // namespace

@@ -9,7 +9,8 @@ ones, so halving the bytes did not pay. benchmarks/bench_verify.py and bench_aut
 
   packed_matmul(x, w)   x @ w for a weight packed as column panels (`packing.Packed`, packed once when a model is
                         loaded for decoding: `specjax.decoding.decode_params`)
-  attention(q, k_cache, v_cache, positions, reference)   causal grouped-query attention over the cache
+  attention(q, k_cache, v_cache, positions, reference)   causal grouped-query attention over the cache, and the log
+                        of each query's softmax denominator (attention over more keys merges with it)
 
 `specjax.ops` calls them where a program is compiled for a CPU (`jax.lax.platform_dependent`) and all of these
 hold (`matmul_applies`, `attention_applies`); elsewhere it computes the same with jnp:
@@ -51,7 +52,7 @@ _KERNELS = {
     ("attention", "bfloat16"): ("specjax_decode_attention_bf16", "DecodeAttentionBF16"),
 }
 _WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16)  # weights and caches either; activations widened to float32
-MAX_QUERY_TOKENS = 16  # attention: new tokens per row (decode and verification); prefill uses XLA's
+MAX_QUERY_TOKENS = 65  # attention: new tokens per row (decode, a chain or a 64-node tree); prefill uses XLA's
 _lock = threading.Lock()
 _state: dict = {"built": None, "error": None, "enabled": os.environ.get("SPECJAX_CPU_KERNELS", "1") != "0"}
 
@@ -209,17 +210,20 @@ def attention_applies(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array) -> b
           and k_cache.dtype in _WEIGHT_DTYPES and v_cache.dtype == k_cache.dtype and usable())
 
 
-def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array, reference) -> jax.Array:
+def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
+              reference) -> tuple[jax.Array, jax.Array]:
   """Causal grouped-query attention of q [B, T, H, D] over caches [B, S, KV, D]: the query at positions[b, t]
-  sees cache slots 0..positions[b, t]. `reference(q, k_cache, v_cache, positions)` computes the same with XLA;
-  its derivatives are the kernel's."""
+  sees cache slots 0..positions[b, t]. Returns (out [B, T, H, D], lse [B, T, H] float32: the log of the query's
+  softmax denominator, -inf for a query that sees no slot). `reference(q, k_cache, v_cache, positions)` computes
+  the same with XLA; its derivatives are the kernel's."""
   target = _target("attention", k_cache.dtype)
 
   @jax.custom_jvp
   def kernel(q, k_cache, v_cache, positions):
-    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
-    return jax.ffi.ffi_call(target, out, vmap_method="sequential")(
-        q.astype(jnp.float32), k_cache, v_cache, positions).astype(q.dtype)
+    out = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(q.shape[:3], jnp.float32))
+    out, lse = jax.ffi.ffi_call(target, out, vmap_method="sequential")(
+        q.astype(jnp.float32), k_cache, v_cache, positions)
+    return out.astype(q.dtype), lse
 
   @kernel.defjvp
   def kernel_jvp(primals, tangents):

@@ -1,0 +1,27 @@
+r"""Draft trees: every drafter that drafts trees as a chain and as trees of 8, 16 and 32 nodes.
+
+  python -m experiments.run --config=configs/trees.py:small    # 1 prompt x 13 categories, 64 tokens
+  python -m experiments.run --config=configs/trees.py          # 5 prompts x 13 categories, 128 tokens
+
+A tree method (`<method>_tree<N>`) drafts EAGLE-2's dynamic tree of N nodes, gamma 4 deep, every round
+(specjax/drafters/draft_tree.py) and verifies it in one target forward under a tree mask (specjax/trees.py); its
+chain drafts gamma tokens every round (fixed rounds for both: no policy chooses among trees yet). Greedy, so every
+method is checked token for token against autoregressive decoding. The table gives tokens per target forward
+(mean accepted + 1), per-depth acceptance and paired speedups with intervals; costs (c, r, the accelerator
+projection) are measured for the chains. Not run end to end yet on 2 shared CPU cores: `:small` compiles 7
+programs per prompt-length bucket (about 20 s each).
+"""
+
+from configs import common
+
+DRAFTERS = ("mtp_parallel", "mtp_sequential")  # the drafters that draft trees
+TREE_NODES = (8, 16, 32)
+
+
+def get_config(arg=None):
+  variants = common.parse_variants(arg, "configs/trees.py", ("small",))
+  config = common.drafter_comparison(small="small" in variants)  # fixed rounds (config.adaptive False)
+  trees = tuple({**method, "name": f"{method['name']}_tree{nodes}", "tree_nodes": nodes}
+                for method in common.methods(*DRAFTERS) for nodes in TREE_NODES)
+  config.methods = common.methods("autoregressive", *DRAFTERS) + trees
+  return config
