@@ -418,15 +418,16 @@ SMOLLM2_DRAFTERS = {
     "layer_skip_exit": ("layer_skip", lambda model: dict(exit_layer=24)),
     "layer_skip_skip": ("layer_skip", lambda model: dict(skip_layers=[4, 9, 14, 19, 24])),
     "prompt_lookup": ("prompt_lookup", lambda model: dict(ngram_sizes=(3, 2, 1))),
-    "draft_model_self": ("draft_model", lambda model: dict(draft=model)),
 }
 
 
 # One (gamma, adaptive) setting per drafter: every real-model program compiles for a minute on 2 cores, and the
-# tiny-model grid above runs every drafter at gamma 1, 3 and 5, fixed and adaptive.
+# tiny-model grid above runs every drafter at gamma 1, 3 and 5, fixed and adaptive. The draft model runs on SmolLM2
+# as the shipped distilled draft (below); a target drafting for itself is
+# test_target_as_its_own_draft_accepts_every_draft (tiny model).
 @pytest.mark.slow
 @pytest.mark.parametrize("name, gamma, adaptive", [("layer_skip_exit", 3, EAGER), ("layer_skip_skip", 5, False),
-                                                   ("prompt_lookup", 1, False), ("draft_model_self", 3, False)])
+                                                   ("prompt_lookup", 1, False)])
 def test_greedy_speculative_equals_autoregressive_on_smollm2(name, gamma, adaptive, smollm2, smollm2_ar_outputs):
   """Four Spec-Bench prompts of different lengths in one batch, 32 new tokens, chat template."""
   prompts, expected = smollm2_ar_outputs
@@ -434,8 +435,6 @@ def test_greedy_speculative_equals_autoregressive_on_smollm2(name, gamma, adapti
   out = specjax.generate(smollm2, prompts, max_new_tokens=32, gamma=gamma, adaptive=adaptive,
                          drafter=free(specjax.make_drafter(drafter_name, smollm2, **options(smollm2))))
   assert out.tokens == expected.tokens
-  if drafter_name == "draft_model":  # the target drafting for itself accepts every draft
-    assert out.stats["acceptance_rate"] == 1.0
 
 
 @pytest.mark.slow
