@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import os
-import time
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +26,7 @@ import numpy as np
 from absl import app, flags
 
 import specjax
-from experiments.costs import interleaved_seconds
+from experiments.costs import interleaved_seconds, timed
 from specjax import sampling
 from specjax.backends import cpu
 from specjax.decoding import decode_params
@@ -88,9 +87,7 @@ def main(argv):
         out, caches[key] = _loop(weights[kernel], caches[key], tokens, position, calls, config=config,
                                  kernel=kernel)
         return out
-      start = time.perf_counter()
-      run(2).block_until_ready()
-      compile_s[key] = time.perf_counter() - start
+      compile_s[key] = timed(run, 2)
       runs[key] = run
   seconds = interleaved_seconds(runs, _REPEATS.value)
 

@@ -80,7 +80,8 @@ def _draft_init(target_params, params, prompt, *, drafter):
   return drafter.init(target_params, params, drafter.options, prompt)
 
 
-def _timed(run: Callable[[int], Any], calls: int) -> float:
+def timed(run: Callable[[int], Any], calls: int) -> float:
+  """Wall seconds of `run(calls)` until its result (a pytree) is ready; the first call includes its compile."""
   start = time.perf_counter()
   jax.block_until_ready(run(calls))
   return time.perf_counter() - start
@@ -93,20 +94,30 @@ def interleaved_seconds(runs: dict[str, Callable[[int], Any]], repeats: int, sho
   Every run is compiled and warmed first, and its long loop lengthened (doubling from `long`, at most `max_calls`)
   until it takes `min_seconds`, so that the difference a round measures stands clear of timer and scheduler noise
   even for steps of microseconds (a tiny model, prompt lookup's search); `calls` is traced, so no length compiles
-  anew. Then each round times a long and a short loop of every run in turn.
+  anew. Then each round times a long and a short loop of every run in turn. A run whose median difference is not
+  positive (noise from other processes larger than its loop's time) is measured again with its long loop doubled,
+  until it is or the loop reaches `max_calls`.
   """
   lengths = {}
   for name, run in runs.items():
-    _timed(run, short)
+    timed(run, short)
     calls = long
-    while _timed(run, calls) < min_seconds and calls < max_calls:
+    while timed(run, calls) < min_seconds and calls < max_calls:
       calls *= 2
     lengths[name] = calls
-  deltas: dict[str, list[float]] = {name: [] for name in runs}
-  for _ in range(repeats):
-    for name, run in runs.items():
-      deltas[name].append((_timed(run, lengths[name]) - _timed(run, short)) / (lengths[name] - short))
-  return {name: statistics.median(d) for name, d in deltas.items()}
+
+  def median_step(names):
+    deltas: dict[str, list[float]] = {name: [] for name in names}
+    for _ in range(repeats):
+      for name in names:
+        deltas[name].append((timed(runs[name], lengths[name]) - timed(runs[name], short)) / (lengths[name] - short))
+    return {name: statistics.median(d) for name, d in deltas.items()}
+
+  seconds = median_step(list(runs))
+  while again := [name for name, s in seconds.items() if s <= 0 and lengths[name] < max_calls]:
+    lengths.update({name: min(2 * lengths[name], max_calls) for name in again})
+    seconds.update(median_step(again))
+  return seconds
 
 
 _sum = jax.jit(lambda x: jnp.sum(jnp.sum(x.reshape(256, -1), axis=1)))
