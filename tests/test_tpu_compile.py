@@ -71,6 +71,7 @@ def test_a_tree_drafting_speculative_program_compiled_for_a_v5e_slice_holds_no_c
   program, not per layer, and compiling stays short."""
   config = compile_tpu.get_config()
   config.batch_size, config.prompt_len, config.cache_len = 4, 64, 256
+  config.drafters = tuple(d for d in config.drafters if d["name"] == "mtp_parallel")
   two_layers = dataclasses.replace(shaped_config("smollm2-135m", config.dtype), num_layers=2)
 
   def tree_program(target):
