@@ -47,11 +47,17 @@ def get_config(arg=None):
   config.batch_size = 8
   config.prompt_len = 1024
   config.cache_len = 4096
-  config.gamma = 4  # the speculative programs' largest draft
+  config.gamma = 4  # the speculative programs' largest draft, and their trees' depth
+  # Draft trees (`generate(..., tree_nodes=N)`): the sizes compiled for the drafters that draft trees, in the
+  # speculative and step programs (a block's `tree_nodes` overrides them).
+  config.tree_nodes = (16, 32)
   config.temperature = 0.0
   config.stop_ids = (2,)
   # Where each drafter's tau (tokens per target forward) comes from: a fixed-gamma run of experiments/run.py.
   config.acceptance = "results/compare_drafters/results.json"
+  # Where each tree's tau comes from: a run of configs/trees.py (its `<method>_tree<N>`); absent, trees are projected
+  # by their round's cost alone (the tau at which they break even).
+  config.tree_acceptance = "results/trees/results.json"
   # name; drafter and options for `specjax.make_drafter` (fresh parameters: no checkpoint is read); layers as fractions
   # of the model's (`exit_layer_fraction`, `skip_layer_fraction`); draft_vocab: a truncated head of the model's
   # `draft_vocab` tokens; acceptance_of: the method of `acceptance` whose tau (and gamma) the projection takes.
@@ -77,20 +83,24 @@ def get_config(arg=None):
   topologies = tuple(t[0] for t in config.topologies)
   everything = {"models": names, "topologies": topologies, "programs": PROGRAMS}
   # Blocks of the grid, each crossing its models, topologies and programs, with its `drafters` (default: all) in the
-  # speculative, step and drafter-training programs (experiments/compile_for.py). The default, ~15 min of CPU time:
-  # the 8B target on v5e:2x4 (its decoding program and the speculative one with the sequential MTP module, and the
-  # steps of the drafters that read few weights), and every drafter's step programs (the projection) for SmolLM2 on
-  # every topology.
+  # speculative, step and drafter-training programs and its `tree_nodes` (default: `config.tree_nodes`) in the
+  # speculative and step programs (experiments/compile_for.py). The default, ~15 min of CPU time: the 8B target on
+  # v5e:2x4 (its decoding program and the speculative one with the sequential MTP module, and the steps of the
+  # drafters that read few weights), every drafter's step programs (the projection) for SmolLM2 on every topology,
+  # and the trees' step programs for SmolLM2 on v5e:2x4 (the experiments report's projection). A tree's whole
+  # speculative program compiles in about as long as the 8B target's steps, so those are in `small` and `cover`.
   config.runs = (
       {"models": ("llama-3.1-8b",), "topologies": ("v5e:2x4",), "programs": ("autoregressive", "speculative"),
-       "drafters": ("mtp_sequential",)},
+       "drafters": ("mtp_sequential",), "tree_nodes": ()},
       {"models": ("llama-3.1-8b",), "topologies": ("v5e:2x4",), "programs": ("steps",),
-       "drafters": ("prompt_lookup", "mtp_parallel", "mtp_sequential")},
-      {"models": ("smollm2-135m",), "topologies": topologies, "programs": ("steps",)},
+       "drafters": ("prompt_lookup", "mtp_parallel", "mtp_sequential"), "tree_nodes": ()},
+      {"models": ("smollm2-135m",), "topologies": topologies, "programs": ("steps",), "tree_nodes": ()},
+      {"models": ("smollm2-135m",), "topologies": ("v5e:2x4",), "programs": ("steps",),
+       "drafters": ("mtp_parallel", "mtp_sequential")},
   )
-  if arg == "small":
+  if arg == "small":  # with one tree size
     config.runs = ({"models": ("smollm2-135m",), "topologies": ("v5e:2x4",), "programs": DECODING,
-                    "drafters": ("prompt_lookup", "mtp_sequential")},)
+                    "drafters": ("prompt_lookup", "mtp_sequential"), "tree_nodes": (16,)},)
   elif arg == "programs":  # every program a user runs, with every drafter, for SmolLM2 on one slice
     config.train_drafters = ("exit_adapter", "draft_model", "mtp_parallel", "mtp_sequential")
     config.runs = (dict(everything, models=("smollm2-135m",), topologies=("v5e:2x4",),

@@ -13,7 +13,9 @@ ones a user runs, at the config's shapes (bf16, `batch_size` rows, a KV cache of
   prefill              the prompts of `prompt_len` tokens into a fresh cache (the first step of every generate)
   autoregressive       `specjax.generate`'s program: prefill and the whole decode loop
   speculative/<name>   `specjax.generate(..., drafter=...)`'s program (adaptive drafting on, as by default, with the
-                       forward costs it uses on an accelerator), one per drafter
+                       forward costs it uses on an accelerator), one per drafter; and for the drafters that draft
+                       trees, `generate(..., gamma=gamma, tree_nodes=N, adaptive=False)`'s, one per tree size N of
+                       `tree_nodes` (a block's, or the config's)
   train_drafter/<name> `specjax.train_drafter`'s step (AdamW) on a batch of cached features, one per trainable drafter
   train                `specjax.train`'s sharded step over the whole target (`lm_loss`, AdamW)
 
@@ -24,7 +26,9 @@ message; any other failure as failed, with its error.
 
 XLA counts a while loop's body once, whatever its trip count, so the whole-loop programs' counts are not a step's.
 The projection compiles loop-free step programs instead ("steps"): one decode step (1 token per row over the cache),
-one verification of gamma + 1 tokens, and per drafter one `propose` and one `update` after a round. A program's
+one verification of gamma + 1 tokens, and per drafter one `propose` and one `update` after a round; for trees of N
+nodes, one verification of [pending, N nodes] under the tree mask (its accepted path's keys and values moved where a
+chain's go: `_tree_verify_step`) and per drafter that drafts trees one proposal of a tree, gamma deep. A program's
 projected time is Williams et al.'s (2009) roofline bound, per device:
 
   t = max(bytes accessed / HBM bandwidth, flops / peak bf16 flops)           (`CHIPS`: the published figures)
@@ -37,6 +41,10 @@ round commits (bonus included) as measured on this project's CPU runs (`acceptan
 experiments/run.py at fixed gamma; each drafter names the method it takes tau from):
 
   projected speedup = tau * t(decode step) / (t(draft) + t(verify gamma + 1) + t(update))
+
+A tree round costs its proposal, its verification and the update over its accepted path; its tau comes from a run of
+configs/trees.py (`tree_acceptance`); where there is none, a tree's row gives its costs and the tau from which it
+pays (its round's cost in decode steps), not a speedup.
 
 (experiments/projection.py, which the experiments report and docs/results.md project the CPU runs' methods with).
 
@@ -82,14 +90,15 @@ from absl import app, flags, logging
 from jax.experimental.layout import Format, Layout
 from ml_collections import config_flags
 
-from specjax import sharding, speculative, train, train_drafter
-from specjax.adaptive import ACCELERATOR_FORWARD_COSTS, AdaptiveDrafting
+from specjax import sharding, speculative, train, train_drafter, trees
+from specjax.adaptive import ACCELERATOR_FORWARD_COSTS, AdaptiveDrafting, FixedGamma
 from specjax.config import ModelConfig, shaped_config
 from specjax.decoding import prefill
 from specjax.drafters import Drafter, DraftInputs, PromptInfo, RoundResult, keep_state, make_drafter
 from specjax.loading import Model
 from specjax.model import KVCache, forward, init_cache
 from specjax.sampling import SamplingParams, argmax
+from specjax.verify import greedy_verify
 from experiments import cli, projection
 from experiments.cli import code_commit, environment, parse_flags
 
@@ -99,6 +108,7 @@ _RENDER = flags.DEFINE_string("render", None, "A run's folder: write its tables,
                               "results.json, compiling nothing.")
 
 PROGRAMS = ("prefill", "autoregressive", "speculative", "train_drafter", "train", "steps")
+TREE_PROGRAMS = ("speculative", "steps")  # the kinds with tree programs (`tree_nodes`)
 
 
 class Chip(NamedTuple):
@@ -304,6 +314,7 @@ class Lowering(NamedTuple):
   static: dict
   donate: tuple[int, ...] = ()
   free_layouts: bool = False
+  tree_nodes: int | None = None  # a tree program's N (None: a chain's, or no draft at all)
 
   def lower(self):
     if not self.free_layouts:
@@ -328,9 +339,20 @@ def _target_step(params, tokens, cache, position, *, config):
   return argmax(out.logits), out.cache
 
 
+def _tree_verify_step(params, tokens, parents, cache, position, *, config, depth):
+  """One verification of a draft tree, as a tree round runs it (specjax/speculative.py): the target over [pending,
+  its N nodes] [B, N + 1] under the tree mask of `parents` [B, N], the longest path of argmax matches accepted, and
+  that path's keys and values moved where a chain of its tokens would have written them (`trees.move_path`)."""
+  batch, nodes = parents.shape
+  tree = trees.describe(parents, batch, nodes)
+  out = forward(params, tokens, cache, position, config, block=tree.block_mask())
+  end, next_token = greedy_verify(tokens[:, 1:], out.logits, None, parents)
+  return next_token, trees.move_path(out.cache, position, trees.path(tree, end, depth))
+
+
 def _propose(target_params, draft_params, state, inputs, *, drafter, gamma, sampling):
   proposal = drafter.propose(target_params, draft_params, drafter.options, state, inputs, gamma, sampling)
-  return proposal.tokens, proposal.state, proposal.target_cache
+  return proposal.tokens, proposal.state, proposal.target_cache, proposal.parents
 
 
 def _update(target_params, draft_params, state, result, *, drafter):
@@ -366,10 +388,11 @@ def draft_state(s: Shapes, name: str):
   return jax.tree.map(placed, state, doubled)
 
 
-def _inputs(s: Shapes) -> DraftInputs:
+def _inputs(s: Shapes, tree_nodes: int | None = None) -> DraftInputs:
   return DraftInputs(sequence=s.sds((s.batch, s.cache_len), jnp.int32, "batch"),
                      position=s.sds((s.batch,), jnp.int32, "batch"), target_cache=s.cache(),
-                     key=s.sds((2,), jnp.uint32), keep_bars=s.sds((), jnp.float32), go_bars=s.sds((), jnp.float32))
+                     key=s.sds((2,), jnp.uint32), keep_bars=s.sds((), jnp.float32), go_bars=s.sds((), jnp.float32),
+                     tree_nodes=tree_nodes)
 
 
 def _tokens_key(s: Shapes):
@@ -377,12 +400,19 @@ def _tokens_key(s: Shapes):
           s.sds((2,), jnp.uint32))
 
 
-def generate_programs(s: Shapes, config: ml_collections.ConfigDict, which: str,
-                      drafters: Sequence[str] = ()) -> list[Lowering]:
-  """The whole-loop programs of `which` ("prefill", "autoregressive", "speculative")."""
+def tree_drafters(s: Shapes, drafters: Sequence[str]) -> list[str]:
+  """Those of `drafters` that draft trees (`Drafter.trees`)."""
+  return [name for name in drafters if s.drafters[name].trees]
+
+
+def generate_programs(s: Shapes, config: ml_collections.ConfigDict, which: str, drafters: Sequence[str] = (),
+                      tree_nodes: Sequence[int] = ()) -> list[Lowering]:
+  """The whole-loop programs of `which` ("prefill", "autoregressive", "speculative"); "speculative" is one per drafter
+  drafting chains, and one per drafter that drafts trees and tree size of `tree_nodes`."""
   tokens, lengths, key = _tokens_key(s)
   sampling = SamplingParams(temperature=config.temperature)
-  max_new_tokens = s.cache_len - s.prompt_len - (config.gamma + 1)
+  # A round writes its block past the committed tokens: gamma drafts, or a tree's nodes, and the pending token.
+  max_new_tokens = s.cache_len - s.prompt_len - (max([config.gamma, *tree_nodes]) + 1)
   common = dict(config=s.config, sampling=sampling, max_new_tokens=max_new_tokens, cache_len=s.cache_len,
                 stop_ids=tuple(config.stop_ids), cache_sharding=s.cache_sharding)
   if which == "prefill":
@@ -402,6 +432,15 @@ def generate_programs(s: Shapes, config: ml_collections.ConfigDict, which: str,
                              (s.params, s.draft_params[name], tokens, lengths, key),
                              dict(common, drafter=drafter.static(),
                                   policy=policy.plan(drafter.cost, config.gamma, rows_per_device))))
+  # generate(..., gamma=depth, tree_nodes=N): a tree of N nodes, gamma deep, every round (fixed rounds).
+  for name in tree_drafters(s, drafters):
+    drafter = s.drafters[name]
+    for nodes in tree_nodes:
+      programs.append(Lowering("speculative", name, speculative._generate_speculative,
+                               (s.params, s.draft_params[name], tokens, lengths, key),
+                               dict(common, drafter=drafter.static(),
+                                    policy=FixedGamma().plan(drafter.cost, config.gamma, rows_per_device),
+                                    tree_nodes=nodes), tree_nodes=nodes))
   return programs
 
 
@@ -440,10 +479,14 @@ def training_programs(s: Shapes, config: ml_collections.ConfigDict, which: str,
   return programs
 
 
-def step_programs(s: Shapes, config: ml_collections.ConfigDict, drafters: Sequence[str]) -> list[Lowering]:
+def step_programs(s: Shapes, config: ml_collections.ConfigDict, drafters: Sequence[str],
+                  tree_nodes: Sequence[int] = ()) -> list[Lowering]:
   """The loop-free programs of the projection: a decode step, a verification of gamma + 1 tokens per gamma the
   drafters' measured methods use, and per drafter `propose` (of its gamma tokens; of one, a step, when it drafts in a
-  loop) and `update` (unless it keeps no state)."""
+  loop) and `update` (unless it keeps no state). With `tree_nodes`, per size N a verification of a tree of N nodes
+  (`_tree_verify_step`) and per drafter that drafts trees its proposal of one, `config.gamma` deep, and its update
+  after a tree round where that differs from its chain's (a tree round hands it the accepted path: `config.gamma` + 1
+  positions)."""
   sampling = SamplingParams(temperature=config.temperature)
   position = s.sds((s.batch,), jnp.int32, "batch")
   gammas = sorted({s.gammas[name] for name in drafters})
@@ -454,6 +497,23 @@ def step_programs(s: Shapes, config: ml_collections.ConfigDict, drafters: Sequen
     programs.append(step(f"verify_{gamma + 1}", None, _target_step,
                          (s.params, s.sds((s.batch, gamma + 1), jnp.int32, "batch"), s.cache(), position),
                          dict(config=s.config)))
+  with_trees = tree_drafters(s, drafters) if tree_nodes else []
+  for nodes in tree_nodes if with_trees else ():
+    programs.append(Lowering(f"verify_tree_{nodes + 1}", None, _tree_verify_step,
+                             (s.params, s.sds((s.batch, nodes + 1), jnp.int32, "batch"),
+                              s.sds((s.batch, nodes), jnp.int32, "batch"), s.cache(), position),
+                             dict(config=s.config, depth=config.gamma), donate=(3,), free_layouts=True,
+                             tree_nodes=nodes))
+
+  def update(name: str, label: str, width: int) -> Lowering:
+    d, layers = s.config.hidden_size, len(s.drafters[name].feature_layers)
+    result = RoundResult(sequence=s.sds((s.batch, s.cache_len), jnp.int32, "batch"), position=position,
+                         accepted=position, verify_hidden=s.sds((s.batch, width, d), s.config.dtype, "batch"),
+                         features=s.sds((s.batch, width, layers, d), s.config.dtype, "batch") if layers else None,
+                         verify_position=position, drafted=True)
+    return step(label, name, _update, (s.params, s.draft_params[name], draft_state(s, name), result),
+                dict(drafter=s.drafters[name].static()))
+
   for name in drafters:
     drafter, gamma = s.drafters[name], s.gammas[name]
     state = draft_state(s, name)
@@ -464,15 +524,19 @@ def step_programs(s: Shapes, config: ml_collections.ConfigDict, drafters: Sequen
     if "stablehlo.while" in whole.lower().as_text():
       whole = propose("propose_1", static=dict(drafter=drafter.static(), gamma=1, sampling=sampling))
     programs.append(whole)
-    if drafter.update is not keep_state:
-      width, d = gamma + 1, s.config.hidden_size
-      layers = len(drafter.feature_layers)
-      result = RoundResult(sequence=s.sds((s.batch, s.cache_len), jnp.int32, "batch"), position=position,
-                           accepted=position, verify_hidden=s.sds((s.batch, width, d), s.config.dtype, "batch"),
-                           features=s.sds((s.batch, width, layers, d), s.config.dtype, "batch") if layers else None,
-                           verify_position=position, drafted=True)
-      programs.append(step("update", name, _update, (s.params, s.draft_params[name], state, result),
-                           dict(drafter=drafter.static())))
+    stateful = drafter.update is not keep_state
+    if stateful:
+      programs.append(update(name, "update", gamma + 1))
+    if name not in with_trees:
+      continue
+    # A tree grows by depth in unrolled steps (`draft_tree.grow`): its proposal is counted whole.
+    for nodes in tree_nodes:
+      programs.append(Lowering(f"propose_tree_{nodes}", name, _propose,
+                               (s.params, s.draft_params[name], state, _inputs(s, nodes)),
+                               dict(drafter=drafter.static(), gamma=config.gamma, sampling=sampling),
+                               donate=(2, 3), free_layouts=True, tree_nodes=nodes))
+    if stateful and config.gamma != gamma:
+      programs.append(update(name, f"update_{config.gamma + 1}", config.gamma + 1))
   return programs
 
 
@@ -487,7 +551,7 @@ def _first_line(error: BaseException, limit: int = 600) -> str:
 def compile_program(lowering: Lowering, target: Target) -> dict[str, Any]:
   """Compiles one program; its record: status ("compiled", "does_not_fit", "failed"), seconds, memory per device,
   XLA's flops and bytes accessed per device, and whether its HLO has a while loop (whose body XLA counts once)."""
-  record: dict[str, Any] = {"program": lowering.name, "drafter": lowering.drafter}
+  record: dict[str, Any] = {"program": lowering.name, "drafter": lowering.drafter, "tree_nodes": lowering.tree_nodes}
   start, cpu_start = time.perf_counter(), time.process_time()
 
   def clocks():  # wall seconds, and CPU seconds of this process (the figure a shared machine disturbs least)
@@ -528,39 +592,51 @@ def compile_program(lowering: Lowering, target: Target) -> dict[str, Any]:
   return record
 
 
-def blocks(config: ml_collections.ConfigDict) -> list[tuple[str, tuple[str, int, int], str, tuple[str, ...]]]:
-  """The union of the config's run blocks: (model, (topology, data, model axis), program, drafters), each program
-  once with the union of its blocks' drafters (a block's `drafters`, default all: those of speculative, steps and
-  train_drafter), ordered by model and topology (so each model's shapes are built once per topology)."""
+def blocks(config: ml_collections.ConfigDict) -> list[tuple[str, tuple[str, int, int], str, tuple[str, ...],
+                                                             tuple[int, ...]]]:
+  """The union of the config's run blocks: (model, (topology, data, model axis), program, drafters, tree sizes), each
+  program once with the union of its blocks' drafters (a block's `drafters`, default all: those of speculative, steps
+  and train_drafter) and tree sizes (a block's `tree_nodes`, default `config.tree_nodes`: the trees of speculative
+  and steps, for the drafters that draft trees), ordered by model and topology (so each model's shapes are built once
+  per topology)."""
   models = [m["name"] for m in config.models]
   topologies = [tuple(t) for t in config.topologies]
   drafters = [d["name"] for d in config.drafters]
-  wanted: dict[tuple[str, str, str], set[str]] = {}
+  wanted: dict[tuple[str, str, str], tuple[set[str], set[int]]] = {}
   for block in config.runs:
     for field, known in (("models", models), ("topologies", [t[0] for t in topologies]), ("programs", PROGRAMS),
                          ("drafters", drafters)):
       unknown = sorted(set(block.get(field, ())) - set(known))
       if unknown:
         raise ValueError(f"runs: unknown {field} {unknown}; known: {known}")
+    sizes = tuple(block.get("tree_nodes", config.tree_nodes))
+    if not all(isinstance(n, int) and n >= 1 for n in sizes):
+      raise ValueError(f"runs: tree_nodes are positive integers (a tree's nodes), got {sizes}")
     for m in block["models"]:
       for t in block["topologies"]:
         for p in block["programs"]:
-          wanted.setdefault((m, t, p), set()).update(block.get("drafters", drafters))
+          names, nodes = wanted.setdefault((m, t, p), (set(), set()))
+          names.update(block.get("drafters", drafters))
+          nodes.update(sizes if p in TREE_PROGRAMS else ())
   order = []
   for m in models:
     for t in topologies:
-      order += [(m, t, p, tuple(d for d in drafters if d in wanted[m, t[0], p])) for p in PROGRAMS
-                if (m, t[0], p) in wanted]
+      for p in PROGRAMS:
+        if (m, t[0], p) in wanted:
+          names, nodes = wanted[m, t[0], p]
+          order.append((m, t, p, tuple(d for d in drafters if d in names), tuple(sorted(nodes))))
   return order
 
 
-def programs_of(s: Shapes, config: ml_collections.ConfigDict, which: str, drafters: Sequence[str]) -> list[Lowering]:
-  """The programs of kind `which` ("prefill", ..., "steps"; `PROGRAMS`), with `drafters` where it has drafters."""
+def programs_of(s: Shapes, config: ml_collections.ConfigDict, which: str, drafters: Sequence[str],
+                tree_nodes: Sequence[int] = ()) -> list[Lowering]:
+  """The programs of kind `which` ("prefill", ..., "steps"; `PROGRAMS`), with `drafters` where it has drafters and
+  trees of `tree_nodes` where it has trees (`TREE_PROGRAMS`)."""
   if which in ("prefill", "autoregressive", "speculative"):
-    return generate_programs(s, config, which, drafters)
+    return generate_programs(s, config, which, drafters, tree_nodes)
   if which in ("train_drafter", "train"):
     return training_programs(s, config, which, drafters)
-  return step_programs(s, config, drafters)
+  return step_programs(s, config, drafters, tree_nodes)
 
 
 def compile_all(config: ml_collections.ConfigDict, progress: Callable[[str], None] = print,
@@ -576,7 +652,7 @@ def compile_all(config: ml_collections.ConfigDict, progress: Callable[[str], Non
   records, shapes = [], {}
   model_configs = model_configs or {}
   models = {m["name"]: m for m in config.models}
-  for model, (topology, data, model_axis), which, drafters in blocks(config):
+  for model, (topology, data, model_axis), which, drafters, tree_nodes in blocks(config):
     key = (model, topology)
     if key not in shapes:
       shapes.clear()
@@ -585,14 +661,14 @@ def compile_all(config: ml_collections.ConfigDict, progress: Callable[[str], Non
       model_config = model_configs.get(model) or shaped_config(model, config.dtype)
       shapes[key] = model_shapes(model_config, models[model]["draft_vocab"], mesh_target, config, acceptance)
     s = shapes[key]
-    for lowering in programs_of(s, config, which, drafters):
+    for lowering in programs_of(s, config, which, drafters, tree_nodes):
       record = compile_program(lowering, s.target)
       record.update(model=model, topology=topology, mesh=[data, model_axis], kind=which)
       records.append(record)
       if log_path:
         with open(log_path, "a") as f:
           f.write(json.dumps(record) + "\n")
-      progress(f"{model} {topology} {lowering.name}{' ' + lowering.drafter if lowering.drafter else ''}: "
+      progress(f"{model} {topology} {_program_label(record)}: "
                f"{record['status']} in {record['seconds']:.1f} s"
                + (f", {record['bytes_per_device'] / 2**30:.2f} GiB per device ({record['hbm_fraction']:.0%} of HBM)"
                   if record["status"] == "compiled" else f" ({record.get('error', '')[:200]})"))
@@ -602,25 +678,54 @@ def compile_all(config: ml_collections.ConfigDict, progress: Callable[[str], Non
 # -------------------------------------------------------------------------------------------- projection
 
 
-def measured_acceptance(path: str) -> dict[str, dict[str, float]]:
-  """{method: {"gamma", "tau"}} from an experiments/run.py results.json: tau = tokens per target forward (the
-  round's accepted drafts and the target's own token), at the method's gamma."""
+def measured_acceptance(path: str) -> dict[str, dict[str, Any]]:
+  """{method: {"gamma", "tau", "tree_nodes"}} from an experiments/run.py results.json: tau = tokens per target forward
+  (the round's accepted drafts and the target's own token), at the method's gamma (a tree's depth) and tree size
+  (None: a chain)."""
   with open(path) as f:
     results = json.load(f)
   methods = results["summary"]["methods"]
-  return {name: {"gamma": int(m["gamma"]), "tau": float(m["mean_accepted"])} for name, m in methods.items()
-          if m.get("gamma") and m.get("mean_accepted") is not None}
+  return {name: {"gamma": int(m["gamma"]), "tau": float(m["mean_accepted"]), "tree_nodes": m.get("tree_nodes")}
+          for name, m in methods.items() if m.get("gamma") and m.get("mean_accepted") is not None}
 
 
-def projections(records: list[dict], config: ml_collections.ConfigDict,
-                acceptance: dict[str, dict[str, float]]) -> list[dict]:
+def tree_acceptance(path: str) -> dict[str, dict[str, Any]] | None:
+  """The tree methods of `path` (`measured_acceptance`; a run of configs/trees.py), or None where there is no such
+  file: trees are then projected by their round's cost and the tau at which they break even, with no speedup."""
+  if not os.path.exists(path):
+    return None
+  return {name: m for name, m in measured_acceptance(path).items() if m["tree_nodes"]}
+
+
+def tree_method(acceptance_of: str, tree_nodes: int) -> str:
+  """The name of a drafter's tree method of `tree_nodes` nodes in a run of configs/trees.py."""
+  return f"{acceptance_of}_tree{tree_nodes}"
+
+
+def projections(records: list[dict], config: ml_collections.ConfigDict, acceptance: dict[str, dict[str, Any]],
+                trees_acceptance: dict[str, dict[str, Any]] | None = None) -> list[dict]:
   """Per model, topology and drafter: the projected round and the speedup over the projected decode step (module
-  docstring). Drafters whose step programs did not all compile, or whose method has no acceptance, are left out."""
+  docstring), for its chain and for each tree size compiled. A round's `break_even_tau` is its cost in decode steps:
+  the tokens it must commit to pay. A tree's tau comes from `trees_acceptance` (`tree_acceptance`) at the config's
+  gamma (its depth); without it the tree's row has its costs, no tau and no speedup. Drafters whose step programs did
+  not all compile, or whose chain method has no acceptance, are left out."""
   steps: dict[tuple, dict] = {}
   for r in records:
     if r["kind"] == "steps" and r["status"] == "compiled" and r["projected_seconds"] is not None:
       steps[(r["model"], r["topology"], r["program"], r["drafter"])] = r
   out = []
+
+  def row(model, topology, decode, name, method, gamma, tau, draft, counted, verify, update, tree_nodes=None):
+    update_seconds = update["projected_seconds"] if update else 0.0
+    costs = projection.round_costs(gamma, decode["projected_seconds"], draft, verify["projected_seconds"],
+                                   update_seconds)
+    out.append({"model": model, "topology": topology, "drafter": name, "tree_nodes": tree_nodes,
+                "acceptance_of": method, "gamma": gamma, "tau": tau, "decode_step_seconds": decode["projected_seconds"],
+                "draft_seconds": draft, "draft_counted": counted, "verify_seconds": verify["projected_seconds"],
+                "update_seconds": update_seconds, "round_seconds": draft + verify["projected_seconds"] + update_seconds,
+                "batch": config.batch_size, **costs, "break_even_tau": projection.break_even_tau(costs),
+                "projected_speedup": None if tau is None else projection.speedup(tau, costs)})
+
   for model, topology in sorted({(m, t) for m, t, _, _ in steps}):
     decode = steps.get((model, topology, "decode_step", None))
     if decode is None:
@@ -638,16 +743,21 @@ def projections(records: list[dict], config: ml_collections.ConfigDict,
         continue
       counted_whole = whole is not None
       draft = whole["projected_seconds"] if counted_whole else gamma * single["projected_seconds"]
-      update_seconds = update["projected_seconds"] if update else 0.0
-      round_seconds = draft + verify["projected_seconds"] + update_seconds
-      costs = projection.round_costs(gamma, decode["projected_seconds"], draft, verify["projected_seconds"],
-                                     update_seconds)
-      out.append({"model": model, "topology": topology, "drafter": name, "acceptance_of": method, "gamma": gamma,
-                  "tau": tau, "decode_step_seconds": decode["projected_seconds"],
-                  "draft_seconds": draft, "draft_counted": "propose(gamma)" if counted_whole else "gamma x propose(1)",
-                  "verify_seconds": verify["projected_seconds"], "update_seconds": update_seconds,
-                  "round_seconds": round_seconds, "batch": config.batch_size, **costs,
-                  "projected_speedup": projection.speedup(tau, costs)})
+      row(model, topology, decode, name, method, gamma, tau, draft,
+          "propose(gamma)" if counted_whole else "gamma x propose(1)", verify, update)
+      # Its trees, config.gamma deep: after a tree round its update reads the accepted path, config.gamma + 1 wide.
+      depth = config.gamma
+      tree_update = steps.get((model, topology, f"update_{depth + 1}", name)) or (update if gamma == depth else None)
+      for nodes in sorted({r["tree_nodes"] for r in records if r["kind"] == "steps" and r["drafter"] == name
+                           and r.get("tree_nodes") and r["model"] == model and r["topology"] == topology}):
+        tree_verify = steps.get((model, topology, f"verify_tree_{nodes + 1}", None))
+        draft_tree = steps.get((model, topology, f"propose_tree_{nodes}", name))
+        if tree_verify is None or draft_tree is None or (update is not None and tree_update is None):
+          continue
+        measured = (trees_acceptance or {}).get(tree_method(method, nodes))
+        tau = measured["tau"] if measured and (measured["gamma"], measured["tree_nodes"]) == (depth, nodes) else None
+        row(model, topology, decode, name, tree_method(method, nodes), depth, tau, draft_tree["projected_seconds"],
+            "propose(tree)", tree_verify, tree_update, tree_nodes=nodes)
   return out
 
 
@@ -659,7 +769,8 @@ def _gib(n: float) -> str:
 
 
 def _program_label(r: dict) -> str:
-  return r["program"] + (f" {r['drafter']}" if r["drafter"] else "")
+  tree = r.get("tree_nodes") and r["program"] == "speculative"  # step programs name their tree size
+  return r["program"] + (f" {r['drafter']}" if r["drafter"] else "") + (f" tree {r['tree_nodes']}" if tree else "")
 
 
 def markdown(results: dict) -> str:
@@ -718,14 +829,30 @@ def markdown(results: dict) -> str:
           f"{d['bytes_accessed'] / 1e9:.2f} GB)" for v, d in odd) + ": the compiler slices and copies the cache "
           "between memory spaces differently in the two programs, and the projected speedups there inherit it."]
   if results["projections"]:
-    lines += ["", f"## Projected speedups (tau from {results['config']['acceptance']})", "",
-              "| model | topology | drafter | tau (gamma) | decode step us | draft us | verify us | update us | "
-              "projected speedup |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    config = results["config"]
+    lines += ["", f"## Projected speedups (tau from {config['acceptance']}"
+              + (f"; trees' from {config['tree_acceptance']}" if config.get("tree_acceptance") else "") + ")", "",
+              "Break-even tau: the round's cost in decode steps (draft + verify + update over a decode step), the "
+              "tokens per target forward from which it pays.", "",
+              "| model | topology | drafter | round | tau (gamma) | decode step us | draft us | verify us | "
+              "update us | break-even tau | projected speedup |",
+              "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for p in results["projections"]:
-      lines.append(f"| {p['model']} | {p['topology']} | {p['drafter']} | {p['tau']:.2f} ({p['gamma']}) | "
+      tau = "–" if p["tau"] is None else f"{p['tau']:.2f}"
+      speedup = "–" if p["projected_speedup"] is None else f"{p['projected_speedup']:.2f}x"
+      round_seconds = p["draft_seconds"] + p["verify_seconds"] + p["update_seconds"]
+      lines.append(f"| {p['model']} | {p['topology']} | {p['drafter']} | "
+                   f"{'tree ' + str(p['tree_nodes']) if p.get('tree_nodes') else 'chain'} | {tau} ({p['gamma']}) | "
                    f"{p['decode_step_seconds'] * 1e6:.0f} | {p['draft_seconds'] * 1e6:.0f} | "
                    f"{p['verify_seconds'] * 1e6:.0f} | {p['update_seconds'] * 1e6:.0f} | "
-                   f"{p['projected_speedup']:.2f}x |")
+                   f"{round_seconds / p['decode_step_seconds']:.2f} | {speedup} |")
+    unmeasured = [p for p in results["projections"] if p.get("tree_nodes") and p["tau"] is None]
+    if unmeasured:
+      found = results.get("tree_acceptance_found")
+      lines += ["", f"No tree's tau is measured ({config.get('tree_acceptance')} "
+                + ("has none of these trees at depth gamma" if found else "does not exist")
+                + "): the trees' rows give their costs and break-even tau, and no speedup (a run of configs/trees.py "
+                "gives it)."]
   lines += ["", "## Chips (per device; published per-chip figures over devices per chip)", "",
             "| topology | HBM GiB | HBM GB/s | bf16 TFLOP/s | source |", "|---|---:|---:|---:|---|"]
   for topology, t in results["targets"].items():
@@ -742,7 +869,12 @@ def plot(results: dict, path: str) -> None:
   import matplotlib.pyplot as plt
   records = [r for r in results["records"] if r["kind"] != "steps" and r["status"] == "compiled"]
   projected = results["projections"]
-  drafters = [d["name"] for d in results["config"]["drafters"] if any(p["drafter"] == d["name"] for p in projected)]
+
+  def label(p):  # a drafter's chain, or its tree of N nodes
+    return p["drafter"] + (f" tree {p['tree_nodes']}" if p.get("tree_nodes") else "")
+  order = {d["name"]: i for i, d in enumerate(results["config"]["drafters"])}
+  drafters = sorted(dict.fromkeys(label(p) for p in projected),
+                    key=lambda name: (order.get(name.split(" ")[0], len(order)), name))
   columns = list(dict.fromkeys(f"{p['model']}\n{p['topology']}" for p in projected))
   rows = max(len(records), len(drafters), 2)
   fig, (left, right) = plt.subplots(1, 2, figsize=(15, 1.5 + 0.45 * rows), gridspec_kw={"width_ratios": [2, 3]})
@@ -755,16 +887,23 @@ def plot(results: dict, path: str) -> None:
   left.set_xlabel("bytes per device / HBM per device")
   left.set_title("memory of each compiled program")
   grid = np.full((len(drafters), len(columns)), np.nan)
+  unmeasured = {}  # (row, column): break-even tau of a round whose tau is not measured (a tree without a run)
   for p in projected:
-    grid[drafters.index(p["drafter"]), columns.index(f"{p['model']}\n{p['topology']}")] = p["projected_speedup"]
+    cell = drafters.index(label(p)), columns.index(f"{p['model']}\n{p['topology']}")
+    if p["projected_speedup"] is None:
+      unmeasured[cell] = (p["draft_seconds"] + p["verify_seconds"] + p["update_seconds"]) / p["decode_step_seconds"]
+    else:
+      grid[cell] = p["projected_speedup"]
   image = right.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=2.0, aspect="auto")
   for (i, j), value in np.ndenumerate(grid):
     if not np.isnan(value):
       right.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7)
+  for (i, j), tau in unmeasured.items():
+    right.text(j, i, f"pays at\ntau > {tau:.2f}", ha="center", va="center", fontsize=6, color="dimgray")
   right.set_xticks(range(len(columns)), columns, fontsize=7)
   right.set_yticks(range(len(drafters)), drafters, fontsize=8)
   fig.colorbar(image, ax=right, label="projected speedup")
-  right.set_title(f"projected speedup (roofline of XLA's counts; tau measured on CPU), batch "
+  right.set_title(f"projected speedup (roofline of XLA's counts; tau measured on CPU; grey: tau unmeasured), batch "
                   f"{results['config']['batch_size']}, cache {results['config']['cache_len']}", fontsize=9)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
@@ -813,7 +952,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, name: str = "compile_tp
              # 1-minute load averages: the machine may be shared, and compiling is CPU work
              "load_average": {"start": load_before[0], "end": os.getloadavg()[0]},
              "compile_seconds": sum(r["seconds"] for r in records), "targets": targets, "records": records,
-             "projections": projections(records, config, measured_acceptance(config.acceptance))}
+             "tree_acceptance_found": tree_acceptance(config.tree_acceptance) is not None,
+             "projections": projections(records, config, measured_acceptance(config.acceptance),
+                                        tree_acceptance(config.tree_acceptance))}
   with open(os.path.join(workdir, "results.json"), "w") as f:
     json.dump(results, f, indent=1)
   write_reports(results, workdir)

@@ -9,12 +9,21 @@ device: t = max(bytes accessed / HBM bandwidth, flops / peak bf16 flops). In uni
 
 and with tau the tokens a round commits (bonus included: Leviathan et al. 2023's E(alpha, gamma), here measured),
 
-  projected speedup = tau / (gamma c + r + u).
+  projected speedup = tau / (gamma c + r + u),
+
+and the round pays from tau = gamma c + r + u on (`break_even_tau`: the round's cost in decode steps).
+
+A draft tree of N nodes, gamma deep (specjax/trees.py), costs its whole proposal (c: that over gamma), one
+verification of [pending, its N nodes] under the tree mask with the accepted path's keys and values moved where a
+chain's would be (r), and the drafter's update over the accepted path (u); its tau is the tokens a tree round
+commits, measured by a run of configs/trees.py (`<method>_tree<N>`). Without such a run a tree's costs are known and
+its tau is not: `speedup` projects it at a tau the caller supplies.
 
 The costs file is a compile_for results.json; its `projections` give each drafter's costs at the gamma of the
-fixed-gamma run its acceptance comes from (`acceptance_of`: the method name in that run), for each model shape and
-topology compiled. The experiments report and the published tables project the methods of a run with the same
-name and gamma, at fixed gamma (an adaptive round's length varies, so fixed-gamma costs do not describe it).
+fixed-gamma run its acceptance comes from (`acceptance_of`: the method name in that run; a tree's: the name of its
+tree method, `<method>_tree<N>`), for each model shape and topology compiled. The experiments report and the
+published tables project the methods of a run with the same name, gamma and tree size, at fixed gamma (an adaptive
+round's length varies, so fixed-gamma costs do not describe it).
 """
 
 from __future__ import annotations
@@ -38,9 +47,14 @@ def round_costs(gamma: int, decode_step: float, draft: float, verify: float, upd
           "update_cost": update / decode_step}
 
 
+def break_even_tau(costs: dict[str, float]) -> float:
+  """gamma c + r + u: a round's cost in decode steps, the tokens per target forward at which it breaks even."""
+  return costs["gamma"] * costs["draft_cost"] + costs["verify_cost"] + costs["update_cost"]
+
+
 def speedup(tau: float, costs: dict[str, float]) -> float:
   """tau / (gamma c + r + u)."""
-  return tau / (costs["gamma"] * costs["draft_cost"] + costs["verify_cost"] + costs["update_cost"])
+  return tau / break_even_tau(costs)
 
 
 def read(path: str = COSTS_FILE, model: str = MODEL, topology: str = TOPOLOGY) -> dict[str, dict[str, Any]]:
@@ -52,7 +66,7 @@ def read(path: str = COSTS_FILE, model: str = MODEL, topology: str = TOPOLOGY) -
     compiled = json.load(f)
   found = {p["acceptance_of"]: {**round_costs(p["gamma"], p["decode_step_seconds"], p["draft_seconds"],
                                              p["verify_seconds"], p["update_seconds"]),
-                                "source": f"{path} ({model}, {topology})"}
+                                "tree_nodes": p.get("tree_nodes"), "source": f"{path} ({model}, {topology})"}
            for p in compiled["projections"] if p["model"] == model and p["topology"] == topology}
   if not found:
     raise ValueError(f"{path} projects no drafter of {model} on {topology}; it has "
@@ -61,10 +75,11 @@ def read(path: str = COSTS_FILE, model: str = MODEL, topology: str = TOPOLOGY) -
 
 
 def project(method: dict[str, Any], costs: dict[str, dict[str, Any]], name: str) -> float | None:
-  """The projected speedup of a run's method (its summary: gamma, mean_accepted, adaptive) from `read`'s costs, or
-  None where the costs file has no such method at its gamma or the method drafts adaptively."""
+  """The projected speedup of a run's method (its summary: gamma, tree_nodes, mean_accepted, adaptive) from `read`'s
+  costs, or None where the costs file has no such method at its gamma and tree size or the method drafts
+  adaptively."""
   cost = costs.get(name)
   if (cost is None or method.get("adaptive") or method.get("gamma") != cost["gamma"]
-      or method.get("mean_accepted") is None):
+      or method.get("tree_nodes") != cost.get("tree_nodes") or method.get("mean_accepted") is None):
     return None
   return speedup(method["mean_accepted"], cost)

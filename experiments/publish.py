@@ -576,15 +576,24 @@ def tpu_compile_block(runs: Runs, prefix: str) -> str:
                      for r in big) + ".")
   projected = [p for p in results["projections"] if p["model"] == projection.MODEL]
   topologies = list(dict.fromkeys(p["topology"] for p in projected))
-  drafters = list(dict.fromkeys(p["drafter"] for p in projected))
-  cell = {(p["drafter"], p["topology"]): p for p in projected}
+
+  def label(p):  # a drafter's chain, or its tree of N nodes
+    return p["drafter"] + (f" tree {p['tree_nodes']}" if p.get("tree_nodes") else "")
+
+  def value(p):  # the speedup, or where tau is unmeasured (a tree without a run of configs/trees.py) its break-even
+    return "–" if p is None else (f"{p['projected_speedup']:.2f}x" if p["projected_speedup"] is not None
+                                  else f"pays at τ > {p['break_even_tau']:.2f}")
+  drafters = list(dict.fromkeys(label(p) for p in projected))
+  cell = {(label(p), p["topology"]): p for p in projected}
   rows = ["| drafter (τ, γ) | " + " | ".join(topologies) + " |", "|---|" + "---:|" * len(topologies)]
   for d in drafters:
-    first = next(p for p in projected if p["drafter"] == d)
-    rows.append(f"| {d} ({first['tau']:.2f}, {first['gamma']}) | " + " | ".join(
-        f"{cell[d, t]['projected_speedup']:.2f}x" if (d, t) in cell else "–" for t in topologies) + " |")
+    first = next(p for p in projected if label(p) == d)
+    tau = "τ unmeasured" if first["tau"] is None else f"{first['tau']:.2f}"
+    rows.append(f"| {d} ({tau}, {first['gamma']}) | " + " | ".join(value(cell.get((d, t))) for t in topologies)
+                + " |")
+  trees = " and trees' from `" + config["tree_acceptance"] + "`" if any(p.get("tree_nodes") for p in projected) else ""
   lines.append(f"Projected speedups of {projection.MODEL} (τ measured on this CPU, from "
-               f"`{config['acceptance']}`; batch {config['batch_size']}, cache {config['cache_len']}):\n\n"
+               f"`{config['acceptance']}`{trees}; batch {config['batch_size']}, cache {config['cache_len']}):\n\n"
                + "\n".join(rows))
   lines.append(f"The accelerator projection of the experiments report and of [results](results.md) takes its round "
                f"costs from [`{projection.COSTS_FILE.removeprefix('results/')}`]"
@@ -594,7 +603,8 @@ def tpu_compile_block(runs: Runs, prefix: str) -> str:
 
 
 def _program_label(record: dict) -> str:
-  return record["program"] + (f" with {record['drafter']}" if record["drafter"] else "")
+  return (record["program"] + (f" with {record['drafter']}" if record["drafter"] else "")
+          + (f" drafting trees of {record['tree_nodes']}" if record.get("tree_nodes") else ""))
 
 
 def _verbatim(run_folder: str, file: str, title: str) -> Callable[[Runs, str], str]:

@@ -143,8 +143,8 @@ def summarize(records: Sequence[dict], methods: Sequence[str], baseline: str,
               methods_info: dict[str, dict] | None = None) -> dict[str, Any]:
   """Per-method summary and per-category speedups (see the module docstring for the statistics).
 
-  `methods_info`: {name: {"drafter", "family", "options", "gamma"}}; a method with a gamma gets the engine's
-  acceptance figures pooled over its calls (alpha, mean_accepted, acceptance_per_position).
+  `methods_info`: {name: {"drafter", "family", "options", "gamma", "adaptive", "tree_nodes"}}; a method with a gamma
+  gets the engine's acceptance figures pooled over its calls (alpha, mean_accepted, acceptance_per_position).
   """
   info = methods_info or {}
   summary, per_category, intervals = {}, {}, {}
@@ -163,7 +163,7 @@ def summarize(records: Sequence[dict], methods: Sequence[str], baseline: str,
         "acceptance_per_position": None, "gamma_histogram": None, "plain_share": None, "draft_share": None}
     summary[method] = {
         "drafter": meta.get("drafter"), "family": meta.get("family", method), "options": meta.get("options", {}),
-        "gamma": gamma, "adaptive": meta.get("adaptive"),
+        "gamma": gamma, "adaptive": meta.get("adaptive"), "tree_nodes": meta.get("tree_nodes"),
         "tokens_per_second": tps,
         "speedup": _median(spread),  # the median paired speedup (module docstring)
         "speedup_low": interval[0] if interval else None,  # its 90% interval (None below 5 pairs)
@@ -196,7 +196,8 @@ def summarize(records: Sequence[dict], methods: Sequence[str], baseline: str,
 def add_costs(summary: dict[str, Any], costs: dict[str, Any],
               accelerator: dict[str, dict[str, Any]] | None = None) -> None:
   """Adds c, r, Leviathan's prediction and the efficiency to each drafted method, the accelerator projection where
-  `accelerator` (`projection.read`: round costs compiled for a TPU) has the method at its gamma, and
+  `accelerator` (`projection.read`: round costs compiled for a TPU) has the method at its gamma and tree size (a
+  tree method's whether or not its costs on this CPU are measured), and
   `roofline_fraction` (the 1-token target step's bytes / its time / the read bandwidth, both measured in the run)
   to the summary.
 
@@ -208,6 +209,11 @@ def add_costs(summary: dict[str, Any], costs: dict[str, Any],
   if "roofline_fraction" in costs:
     summary["roofline_fraction"] = costs["roofline_fraction"]
   for name, s in summary["methods"].items():
+    # The round's costs compiled for a TPU, for a tree method too (its costs on this CPU are not measured).
+    projected = projection.project(s, accelerator or {}, name)
+    if projected is not None:
+      s["projected_speedup"] = projected
+      s["projection_costs"] = accelerator[name]
     cost = costs["methods"].get(name)
     if cost is None or s["alpha"] is None:
       continue
@@ -218,10 +224,6 @@ def add_costs(summary: dict[str, Any], costs: dict[str, Any],
     s["efficiency"] = s["speedup"] / s["predicted_speedup"] if s["speedup"] is not None else None
     if "draft_cost_bytes" in cost:
       s["draft_cost_bytes"], s["verify_cost_bytes"] = cost["draft_cost_bytes"], cost["verify_cost_bytes"]
-    projected = projection.project(s, accelerator or {}, name)
-    if projected is not None:
-      s["projected_speedup"] = projected
-      s["projection_costs"] = accelerator[name]
 
 
 def lossless_banner(summary: dict[str, Any]) -> str:

@@ -553,6 +553,21 @@ def _tiny_config(**overrides) -> ml_collections.ConfigDict:
   return config
 
 
+def test_a_tree_method_is_projected_from_its_compiled_round_though_its_cpu_costs_are_not_measured():
+  """A run's tree method (configs/trees.py) gets the accelerator projection of its tree size from the compiled costs
+  (experiments/projection.py), and none from a chain's or another size's."""
+  summary = {"methods": {name: {"gamma": 4, "tree_nodes": nodes, "mean_accepted": 3.0, "adaptive": False,
+                                "alpha": None}
+                         for name, nodes in (("heads_tree16", 16), ("heads_tree32", 32))}}
+  compiled = {"heads_tree16": {"gamma": 4, "draft_cost": 0.5, "verify_cost": 2.0, "update_cost": 0.0,
+                               "tree_nodes": 16, "source": "f"},
+              "heads_tree32": {"gamma": 4, "draft_cost": 0.5, "verify_cost": 2.0, "update_cost": 0.0,
+                               "tree_nodes": None, "source": "f"}}  # a chain's costs under a tree's name
+  report.add_costs(summary, {"methods": {}}, compiled)
+  assert summary["methods"]["heads_tree16"]["projected_speedup"] == pytest.approx(3.0 / (4 * 0.5 + 2.0))
+  assert "projected_speedup" not in summary["methods"]["heads_tree32"]
+
+
 def test_run_reports_costs_prediction_efficiency_and_projection(tiny_chat, tmp_path, monkeypatch):
   config = _tiny_config(repeats=5)
   config.costs.repeats = 3  # a tiny model's step is ~1 ms: a median of three keeps the load from flipping a sign

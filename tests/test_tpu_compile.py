@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from configs import compile_tpu
-from experiments import compile_for
+from configs import trees as configs_trees
+from experiments import compile_for, projection
 from specjax import sharding
 from specjax.config import shaped_config
 
@@ -63,6 +64,33 @@ def test_the_speculative_program_compiled_for_a_v5e_slice_holds_no_cpu_custom_ca
 
 @pytest.mark.slow
 @pytest.mark.tpu_compile
+def test_a_tree_drafting_speculative_program_compiled_for_a_v5e_slice_holds_no_cpu_custom_call(libtpu):
+  """generate(..., tree_nodes=16)'s program (the parallel MTP heads' trees, verified under a tree mask) for a v5e:2x4
+  slice: compiled by the TPU compiler without a call of specjax's CPU kernels, which the same program lowered for this
+  host's CPU makes (the cache part of the tree's attention). Two of SmolLM2's layers: the kernels' choice is per
+  program, not per layer, and compiling stays short."""
+  config = compile_tpu.get_config()
+  config.batch_size, config.prompt_len, config.cache_len = 4, 64, 256
+  config.drafters = tuple(d for d in config.drafters if d["name"] == "mtp_parallel")
+  two_layers = dataclasses.replace(shaped_config("smollm2-135m", config.dtype), num_layers=2)
+
+  def tree_program(target):
+    shapes = compile_for.model_shapes(two_layers, 8192, target, config,
+                                      compile_for.measured_acceptance(config.acceptance))
+    chain, tree = compile_for.generate_programs(shapes, config, "speculative", ("mtp_parallel",), tree_nodes=(16,))
+    assert (chain.tree_nodes, tree.tree_nodes, tree.static["tree_nodes"]) == (None, 16, 16)
+    return tree
+  on_cpu = compile_for.Target("cpu", sharding.make_mesh(1, 1), 0.0, 1.0, 1.0)
+  assert "specjax_decode_attention" in tree_program(on_cpu).lower().as_text()
+  lowered = tree_program(compile_for.tpu_target("v5e:2x4", 2, 4)).lower()
+  assert "specjax_" not in lowered.as_text()
+  compiled = lowered.compile()
+  assert "specjax_" not in compiled.as_text()
+  assert 0 < compiled.memory_analysis().argument_size_in_bytes < compile_for.CHIPS["v5e"].hbm_bytes
+
+
+@pytest.mark.slow
+@pytest.mark.tpu_compile
 def test_a_program_larger_than_the_chips_memory_is_reported_as_not_fitting(libtpu, tiny_config):
   # One layer, and an embedding of 2^22 x 2048 bf16 (16 GiB) on a single v5e chip (16 GiB of HBM).
   huge = dataclasses.replace(tiny_config, vocab_size=2**22, hidden_size=2048, intermediate_size=512, num_layers=1,
@@ -94,23 +122,29 @@ def test_the_cover_grid_has_every_program_on_every_topology_and_every_model():
   grid = compile_for.blocks(config)
   topologies = {t[0] for t in config.topologies}
   drafters = tuple(d["name"] for d in config.drafters)
-  assert {(t[0], p) for _, t, p, _ in grid} == {(t, p) for t in topologies for p in compile_for.PROGRAMS}
-  assert {m for m, _, _, _ in grid} == {m["name"] for m in config.models}
-  assert all(d == drafters for _, _, _, d in grid)
-  assert len(grid) == len({(m, t, p) for m, t, p, _ in grid})
+  assert {(t[0], p) for _, t, p, _, _ in grid} == {(t, p) for t in topologies for p in compile_for.PROGRAMS}
+  assert {m for m, _, _, _, _ in grid} == {m["name"] for m in config.models}
+  assert all(d == drafters for _, _, _, d, _ in grid)
+  # Trees of every size where a program has them (speculative, steps), none elsewhere.
+  assert all(nodes == (tuple(config.tree_nodes) if p in compile_for.TREE_PROGRAMS else ())
+             for _, _, p, _, nodes in grid)
+  assert len(grid) == len({(m, t, p) for m, t, p, _, _ in grid})
 
 
 def test_the_default_grid_projects_every_drafter_on_every_topology():
   config = compile_tpu.get_config()
   grid = compile_for.blocks(config)
   drafters = tuple(d["name"] for d in config.drafters)
-  steps = {t[0] for m, t, p, d in grid if p == "steps" and m == "smollm2-135m" and d == drafters}
+  steps = {t[0] for m, t, p, d, _ in grid if p == "steps" and m == "smollm2-135m" and d == drafters}
   assert steps == {t[0] for t in config.topologies}
-  assert ("llama-3.1-8b", ("v5e:2x4", 2, 4), "speculative", ("mtp_sequential",)) in grid
+  assert ("llama-3.1-8b", ("v5e:2x4", 2, 4), "speculative", ("mtp_sequential",), ()) in grid
+  # The trees of the projection's model on the projection's topology.
+  trees = {(m, t[0]): nodes for m, t, p, _, nodes in grid if p == "steps" and nodes}
+  assert trees == {(projection.MODEL, projection.TOPOLOGY): tuple(config.tree_nodes)}
   assert len(compile_for.blocks(compile_tpu.get_config("full"))) == 3 * len(config.topologies) * len(
       compile_for.PROGRAMS)
   assert compile_for.blocks(compile_tpu.get_config("small"))
-  assert {t for _, (t, _, _), _, _ in compile_for.blocks(compile_tpu.get_config("gpu"))} <= {
+  assert {t for _, (t, _, _), _, _, _ in compile_for.blocks(compile_tpu.get_config("gpu"))} <= {
       f"{gpu}:{shape}" for gpu in compile_for.GPUS for shape in ("1x1x1", "1x1x8")}
 
 
@@ -121,9 +155,9 @@ def test_a_block_naming_an_unknown_program_is_an_error():
     compile_for.blocks(config)
 
 
-def step_record(program, drafter, flops, bytes_accessed):
+def step_record(program, drafter, flops, bytes_accessed, tree_nodes=None):
   return {"kind": "steps", "status": "compiled", "model": "m", "topology": "v5e:2x4", "program": program,
-          "drafter": drafter, "flops": flops, "bytes_accessed": bytes_accessed,
+          "drafter": drafter, "tree_nodes": tree_nodes, "flops": flops, "bytes_accessed": bytes_accessed,
           "projected_seconds": max(bytes_accessed / 819e9, flops / 197e12)}  # v5e's roofline
 
 
@@ -144,6 +178,41 @@ def test_the_projection_is_tau_decode_steps_over_a_round_of_draft_verify_and_upd
   assert by_drafter["loop"]["projected_speedup"] == pytest.approx(2 * 1e-3 / (4e-3 + 2.0))
 
 
+def test_a_trees_projection_takes_its_tau_from_a_run_of_trees_and_without_one_gives_its_break_even_tau():
+  config = compile_tpu.get_config()
+  config.drafters = ({"name": "heads", "acceptance_of": "heads"},)
+  records = [step_record("decode_step", None, 0, 819e6),  # 1 ms
+             step_record("verify_5", None, 0, 1638e6),  # 2 ms
+             step_record("verify_tree_17", None, 0, 2457e6, tree_nodes=16),  # 3 ms
+             step_record("propose_4", "heads", 0, 819e6),
+             step_record("propose_tree_16", "heads", 0, 1638e6, tree_nodes=16),  # 2 ms
+             step_record("update", "heads", 0, 819e6)]  # 1 ms, after a chain's round and a tree's (both 4 deep)
+  acceptance = {"heads": {"gamma": 4, "tau": 2.0, "tree_nodes": None}}
+
+  def tree_row(trees_acceptance):
+    rows = compile_for.projections(records, config, acceptance, trees_acceptance)
+    assert [(p["drafter"], p["tree_nodes"]) for p in rows] == [("heads", None), ("heads", 16)]
+    assert rows[0]["projected_speedup"] == pytest.approx(2.0 / (1 + 2 + 1))
+    return rows[1]
+  unmeasured = tree_row(None)  # no run of configs/trees.py: its costs, no tau, no speedup
+  assert unmeasured["acceptance_of"] == "heads_tree16" and unmeasured["gamma"] == config.gamma
+  assert (unmeasured["tau"], unmeasured["projected_speedup"]) == (None, None)
+  assert unmeasured["break_even_tau"] == pytest.approx(2 + 3 + 1)  # its round in decode steps
+  measured = tree_row({"heads_tree16": {"gamma": 4, "tau": 3.6, "tree_nodes": 16}})
+  assert measured["projected_speedup"] == pytest.approx(3.6 / 6)
+  assert projection.speedup(3.6, projection.round_costs(4, 1e-3, 2e-3, 3e-3, 1e-3)) == pytest.approx(3.6 / 6)
+  # A tree of another depth is another round: not projected with this one's tau.
+  assert tree_row({"heads_tree16": {"gamma": 3, "tau": 3.6, "tree_nodes": 16}})["projected_speedup"] is None
+
+
+def test_a_methods_projection_needs_its_own_tree_size():
+  costs = {"heads_tree16": {**projection.round_costs(4, 1e-3, 2e-3, 3e-3, 1e-3), "tree_nodes": 16}}
+  method = {"gamma": 4, "tree_nodes": 16, "mean_accepted": 3.0, "adaptive": False}
+  assert projection.project(method, costs, "heads_tree16") == pytest.approx(3.0 / 6)
+  assert projection.project(dict(method, tree_nodes=32), costs, "heads_tree16") is None
+  assert projection.project(dict(method, tree_nodes=None), costs, "heads_tree16") is None
+
+
 def test_a_run_writes_its_results_tables_plot_and_run_record(tmp_path, monkeypatch):
   config = compile_tpu.get_config()
   config.drafters = ({"name": "heads", "acceptance_of": "mtp_parallel"},)
@@ -154,9 +223,11 @@ def test_a_run_writes_its_results_tables_plot_and_run_record(tmp_path, monkeypat
              "bytes_per_device": 2**31, "hbm_fraction": 0.125, "flops": 1e9, "bytes_accessed": 1e9}
   too_big = dict(program, drafter=None, program="train", kind="train", status="does_not_fit",
                  error="RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm")
+  config.tree_acceptance = str(tmp_path / "no_trees_run.json")
   steps = [dict(step_record(*args), mesh=[2, 4], seconds=1.0, cpu_seconds=1.0, memory=program["memory"])
            for args in (("decode_step", None, 1e9, 819e6), ("verify_5", None, 1e9, 819e6),
-                        ("propose_4", "heads", 0, 81.9e6))]
+                        ("propose_4", "heads", 0, 81.9e6), ("verify_tree_17", None, 1e9, 1638e6, 16),
+                        ("propose_tree_16", "heads", 0, 819e6, 16))]
   monkeypatch.setattr(compile_for, "compile_all", lambda config, log_path=None: [program, too_big] + steps)
   v5e = compile_for.CHIPS["v5e"]
   monkeypatch.setattr(compile_for, "target", lambda topology, data, model: compile_for.Target(
@@ -166,10 +237,12 @@ def test_a_run_writes_its_results_tables_plot_and_run_record(tmp_path, monkeypat
   table, run_md = (tmp_path / "results.md").read_text(), (tmp_path / "RUN.md").read_text()
   assert "| m | v5e:2x4 | 2 x 4 | speculative heads | compiled | 30.0 | 2.00 | 12% |" in table
   assert "train: does_not_fit: `RESOURCE_EXHAUSTED" in table
+  assert "| m | v5e:2x4 | heads | tree 16 | – (4) | 1000 | 1000 | 2000 | 0 | 3.00 | – |" in table
+  assert f"No tree's tau is measured ({config.tree_acceptance} does not exist)" in table
   tau = compile_for.measured_acceptance(config.acceptance)["mtp_parallel"]["tau"]
   assert results["projections"][0]["projected_speedup"] == pytest.approx(tau * 1e-3 / (0.1e-3 + 1e-3))
   assert "python -m experiments.compile_for --config=x" in run_md
-  assert "5 programs: 4 compiled, 1 do not fit in HBM, 0 failed" in run_md
+  assert "7 programs: 6 compiled, 1 do not fit in HBM, 0 failed" in run_md
 
 
 def test_the_acceptance_comes_from_a_fixed_gamma_run():
@@ -212,10 +285,10 @@ def test_the_published_run_is_of_the_default_config_and_compiled_every_program()
     results = json.load(f)
   config = compile_tpu.get_config()
   assert {(r["model"], r["topology"], r["kind"]) for r in results["records"]} == {
-      (m, t[0], p) for m, t, p, _ in compile_for.blocks(config)}
+      (m, t[0], p) for m, t, p, _, _ in compile_for.blocks(config)}
   assert [r for r in results["records"] if r["status"] != "compiled"] == []
   projected = {(p["model"], p["topology"], p["drafter"]) for p in results["projections"]}
-  for model, (topology, _, _), program, drafters in compile_for.blocks(config):
+  for model, (topology, _, _), program, drafters, _ in compile_for.blocks(config):
     if program == "steps":
       assert {(model, topology, d) for d in drafters} <= projected
   # Drafters that draft in a loop are counted by one step; parallel heads and the sequential module (its later steps
@@ -223,3 +296,21 @@ def test_the_published_run_is_of_the_default_config_and_compiled_every_program()
   counted = {p["drafter"]: p["draft_counted"] for p in results["projections"]}
   assert counted["mtp_parallel"] == counted["mtp_sequential"] == "propose(gamma)"
   assert counted["draft_model"] == counted["layer_skip"] == "gamma x propose(1)"
+
+
+def test_the_published_run_projects_the_trees_of_the_default_config():
+  """results/tpu_compile/ has a projection row, with its round's costs, for each drafter that drafts trees at each
+  tree size of the default grid's step programs."""
+  with open(RESULTS) as f:
+    results = json.load(f)
+  config = compile_tpu.get_config()
+  drafts_trees = {d["name"] for d in config.drafters if d["drafter"] in configs_trees.DRAFTERS}
+  wanted = {(m, t, d, n) for m, (t, _, _), p, drafters, nodes in compile_for.blocks(config) if p == "steps"
+            for d in drafters if d in drafts_trees for n in nodes}
+  assert wanted
+  trees = {(p["model"], p["topology"], p["drafter"], p["tree_nodes"]): p for p in results["projections"]
+           if p.get("tree_nodes")}
+  assert wanted <= set(trees), ("results/tpu_compile predates the default config's tree programs: python -m "
+                                "experiments.compile_for --config=configs/compile_tpu.py --workdir=results/tpu_compile")
+  for p in trees.values():
+    assert p["break_even_tau"] == pytest.approx(p["round_seconds"] / p["decode_step_seconds"])
