@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from specjax.drafters import draft_tree
 from specjax.model import KVCache
 from specjax.sampling import SamplingParams, argmax, probabilities, sample_from_probs
 
@@ -107,6 +108,8 @@ class RoundResult:
   verify_position: jax.Array  # [B] position of the first verified token (the pending one before this round)
   # True: the drafter proposed this round. False: a plain target step (the round did not draft: w = 1 position)
   drafted: bool = struct.field(pytree_node=False, default=True)
+  # True: the round verified a tree; the w positions are its accepted path (gamma + 1, past the path's depth stale)
+  tree: bool = struct.field(pytree_node=False, default=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,6 +275,30 @@ def draft_tokens(step, cache, inputs: DraftInputs, gamma: int, sampling: Samplin
     steps, cache, _, _, _, lengths, (tokens, probs, hiddens) = jax.lax.while_loop(more, one, carry)
   return Proposal(tokens=tokens, probs=probs, state=None, target_cache=cache, lengths=lengths, steps=steps,
                   hidden=hiddens)
+
+
+def draft_tree_tokens(step, expand_step, cache, ancestors, inputs: DraftInputs, gamma: int, sampling: SamplingParams,
+                      token_map: jax.Array | None = None, vocab_size: int | None = None) -> Proposal:
+  """EAGLE-2's tree of `inputs.tree_nodes` nodes at most gamma deep (`draft_tree.grow`) from a model drafter, the
+  tree counterpart of `draft_tokens`: `step` (as `draft_tokens` takes it) reads [pending - 1, pending] into the cache
+  and gives the first distribution; `expand_step(cache, tokens [B, k], committed [B], positions [B, k], ancestors)
+  -> (logits [B, k, V'], ancestors)` scores the children of k nodes of a depth, node j at position positions[b, j]
+  seeing the cache up to slot committed[b] (the pending token's) and its own ancestors' keys and values
+  (`ancestors`, [B, k, ...] arrays: what a node carries; the argument is what a depth-1 node carries), and returns
+  the children's. Nodes write nothing into the cache, so it holds the committed tokens only. Returns a Proposal
+  without state, its target_cache the cache after the first step."""
+  rows = jnp.arange(inputs.sequence.shape[0])
+  first_tokens = jnp.stack([inputs.sequence[rows, inputs.position - 1], inputs.sequence[rows, inputs.position]], 1)
+  first_logits, _, cache = step(cache, first_tokens, inputs.position - 1)
+
+  def expand(depth, tokens, node_ancestors):  # the nodes of depth - 1 sit at pending + depth - 1
+    positions = jnp.broadcast_to((inputs.position + depth - 1)[:, None], tokens.shape)
+    return expand_step(cache, tokens, inputs.position, positions, node_ancestors)
+
+  tokens, probs, parents = draft_tree.grow(first_logits, ancestors, expand, gamma, inputs.tree_nodes, sampling,
+                                           token_map, vocab_size)
+  return Proposal(tokens=tokens, probs=probs, state=None, target_cache=cache, steps=jnp.asarray(gamma, jnp.int32),
+                  parents=parents)
 
 
 _FACTORIES = {
