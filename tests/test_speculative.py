@@ -149,17 +149,19 @@ TREE_DRAFTERS = {
     "layer_skip_exit": ("layer_skip", lambda draft: dict(exit_layer=2)),
     "layer_skip_skip": ("layer_skip", lambda draft: dict(skip_layers=[1, 2])),
     "layer_skip_adapter": ("layer_skip", lambda draft: dict(adapter="fresh", exit_layer=1)),
+    "prompt_lookup": ("prompt_lookup", lambda draft: dict(ngram_sizes=(3, 2, 1))),
 }
 # (drafter, gamma: the depth, tree_nodes, batch): trees of one level, of a chain's size, and bushy ones.
 # The fast tier runs the first three: the engine's tree round, EAGLE-2's grow over a drafter's expansion of nodes by
 # its own modules (the sequential module) and by a forward of its layers over them with their ancestors' K/V (a
 # draft model, and layer skip with an exit adapter, whose tree rounds verify every layer); the slow rows add the
 # other drafters (the parallel heads add one broadcast to the sequential module's expansion, a skip set and a plain
-# exit are the adapter's layers without it) and tree shapes.
+# exit are the adapter's layers without it, prompt lookup's branches are test_trees.py's) and tree shapes.
 TREE_GRID = [("mtp_sequential_recurrent", 2, 6, 1), ("draft_model", 3, 10, 4), ("layer_skip_adapter", 2, 5, 4),
              ("mtp_parallel", 3, 20, 4), ("mtp_sequential", 3, 3, 4), ("mtp_parallel", 1, 8, 1),
              ("mtp_sequential_recurrent", 3, 32, 4), ("mtp_parallel_static", 3, 12, 4),
-             ("draft_model_distilled", 2, 12, 1), ("layer_skip_exit", 3, 16, 4), ("layer_skip_skip", 3, 8, 1)]
+             ("draft_model_distilled", 2, 12, 1), ("layer_skip_exit", 3, 16, 4), ("layer_skip_skip", 3, 8, 1),
+             ("prompt_lookup", 3, 9, 1), ("prompt_lookup", 1, 3, 4)]
 FAST_TREE_ROWS = 3
 
 
@@ -204,9 +206,9 @@ def test_drafters_that_are_the_target_accept_the_greedy_path_of_every_tree(targe
 
 def test_tree_nodes_need_a_drafter_that_drafts_trees_and_a_fixed_policy(target):
   prompts = ragged_prompts(1)
+  chains_only = dataclasses.replace(specjax.make_drafter("prompt_lookup", target), trees=False)
   with pytest.raises(ValueError, match="drafts chains only"):
-    specjax.generate(target, prompts, max_new_tokens=4, drafter=specjax.make_drafter("prompt_lookup", target),
-                     gamma=2, adaptive=False, tree_nodes=4)
+    specjax.generate(target, prompts, max_new_tokens=4, drafter=chains_only, gamma=2, adaptive=False, tree_nodes=4)
   heads = specjax.make_drafter("mtp_parallel", target, path=None, num_heads=2)
   with pytest.raises(ValueError, match="pass adaptive=False"):
     specjax.generate(target, prompts, max_new_tokens=4, drafter=heads, gamma=2, tree_nodes=4)

@@ -11,7 +11,7 @@ import pytest
 
 import specjax
 from specjax import trees, verify
-from specjax.drafters import mtp_parallel
+from specjax.drafters import DraftInputs, mtp_parallel
 from specjax.model import KVCache, forward, forward_nodes, init_cache, lm_head
 from specjax.sampling import sample_from_probs
 
@@ -244,3 +244,24 @@ def test_a_checkpoints_measured_rank_accuracy_makes_its_trees_static(tiny, tmp_p
   with pytest.raises(ValueError, match="a row of ranks per head"):
     specjax.make_drafter("mtp_parallel", tiny, path=path, rank_accuracy=[[0.5, 0.25]])
 
+
+def test_prompt_lookup_offers_earlier_continuations_with_different_first_tokens_as_branches(tiny):
+  """Row 0 ends in "1 2": its bigram matched at 8 (then 7 3), at 4 (then 8 9) and at 1 (then 7 again, not a new
+  branch); no trigram "3 1 2" before. Row 1 ends in a token seen nowhere before: one branch, a guess."""
+  sequence = jnp.asarray([[5, 1, 2, 7, 1, 2, 8, 9, 1, 2, 7, 3, 1, 2, 0, 0],
+                          [4, 4, 4, 4, 4, 6, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]], jnp.int32)
+  position = jnp.asarray([13, 5])
+  drafter = specjax.make_drafter("prompt_lookup", tiny)
+  inputs = DraftInputs(sequence=sequence, position=position, target_cache=None, key=jax.random.PRNGKey(0),
+                       tree_nodes=8)
+  propose = jax.jit(lambda inputs: drafter.propose(None, {}, drafter.options, (), inputs, 3, specjax.SamplingParams()))
+  proposal = propose(inputs)
+  # Branches of 3 (the last cut to 2): node i hangs from the pending token at the start of a branch, else from node
+  # i - 1 (block index i).
+  np.testing.assert_array_equal(proposal.parents, [[0, 1, 2, 0, 4, 5, 0, 7]] * 2)
+  np.testing.assert_array_equal(proposal.tokens[0, :6], [7, 3, 1, 8, 9, 1])
+  np.testing.assert_array_equal(proposal.tokens[1], [6] * 8)  # no match: the pending token, as a chain guesses
+  np.testing.assert_array_equal(proposal.lengths, [6, 3])  # the found branches (and the first one) are drafted
+  chain = propose(inputs.replace(tree_nodes=None))
+  assert chain.parents is None
+  np.testing.assert_array_equal(chain.tokens, proposal.tokens[:, :3])  # a chain is the first branch
