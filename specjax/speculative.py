@@ -37,7 +37,7 @@ from flax import struct
 
 from specjax import compilation, control, distributed, sharding, trees
 from specjax.adaptive import AdaptiveDrafting, Choice, FixedGamma, Outcome, Policy, is_policy, width_index
-from specjax.drafters import Drafter, DraftInputs, PromptInfo, Proposal, RoundResult
+from specjax.drafters import Drafter, DraftInputs, PromptInfo, Proposal, RoundResult, tree_drafters
 from specjax.decoding import (Output, decode_draft_params, decode_outputs, describe_shapes, is_stop, place_on_mesh,
                               prefill, prepare_batch)
 from specjax.model import KVCache, forward, init_cache
@@ -322,7 +322,7 @@ def generate(model, prompts, *, drafter: Drafter, gamma: int, sampling: Sampling
       raise ValueError(f"tree_nodes must be a positive integer (or None: a chain), got {tree_nodes!r}")
     if not drafter.trees:
       raise ValueError(f"drafter {drafter.name!r} drafts chains only: tree_nodes needs a drafter that drafts trees "
-                       "(mtp_parallel, mtp_sequential)")
+                       f"({', '.join(tree_drafters())}, or one of your own with Drafter.trees)")
     if not isinstance(policy, FixedGamma):
       raise ValueError("tree rounds draft the whole tree every round: pass adaptive=False with tree_nodes (no "
                        "drafting policy chooses among trees yet)")

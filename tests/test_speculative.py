@@ -14,7 +14,7 @@ import pytest
 import specjax
 from specjax import speculative
 from specjax.adaptive import Choice, verify_widths
-from specjax.drafters import DraftCost
+from specjax.drafters import DraftCost, available, tree_drafters
 from specjax.loading import Model
 from specjax.model import init_params
 from tests.task_drafters import VOCAB, perturbed, ragged_prompts
@@ -133,8 +133,8 @@ def test_greedy_speculative_equals_autoregressive(name, gamma, batch, chooser, t
     assert out.stats["draft_calls"] == gamma * out.stats["rounds"]
 
 
-# Drafters that draft trees, with random models, heads or modules (drafts wrong in varied ways, accepted now and
-# then): test id -> (drafter name, options given an independent draft model).
+# Drafters that draft trees (every drafter does: `tree_drafters`), with random models, heads or modules (drafts wrong
+# in varied ways, accepted now and then): test id -> (drafter name, options given an independent draft model).
 TREE_DRAFTERS = {
     "mtp_parallel": ("mtp_parallel", lambda draft: dict(path=None, num_heads=3)),
     # Medusa's static tree from a rank accuracy table (made up: ranks 0-3 of each head)
@@ -185,6 +185,11 @@ def test_greedy_tree_speculative_equals_autoregressive(name, gamma, nodes, batch
   assert len(s["acceptance_per_position"]) == gamma and s["proposed_per_position"][0] == rounds.sum()
 
 
+def test_every_drafter_drafts_trees_and_is_in_the_tree_grid():
+  assert tree_drafters() == available()
+  assert {TREE_DRAFTERS[row[0]][0] for row in TREE_GRID} == set(available())
+
+
 @pytest.mark.slow
 def test_drafters_that_are_the_target_accept_the_greedy_path_of_every_tree(target):
   """A draft that is the target itself (a draft model, or an exit adapter after L - 1 layers that starts as a copy
@@ -207,8 +212,9 @@ def test_drafters_that_are_the_target_accept_the_greedy_path_of_every_tree(targe
 def test_tree_nodes_need_a_drafter_that_drafts_trees_and_a_fixed_policy(target):
   prompts = ragged_prompts(1)
   chains_only = dataclasses.replace(specjax.make_drafter("prompt_lookup", target), trees=False)
-  with pytest.raises(ValueError, match="drafts chains only"):
+  with pytest.raises(ValueError, match="drafts chains only") as error:
     specjax.generate(target, prompts, max_new_tokens=4, drafter=chains_only, gamma=2, adaptive=False, tree_nodes=4)
+  assert all(name in str(error.value) for name in tree_drafters())
   heads = specjax.make_drafter("mtp_parallel", target, path=None, num_heads=2)
   with pytest.raises(ValueError, match="pass adaptive=False"):
     specjax.generate(target, prompts, max_new_tokens=4, drafter=heads, gamma=2, tree_nodes=4)

@@ -314,6 +314,11 @@ def available() -> list[str]:
   return sorted(_FACTORIES)
 
 
+def tree_drafters() -> list[str]:
+  """The drafters whose `make` builds drafters that draft trees (their module's `TREES`)."""
+  return [name for name in available() if getattr(importlib.import_module(_FACTORIES[name]), "TREES", False)]
+
+
 def make_drafter(name: str, model, **options) -> Drafter:
   """Builds a drafter for `model` (the target). Names: see `available()`; options: each module's `make`."""
   if name not in _FACTORIES:
