@@ -20,9 +20,10 @@ skip runs the target's layers and owns nothing; an MTP head owns its head and re
       (`result.drafted` False: a plain target step, one position), so a drafter that keeps its own cache can
       follow.
 
-A drafter that drafts trees (`Drafter.trees`) proposes, when `inputs.tree_nodes` is N, a tree of N nodes at most
-gamma deep (`Proposal.parents`, specjax/trees.py) instead of a chain; `draft_tree.grow` builds EAGLE-2's trees from
-any drafter that can score the children of a set of nodes.
+A drafter that drafts trees (`Drafter.trees`, and `TREES = True` in its module: `tree_drafters`) proposes, when
+`inputs.tree_nodes` is N, a tree of N nodes at most gamma deep (`Proposal.parents`, specjax/trees.py) instead of a
+chain; `draft_tree.grow` builds EAGLE-2's trees from any drafter that can score the children of a set of nodes. Its
+`update` then sees the tree's accepted path (`RoundResult.tree`), and must leave what a chain of those tokens would.
 
 A drafter that runs the target's own first k layers on [pending, x_1, ...] (`reuse_layers = k`, early exit)
 writes the target's K/V for those layers as it drafts and hands over their output (`Proposal.hidden`), so
@@ -35,7 +36,8 @@ A trainable drafter also has `loss(target_params, params, options, batch) -> (lo
 of cached target features (`specjax.data.features`); `specjax.train` trains `params` with the target frozen.
 
 `draft_tokens` is the autoregressive drafting loop shared by model-based drafters (draft model, layer
-skip): they only supply one forward step. Adding a drafter = adding one file that defines these functions
+skip): they only supply one forward step; `draft_tree_tokens` grows their trees from that step and a forward over a
+depth's nodes (`model.forward_nodes`). Adding a drafter = adding one file that defines these functions
 and a `make(model, **options) -> Drafter` factory, and one line in `_FACTORIES` below.
 """
 

@@ -6,6 +6,11 @@ draft cache complete when every draft was accepted in the last round (the last d
 After a round without drafting (a plain target step), `update` reads that step's token, so a plain step costs
 the target step plus the draft's layers over one token.
 
+Trees (EAGLE-2's, `draft_tree.grow`): after the same 2-token first step, expanding k nodes of a depth is one forward
+over k positions a row (`model.forward_nodes`), each node seeing the draft cache up to the pending token and its
+ancestors' keys and values, which it carries; nodes write no cache, so after a tree round `update` reads the
+accepted path's tokens as after a plain step (one forward over depth + 1 positions).
+
 Distilled draft (DistillSpec, Zhou et al. 2024; layer-dropped initialisation as in DistilBERT, Sanh et al. 2019,
 and Sheared/ShortGPT-style pruned students): n decoder layers initialised from target layers (evenly spaced,
 first and last included), sharing the target's embedding and output head (frozen, not stored: the draft owns
