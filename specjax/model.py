@@ -161,6 +161,21 @@ def attention_block(layer: Params, x: jax.Array, k_cache: jax.Array, v_cache: ja
   return merge_heads(out, layer["wo"]), k_cache, v_cache
 
 
+def node_attention_block(layer: Params, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array, committed: jax.Array,
+                         positions: jax.Array, ancestor_keys: jax.Array, ancestor_values: jax.Array,
+                         config: ModelConfig):
+  """Pre-norm attention of draft-tree nodes that are not one sequence: x [B, T, D] holds T nodes per row, node t at
+  RoPE position positions[b, t], seeing the cache slots 0..committed[b] and, beside them, the keys and values of its
+  own ancestors ancestor_keys/values [B, T, E, KV, hd] and its own. Writes nothing into the cache (nodes of one
+  depth share a position). Returns (residual update, keys, values [B, T, E + 1, KV, hd]: what its children see)."""
+  q, k, v = qkv(layer, x, positions, config)
+  keys = jnp.concatenate([ancestor_keys, k[:, :, None].astype(ancestor_keys.dtype)], axis=2)
+  values = jnp.concatenate([ancestor_values, v[:, :, None].astype(ancestor_values.dtype)], axis=2)
+  seen = jnp.broadcast_to(committed[:, None], positions.shape)
+  out = ops.attention(q, k_cache, v_cache, seen, extra_keys=keys, extra_values=values)
+  return merge_heads(out, layer["wo"]), keys, values
+
+
 def mlp_block(layer: Params, x: jax.Array, config: ModelConfig) -> jax.Array:
   h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
   if "w_gate_up" in layer:  # laid out for decoding (backends.cpu.pack_layer): one product for both
@@ -222,3 +237,25 @@ def forward(params: Params, tokens: jax.Array | None, cache: KVCache, positions:
       layer_hidden.append(x)
   logits = lm_head(params, x, config) if compute_logits else None
   return ForwardOutput(logits, x, KVCache(k=k_all, v=v_all), layer_hidden if return_layer_hidden else None)
+
+
+def forward_nodes(params: Params, tokens: jax.Array, cache: KVCache, committed: jax.Array, positions: jax.Array,
+                  ancestors: KVCache, config: ModelConfig, *, layers: Sequence[int] | None = None,
+                  compute_logits: bool = True) -> ForwardOutput:
+  """Draft-tree nodes tokens [B, T] through the decoder, each node on its own (`node_attention_block`): at RoPE
+  position positions[b, t], seeing the cache up to slot committed[b] and its ancestors' keys and values, per layer
+  ancestors.k[i] / .v[i] [B, T, E, KV, hd] (`init_cache(config, B, 0)`: none). The cache is read, never written.
+  Expanding k nodes of a tree is one forward over k positions a row (EAGLE-2's draft step over a tree layer, Li et
+  al. 2024), each node seeing what a causal forward of its path would. `layers` as `forward`'s. The output's `cache`
+  holds each node's ancestors' keys and values and its own, [B, T, E + 1, KV, hd] per layer run (layers not run keep
+  the ancestors'): what its children carry."""
+  x = embed(params, tokens)
+  k_all, v_all = list(ancestors.k), list(ancestors.v)
+  for i in (range(config.num_layers) if layers is None else layers):
+    layer = params["layers"][i]
+    attn, k_all[i], v_all[i] = node_attention_block(layer, x, cache.k[i], cache.v[i], committed, positions, k_all[i],
+                                                    v_all[i], config)
+    x = x + attn
+    x = x + mlp_block(layer, x, config)
+  logits = lm_head(params, x, config) if compute_logits else None
+  return ForwardOutput(logits, x, KVCache(k=k_all, v=v_all), None)

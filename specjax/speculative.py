@@ -37,7 +37,7 @@ from flax import struct
 
 from specjax import compilation, control, distributed, sharding, trees
 from specjax.adaptive import AdaptiveDrafting, Choice, FixedGamma, Outcome, Policy, is_policy, width_index
-from specjax.drafters import Drafter, DraftInputs, PromptInfo, Proposal, RoundResult
+from specjax.drafters import Drafter, DraftInputs, PromptInfo, Proposal, RoundResult, tree_drafters
 from specjax.decoding import (Output, decode_draft_params, decode_outputs, describe_shapes, is_stop, place_on_mesh,
                               prefill, prepare_batch)
 from specjax.model import KVCache, forward, init_cache
@@ -178,9 +178,10 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
     [B], rejected [B])."""
     s, live = carry[0], ~before.done
     tokens = jnp.concatenate([before.sequence[rows, before.position][:, None], proposal.tokens], axis=1)
-    out = _verify_forward(params, config, tokens, proposal, s.cache, before.position, width, drafter.reuse_layers,
-                          with_layers, jnp.max(drafted) if drafting else None,
-                          None if tree is None else tree.block_mask())
+    # A drafter's reused layers ran along a chain; a tree's nodes wrote no cache, so its block runs every layer.
+    reuse_layers = drafter.reuse_layers if tree is None else 0
+    out = _verify_forward(params, config, tokens, proposal, s.cache, before.position, width, reuse_layers, with_layers,
+                          jnp.max(drafted) if drafting else None, None if tree is None else tree.block_mask())
     # No row drafted past slot width - 1, so verification reads the first width - 1 drafts only (none in a plain
     # step: the next token is the target's own).
     drafts = proposal.tokens[:, :width - 1]
@@ -205,7 +206,7 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
     # The drafter's update sees the `width` verified positions only (a plain step: the pending one; a tree: its
     # accepted path, gamma + 1 positions): the sequential MTP module runs its block over every position it is handed.
     result = RoundResult(sequence=sequence, position=position, accepted=accepted, verify_hidden=hidden,
-                         features=features, verify_position=before.position, drafted=drafting)
+                         features=features, verify_position=before.position, drafted=drafting, tree=tree is not None)
     s = s.replace(sequence=sequence, position=position, done=done,
                   cache=sharding.constrain_cache(cache, cache_sharding),
                   draft_state=drafter.update(params, draft_params, drafter.options, s.draft_state, result))
@@ -264,8 +265,8 @@ def _verify_forward(params, config, tokens, proposal: Proposal, cache, position,
   every row stopped going on). A draft whose every row dropped the last step's token ran one step past the longest
   draft, so every position verification reads already has its layer k-1 output. No row drafted past x_longest,
   and causal attention keeps the positions after it (whose inputs are left as zeros or are tokens no row kept) out
-  of the logits that verification reads. `block`: the tree mask of a tree's block (`specjax.trees`; drafters that
-  reuse layers draft chains).
+  of the logits that verification reads. `block`: the tree mask of a tree's block (`specjax.trees`), whose forward
+  reuses no layers (its caller passes reuse_layers=0).
   """
   tokens = tokens[:, :width]
   if longest is None or not reuse_layers:
@@ -321,7 +322,7 @@ def generate(model, prompts, *, drafter: Drafter, gamma: int, sampling: Sampling
       raise ValueError(f"tree_nodes must be a positive integer (or None: a chain), got {tree_nodes!r}")
     if not drafter.trees:
       raise ValueError(f"drafter {drafter.name!r} drafts chains only: tree_nodes needs a drafter that drafts trees "
-                       "(mtp_parallel, mtp_sequential)")
+                       f"({', '.join(tree_drafters())}, or one of your own with Drafter.trees)")
     if not isinstance(policy, FixedGamma):
       raise ValueError("tree rounds draft the whole tree every round: pass adaptive=False with tree_nodes (no "
                        "drafting policy chooses among trees yet)")

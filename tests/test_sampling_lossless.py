@@ -201,12 +201,17 @@ def test_the_test_detects_a_broken_verifier(broken, target, draft, monkeypatch):
 
 
 # Trees of 6 nodes, 2 deep (the first round covers the joint's tokens 2 and 3): siblings at both depths, tested one
-# after another with the residual left by each rejected one.
+# after another with the residual left by each rejected one. One drafter of each family: parallel heads, sequential
+# module, draft model, layer skip, and prompt lookup (branches where the prompt holds several continuations).
+TREE_DRAFTERS = {**DRAFTERS, "prompt_lookup": lambda target, draft: specjax.make_drafter("prompt_lookup", target)}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("drafter", ["mtp_parallel_truncated", "mtp_sequential"])
+@pytest.mark.parametrize("drafter", ["mtp_parallel_truncated", "mtp_sequential", "draft_model",
+                                     "layer_skip_adapter_truncated", "prompt_lookup"])
 def test_tree_speculative_sampling_matches_the_target_distribution(drafter, target, draft):
-  samples, s = speculative_samples(target, draft, SETTINGS[1], drafter=drafter, gamma=2, adaptive=False,
-                                   tree_nodes=6)
+  samples, s = speculative_samples(target, draft, SETTINGS[1], drafter=TREE_DRAFTERS[drafter](target, draft), gamma=2,
+                                   adaptive=False, tree_nodes=6)
   assert sum(s["accepted_per_row"]) >= 300 and sum(s["rejections_per_row"]) >= 300
   assert chi_square_pvalue(samples, exact_joint(target, SETTINGS[1])) > 1e-3
 

@@ -14,10 +14,10 @@ import pytest
 import specjax
 from specjax import speculative
 from specjax.adaptive import Choice, verify_widths
-from specjax.drafters import DraftCost
+from specjax.drafters import DraftCost, available, tree_drafters
 from specjax.loading import Model
 from specjax.model import init_params
-from tests.task_drafters import perturbed, ragged_prompts
+from tests.task_drafters import VOCAB, perturbed, ragged_prompts
 
 # test id -> (drafter name, options given the target and an independent draft model)
 DRAFTERS = {
@@ -133,31 +133,46 @@ def test_greedy_speculative_equals_autoregressive(name, gamma, batch, chooser, t
     assert out.stats["draft_calls"] == gamma * out.stats["rounds"]
 
 
-# Drafters that draft trees, with random heads or modules (drafts wrong in varied ways, accepted now and then).
+# Drafters that draft trees (every drafter does: `tree_drafters`), with random models, heads or modules (drafts wrong
+# in varied ways, accepted now and then): test id -> (drafter name, options given an independent draft model).
 TREE_DRAFTERS = {
-    "mtp_parallel": ("mtp_parallel", dict(path=None, num_heads=3)),
+    "mtp_parallel": ("mtp_parallel", lambda draft: dict(path=None, num_heads=3)),
     # Medusa's static tree from a rank accuracy table (made up: ranks 0-3 of each head)
-    "mtp_parallel_static": ("mtp_parallel", dict(path=None, num_heads=3, rank_accuracy=[
+    "mtp_parallel_static": ("mtp_parallel", lambda draft: dict(path=None, num_heads=3, rank_accuracy=[
         [0.5, 0.2, 0.1, 0.05], [0.4, 0.2, 0.1, 0.05], [0.3, 0.2, 0.1, 0.05]])),
-    "mtp_sequential": ("mtp_sequential", dict(path=None, depth=3)),
-    "mtp_sequential_recurrent": ("mtp_sequential", dict(path=None, depth=3, recurrent=True)),
+    "mtp_sequential": ("mtp_sequential", lambda draft: dict(path=None, depth=3)),
+    "mtp_sequential_recurrent": ("mtp_sequential", lambda draft: dict(path=None, depth=3, recurrent=True)),
+    "draft_model": ("draft_model", lambda draft: dict(draft=draft)),
+    # distilled from two of the target's layers, over a truncated vocabulary
+    "draft_model_distilled": ("draft_model", lambda draft: dict(draft="fresh", num_layers=2,
+                                                                token_map=list(range(3, VOCAB)))),
+    "layer_skip_exit": ("layer_skip", lambda draft: dict(exit_layer=2)),
+    "layer_skip_skip": ("layer_skip", lambda draft: dict(skip_layers=[1, 2])),
+    "layer_skip_adapter": ("layer_skip", lambda draft: dict(adapter="fresh", exit_layer=1)),
+    "prompt_lookup": ("prompt_lookup", lambda draft: dict(ngram_sizes=(3, 2, 1))),
 }
 # (drafter, gamma: the depth, tree_nodes, batch): trees of one level, of a chain's size, and bushy ones.
-# The fast tier runs the first: the engine's tree round, EAGLE-2's grow and a drafter's expansion of nodes (what the
-# parallel heads add to it, one broadcast, the slow rows and the chi-square tests run).
-TREE_GRID = [("mtp_sequential_recurrent", 2, 6, 1), ("mtp_parallel", 3, 20, 4),
-             ("mtp_sequential", 3, 3, 4), ("mtp_parallel", 1, 8, 1), ("mtp_sequential_recurrent", 3, 32, 4),
-             ("mtp_parallel_static", 3, 12, 4)]
+# The fast tier runs the first three: the engine's tree round, EAGLE-2's grow over a drafter's expansion of nodes by
+# its own modules (the sequential module) and by a forward of its layers over them with their ancestors' K/V (a
+# draft model, and layer skip with an exit adapter, whose tree rounds verify every layer); the slow rows add the
+# other drafters (the parallel heads add one broadcast to the sequential module's expansion, a skip set and a plain
+# exit are the adapter's layers without it, prompt lookup's branches are test_trees.py's) and tree shapes.
+TREE_GRID = [("mtp_sequential_recurrent", 2, 6, 1), ("draft_model", 3, 10, 4), ("layer_skip_adapter", 2, 5, 4),
+             ("mtp_parallel", 3, 20, 4), ("mtp_sequential", 3, 3, 4), ("mtp_parallel", 1, 8, 1),
+             ("mtp_sequential_recurrent", 3, 32, 4), ("mtp_parallel_static", 3, 12, 4),
+             ("draft_model_distilled", 2, 12, 1), ("layer_skip_exit", 3, 16, 4), ("layer_skip_skip", 3, 8, 1),
+             ("prompt_lookup", 3, 9, 1), ("prompt_lookup", 1, 3, 4)]
+FAST_TREE_ROWS = 3
 
 
 @pytest.mark.parametrize("name, gamma, nodes, batch", [
-    row if i < 1 else pytest.param(*row, marks=pytest.mark.slow) for i, row in enumerate(TREE_GRID)],
+    row if i < FAST_TREE_ROWS else pytest.param(*row, marks=pytest.mark.slow) for i, row in enumerate(TREE_GRID)],
     ids=[f"{name}-depth{gamma}-nodes{nodes}-batch{batch}" for name, gamma, nodes, batch in TREE_GRID])
-def test_greedy_tree_speculative_equals_autoregressive(name, gamma, nodes, batch, target):
+def test_greedy_tree_speculative_equals_autoregressive(name, gamma, nodes, batch, target, draft):
   prompts = ragged_prompts(batch)
   expected = specjax.generate(target, prompts, max_new_tokens=24, stop_ids=[])
   drafter_name, options = TREE_DRAFTERS[name]
-  drafter = perturbed(specjax.make_drafter(drafter_name, target, **options), seed=3, scale=0.1)
+  drafter = perturbed(specjax.make_drafter(drafter_name, target, **options(draft)), seed=3, scale=0.1)
   out = specjax.generate(target, prompts, max_new_tokens=24, drafter=drafter, gamma=gamma, stop_ids=[],
                          adaptive=False, tree_nodes=nodes)
   assert out.tokens == expected.tokens
@@ -170,11 +185,36 @@ def test_greedy_tree_speculative_equals_autoregressive(name, gamma, nodes, batch
   assert len(s["acceptance_per_position"]) == gamma and s["proposed_per_position"][0] == rounds.sum()
 
 
+def test_every_drafter_drafts_trees_and_is_in_the_tree_grid():
+  assert tree_drafters() == available()
+  assert {TREE_DRAFTERS[row[0]][0] for row in TREE_GRID} == set(available())
+
+
+@pytest.mark.slow
+def test_drafters_that_are_the_target_accept_the_greedy_path_of_every_tree(target):
+  """A draft that is the target itself (a draft model, or an exit adapter after L - 1 layers that starts as a copy
+  of layer L - 1), drafting every candidate of a 2-deep tree (8 + 64 nodes: the greedy path among them), accepts 2
+  tokens every round only if each node saw what a chain of its path would and the draft's caches followed the
+  accepted paths (the draft model's read in `update`, the adapter's from the features along the path)."""
+  drafters = {"draft_model": specjax.make_drafter("draft_model", target, draft=target),
+              "exit_adapter": specjax.make_drafter("layer_skip", target, adapter="fresh",
+                                                   exit_layer=target.config.num_layers - 1)}
+  prompts = ragged_prompts(2)
+  expected = specjax.generate(target, prompts, max_new_tokens=25, stop_ids=[])
+  for name, drafter in drafters.items():
+    out = specjax.generate(target, prompts, max_new_tokens=25, gamma=2, stop_ids=[], drafter=drafter, adaptive=False,
+                           tree_nodes=8 + 8 * 8)
+    assert out.tokens == expected.tokens, name
+    assert out.stats["acceptance_per_position"] == [1.0, 1.0], (name, out.stats)
+    assert out.stats["rounds"] == 8, name  # 24 tokens after the prefill's, 3 a round
+
+
 def test_tree_nodes_need_a_drafter_that_drafts_trees_and_a_fixed_policy(target):
   prompts = ragged_prompts(1)
-  with pytest.raises(ValueError, match="drafts chains only"):
-    specjax.generate(target, prompts, max_new_tokens=4, drafter=specjax.make_drafter("prompt_lookup", target),
-                     gamma=2, adaptive=False, tree_nodes=4)
+  chains_only = dataclasses.replace(specjax.make_drafter("prompt_lookup", target), trees=False)
+  with pytest.raises(ValueError, match="drafts chains only") as error:
+    specjax.generate(target, prompts, max_new_tokens=4, drafter=chains_only, gamma=2, adaptive=False, tree_nodes=4)
+  assert all(name in str(error.value) for name in tree_drafters())
   heads = specjax.make_drafter("mtp_parallel", target, path=None, num_heads=2)
   with pytest.raises(ValueError, match="pass adaptive=False"):
     specjax.generate(target, prompts, max_new_tokens=4, drafter=heads, gamma=2, tree_nodes=4)

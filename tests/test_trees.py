@@ -11,8 +11,8 @@ import pytest
 
 import specjax
 from specjax import trees, verify
-from specjax.drafters import mtp_parallel
-from specjax.model import forward, init_cache, lm_head
+from specjax.drafters import DraftInputs, mtp_parallel
+from specjax.model import KVCache, forward, forward_nodes, init_cache, lm_head
 from specjax.sampling import sample_from_probs
 
 # Two rows, each its own tree over 7 nodes (block indices of the parents: 0 is the pending token).
@@ -100,6 +100,33 @@ def test_the_accepted_path_leaves_the_cache_a_chain_of_its_tokens_would(tiny, pr
     for layer in range(tiny.config.num_layers):
       for got, want in [(moved.k[layer], chain.cache.k[layer]), (moved.v[layer], chain.cache.v[layer])]:
         np.testing.assert_allclose(got[row, :start + depth + 1], want[0, :start + depth + 1], rtol=1e-5, atol=1e-5)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def nodes_forward(params, tokens, cache, committed, positions, ancestors, *, config):
+  return forward_nodes(params, tokens, cache, committed, positions, ancestors, config)
+
+
+def test_tree_nodes_drafted_apart_see_what_a_causal_forward_of_their_path_sees(tiny, prefilled):
+  """A draft's expansion of a tree's nodes (`forward_nodes`): two nodes a row, each with its own ancestors' K/V,
+  depth by depth from the pending token; each node's logits are those of a causal forward of its path, and the
+  cache is left as it was."""
+  _, cache, block_tokens = prefilled
+  paths = [[0, 1, 2, 3], [0, 4, 5, 6]]  # two paths through each row's block tokens, one per node
+  offset = jnp.asarray(PROMPT_LENGTHS)
+  kv_shape = (2, len(paths), 0, tiny.config.num_kv_heads, tiny.config.head_dim)
+  layers = range(tiny.config.num_layers)
+  ancestors = KVCache(k=[jnp.zeros(kv_shape) for _ in layers], v=[jnp.zeros(kv_shape) for _ in layers])
+  for depth in range(len(paths[0])):
+    tokens = block_tokens[:, np.array([path[depth] for path in paths])]
+    positions = jnp.broadcast_to((offset + depth)[:, None], tokens.shape)
+    out = nodes_forward(tiny.params, tokens, cache, offset - 1, positions, ancestors, config=tiny.config)
+    assert out.cache.k[0].shape[2] == depth + 1  # each node carries its ancestors' keys and its own
+    ancestors = out.cache
+    for row in range(2):
+      for node, path in enumerate(paths):
+        chain = path_forward(tiny, block_tokens, cache, row, path[:depth + 1])
+        np.testing.assert_allclose(out.logits[row, node], chain.logits[0, depth], rtol=1e-4, atol=1e-4)
 
 
 def test_greedy_tree_verify_accepts_the_deepest_path_of_argmax_matches():
@@ -216,3 +243,25 @@ def test_a_checkpoints_measured_rank_accuracy_makes_its_trees_static(tiny, tmp_p
   assert loaded.options.rank_accuracy == ((0.5, 0.25), (0.4, 0.125))
   with pytest.raises(ValueError, match="a row of ranks per head"):
     specjax.make_drafter("mtp_parallel", tiny, path=path, rank_accuracy=[[0.5, 0.25]])
+
+
+def test_prompt_lookup_offers_earlier_continuations_with_different_first_tokens_as_branches(tiny):
+  """Row 0 ends in "1 2": its bigram matched at 8 (then 7 3), at 4 (then 8 9) and at 1 (then 7 again, not a new
+  branch); no trigram "3 1 2" before. Row 1 ends in a token seen nowhere before: one branch, a guess."""
+  sequence = jnp.asarray([[5, 1, 2, 7, 1, 2, 8, 9, 1, 2, 7, 3, 1, 2, 0, 0],
+                          [4, 4, 4, 4, 4, 6, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]], jnp.int32)
+  position = jnp.asarray([13, 5])
+  drafter = specjax.make_drafter("prompt_lookup", tiny)
+  inputs = DraftInputs(sequence=sequence, position=position, target_cache=None, key=jax.random.PRNGKey(0),
+                       tree_nodes=8)
+  propose = jax.jit(lambda inputs: drafter.propose(None, {}, drafter.options, (), inputs, 3, specjax.SamplingParams()))
+  proposal = propose(inputs)
+  # Branches of 3 (the last cut to 2): node i hangs from the pending token at the start of a branch, else from node
+  # i - 1 (block index i).
+  np.testing.assert_array_equal(proposal.parents, [[0, 1, 2, 0, 4, 5, 0, 7]] * 2)
+  np.testing.assert_array_equal(proposal.tokens[0, :6], [7, 3, 1, 8, 9, 1])
+  np.testing.assert_array_equal(proposal.tokens[1], [6] * 8)  # no match: the pending token, as a chain guesses
+  np.testing.assert_array_equal(proposal.lengths, [6, 3])  # the found branches (and the first one) are drafted
+  chain = propose(inputs.replace(tree_nodes=None))
+  assert chain.parents is None
+  np.testing.assert_array_equal(chain.tokens, proposal.tokens[:, :3])  # a chain is the first branch

@@ -20,9 +20,10 @@ skip runs the target's layers and owns nothing; an MTP head owns its head and re
       (`result.drafted` False: a plain target step, one position), so a drafter that keeps its own cache can
       follow.
 
-A drafter that drafts trees (`Drafter.trees`) proposes, when `inputs.tree_nodes` is N, a tree of N nodes at most
-gamma deep (`Proposal.parents`, specjax/trees.py) instead of a chain; `draft_tree.grow` builds EAGLE-2's trees from
-any drafter that can score the children of a set of nodes.
+A drafter that drafts trees (`Drafter.trees`, and `TREES = True` in its module: `tree_drafters`) proposes, when
+`inputs.tree_nodes` is N, a tree of N nodes at most gamma deep (`Proposal.parents`, specjax/trees.py) instead of a
+chain; `draft_tree.grow` builds EAGLE-2's trees from any drafter that can score the children of a set of nodes. Its
+`update` then sees the tree's accepted path (`RoundResult.tree`), and must leave what a chain of those tokens would.
 
 A drafter that runs the target's own first k layers on [pending, x_1, ...] (`reuse_layers = k`, early exit)
 writes the target's K/V for those layers as it drafts and hands over their output (`Proposal.hidden`), so
@@ -35,7 +36,8 @@ A trainable drafter also has `loss(target_params, params, options, batch) -> (lo
 of cached target features (`specjax.data.features`); `specjax.train` trains `params` with the target frozen.
 
 `draft_tokens` is the autoregressive drafting loop shared by model-based drafters (draft model, layer
-skip): they only supply one forward step. Adding a drafter = adding one file that defines these functions
+skip): they only supply one forward step; `draft_tree_tokens` grows their trees from that step and a forward over a
+depth's nodes (`model.forward_nodes`). Adding a drafter = adding one file that defines these functions
 and a `make(model, **options) -> Drafter` factory, and one line in `_FACTORIES` below.
 """
 
@@ -50,6 +52,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from specjax.drafters import draft_tree
 from specjax.model import KVCache
 from specjax.sampling import SamplingParams, argmax, probabilities, sample_from_probs
 
@@ -107,6 +110,8 @@ class RoundResult:
   verify_position: jax.Array  # [B] position of the first verified token (the pending one before this round)
   # True: the drafter proposed this round. False: a plain target step (the round did not draft: w = 1 position)
   drafted: bool = struct.field(pytree_node=False, default=True)
+  # True: the round verified a tree; the w positions are its accepted path (gamma + 1, past the path's depth stale)
+  tree: bool = struct.field(pytree_node=False, default=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,6 +279,30 @@ def draft_tokens(step, cache, inputs: DraftInputs, gamma: int, sampling: Samplin
                   hidden=hiddens)
 
 
+def draft_tree_tokens(step, expand_step, cache, ancestors, inputs: DraftInputs, gamma: int, sampling: SamplingParams,
+                      token_map: jax.Array | None = None, vocab_size: int | None = None) -> Proposal:
+  """EAGLE-2's tree of `inputs.tree_nodes` nodes at most gamma deep (`draft_tree.grow`) from a model drafter, the
+  tree counterpart of `draft_tokens`: `step` (as `draft_tokens` takes it) reads [pending - 1, pending] into the cache
+  and gives the first distribution; `expand_step(cache, tokens [B, k], committed [B], positions [B, k], ancestors)
+  -> (logits [B, k, V'], ancestors)` scores the children of k nodes of a depth, node j at position positions[b, j]
+  seeing the cache up to slot committed[b] (the pending token's) and its own ancestors' keys and values
+  (`ancestors`, [B, k, ...] arrays: what a node carries; the argument is what a depth-1 node carries), and returns
+  the children's. Nodes write nothing into the cache, so it holds the committed tokens only. Returns a Proposal
+  without state, its target_cache the cache after the first step."""
+  rows = jnp.arange(inputs.sequence.shape[0])
+  first_tokens = jnp.stack([inputs.sequence[rows, inputs.position - 1], inputs.sequence[rows, inputs.position]], 1)
+  first_logits, _, cache = step(cache, first_tokens, inputs.position - 1)
+
+  def expand(depth, tokens, node_ancestors):  # the nodes of depth - 1 sit at pending + depth - 1
+    positions = jnp.broadcast_to((inputs.position + depth - 1)[:, None], tokens.shape)
+    return expand_step(cache, tokens, inputs.position, positions, node_ancestors)
+
+  tokens, probs, parents = draft_tree.grow(first_logits, ancestors, expand, gamma, inputs.tree_nodes, sampling,
+                                           token_map, vocab_size)
+  return Proposal(tokens=tokens, probs=probs, state=None, target_cache=cache, steps=jnp.asarray(gamma, jnp.int32),
+                  parents=parents)
+
+
 _FACTORIES = {
     "draft_model": "specjax.drafters.draft_model",
     "layer_skip": "specjax.drafters.layer_skip",
@@ -285,6 +314,11 @@ _FACTORIES = {
 
 def available() -> list[str]:
   return sorted(_FACTORIES)
+
+
+def tree_drafters() -> list[str]:
+  """The drafters whose `make` builds drafters that draft trees (their module's `TREES`)."""
+  return [name for name in available() if getattr(importlib.import_module(_FACTORIES[name]), "TREES", False)]
 
 
 def make_drafter(name: str, model, **options) -> Drafter:

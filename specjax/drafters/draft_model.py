@@ -6,6 +6,11 @@ draft cache complete when every draft was accepted in the last round (the last d
 After a round without drafting (a plain target step), `update` reads that step's token, so a plain step costs
 the target step plus the draft's layers over one token.
 
+Trees (EAGLE-2's, `draft_tree.grow`): after the same 2-token first step, expanding k nodes of a depth is one forward
+over k positions a row (`model.forward_nodes`), each node seeing the draft cache up to the pending token and its
+ancestors' keys and values, which it carries; nodes write no cache, so after a tree round `update` reads the
+accepted path's tokens as after a plain step (one forward over depth + 1 positions).
+
 Distilled draft (DistillSpec, Zhou et al. 2024; layer-dropped initialisation as in DistilBERT, Sanh et al. 2019,
 and Sheared/ShortGPT-style pruned students): n decoder layers initialised from target layers (evenly spaced,
 first and last included), sharing the target's embedding and output head (frozen, not stored: the draft owns
@@ -26,12 +31,14 @@ import numpy as np
 
 from specjax import leviathan
 from specjax.config import ModelConfig
-from specjax.drafters import DraftCost, Drafter, DraftInputs, PromptInfo, RoundResult, draft_head, draft_tokens
+from specjax.drafters import (DraftCost, Drafter, DraftInputs, PromptInfo, RoundResult, draft_head, draft_tokens,
+                              draft_tree_tokens)
 from specjax.loading import EMBEDDED_MODELS, CheckpointError, Model, load
-from specjax.model import forward, init_cache, param_shapes
+from specjax.model import forward, forward_nodes, init_cache, param_shapes
 from specjax.sampling import SamplingParams
 
 NAME = "draft_model"
+TREES = True  # drafts EAGLE-2's trees (`propose` with `DraftInputs.tree_nodes`)
 SHIPPED_SUFFIX = "-draft"  # draft="smollm2-135m-draft": the distilled draft shipped for smollm2-135m
 
 
@@ -100,17 +107,28 @@ def propose(target_params, params, options: Options, state: State, inputs: Draft
     out = forward(full, tokens, cache, positions - state.offset, options.config, compute_logits=False)
     return logits(target_params, params, options, out.hidden[:, -1]), out.hidden[:, -1], out.cache
 
-  proposal = draft_tokens(step, state.cache, inputs, gamma, sampling, params.get("token_map"),
-                          options.config.vocab_size)
+  def expand_step(cache, tokens, committed, positions, ancestors):
+    out = forward_nodes(full, tokens, cache, committed - state.offset, positions - state.offset[:, None], ancestors,
+                        options.config, compute_logits=False)
+    return logits(target_params, params, options, out.hidden), out.cache
+
+  if inputs.tree_nodes:
+    no_ancestors = init_cache(options.config, inputs.position.shape[0], 0)
+    proposal = draft_tree_tokens(step, expand_step, state.cache, no_ancestors, inputs, gamma, sampling,
+                                 params.get("token_map"), options.config.vocab_size)
+  else:
+    proposal = draft_tokens(step, state.cache, inputs, gamma, sampling, params.get("token_map"),
+                            options.config.vocab_size)
   return proposal._replace(state=state._replace(cache=proposal.target_cache), target_cache=inputs.target_cache)
 
 
 def update(target_params, params, options: Options, state: State, result: RoundResult) -> State:
-  """After a round that drafted the cache already holds [pending - 1, pending, x_1, ...]. After plain target
-  steps (`result.drafted` False) the draft reads the tokens of those steps, each one's previous token: positions
-  verify_position - 1 .. verify_position + w - 2, w being the result's width (one forward over all of them), so
-  its cache stays valid below position - 1, where the next round's 2-token first step starts."""
-  if result.drafted:
+  """After a round that drafted a chain the cache already holds [pending - 1, pending, x_1, ...]. After plain target
+  steps (`result.drafted` False) and after trees (`result.tree`: the nodes wrote nothing) the draft reads the tokens
+  of the round, each one's previous token: positions verify_position - 1 .. verify_position + w - 2, w being the
+  result's width (one forward over all of them; a tree's accepted path: its depth + 1), so its cache stays valid
+  below position - 1, where the next round's 2-token first step starts."""
+  if result.drafted and not result.tree:
     return state
   rows = jnp.arange(result.sequence.shape[0])
   start = result.verify_position - 1
@@ -245,11 +263,12 @@ def _make(model, draft, num_layers, init_layers, token_map) -> Drafter:
     _check_vocabulary(model, draft)
     options = Options(config=draft.config)
     return Drafter(name=NAME, init=init, propose=propose, update=update, options=options, params=draft.params,
-                   param_specs=param_shapes(draft.config), loss=loss, cost=cost(model, options, draft.params))
+                   param_specs=param_shapes(draft.config), loss=loss, cost=cost(model, options, draft.params),
+                   trees=TREES)
   if options.draft_vocab is not None:
     params["head"] = draft_head.head_columns(model.params, config, params["token_map"])
   return Drafter(name=NAME, init=init, propose=propose, update=update, options=options, params=params,
-                 param_specs=param_specs(options), loss=loss, cost=cost(model, options, params))
+                 param_specs=param_specs(options), loss=loss, cost=cost(model, options, params), trees=TREES)
 
 
 def _check_vocabulary(model, draft) -> None:

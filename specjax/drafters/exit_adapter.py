@@ -22,6 +22,10 @@ committed length are overwritten by the next round's drafts before anything read
 Training (`loss`, self-distillation on cached features with layer k - 1 among the cache's feature layers):
 the adapter runs causally over a whole cached sequence of h_t (what it attends to at inference, every one a
 true target feature) and learns the target's next-token distribution at the same position t.
+
+Trees (as `layer_skip`'s): a node runs layers 0..k-1 and the adapter seeing the committed caches and its ancestors'
+keys and values (the target's layers' and the adapter's), which it carries; `update` then writes the adapter's cache
+from the features along the accepted path, as after a chain.
 """
 
 from __future__ import annotations
@@ -33,9 +37,11 @@ import jax.numpy as jnp
 
 from specjax import leviathan
 from specjax.config import ModelConfig
-from specjax.drafters import DraftCost, Drafter, DraftInputs, PromptInfo, RoundResult, draft_head, draft_tokens
+from specjax.drafters import (DraftCost, Drafter, DraftInputs, PromptInfo, RoundResult, draft_head, draft_tokens,
+                              draft_tree_tokens)
 from specjax.loading import CheckpointError
-from specjax.model import attention_block, forward, mlp_block, param_shapes
+from specjax.model import (attention_block, forward, forward_nodes, init_cache, mlp_block, node_attention_block,
+                           param_shapes)
 from specjax.sampling import SamplingParams
 
 NAME = "layer_skip"  # an adapter belongs to the layer-skip drafter; its checkpoints carry this name
@@ -78,12 +84,24 @@ def adapter(params, options: Options, hidden: jax.Array, k_cache: jax.Array, v_c
             positions: jax.Array):
   """g [B, T, D] from h [B, T, D] at positions [B, T], attending to cache slots <= each position after writing
   this call's K/V there. Returns (g, k_cache, v_cache); callers that only fill the cache drop g (XLA prunes it)."""
-  config = options.config
-  attn, k_cache, v_cache = attention_block(params, hidden, k_cache, v_cache, positions, config)
+  attn, k_cache, v_cache = attention_block(params, hidden, k_cache, v_cache, positions, options.config)
+  return _output(params, options, hidden, attn), k_cache, v_cache
+
+
+def adapter_nodes(params, options: Options, hidden: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                  committed: jax.Array, positions: jax.Array, ancestor_keys: jax.Array, ancestor_values: jax.Array):
+  """g [B, T, D] of draft-tree nodes h [B, T, D], each at its own position seeing the adapter's cache up to slot
+  committed[b] and its ancestors' adapter keys and values (`model.node_attention_block`). Returns (g, keys, values
+  [B, T, E + 1, KV, hd])."""
+  attn, keys, values = node_attention_block(params, hidden, k_cache, v_cache, committed, positions, ancestor_keys,
+                                            ancestor_values, options.config)
+  return _output(params, options, hidden, attn), keys, values
+
+
+def _output(params, options: Options, hidden: jax.Array, attn: jax.Array) -> jax.Array:
+  """g = h + attention, then + MLP(g) with mlp=True."""
   g = hidden + attn
-  if options.mlp:
-    g = g + mlp_block(params, g, config)
-  return g, k_cache, v_cache
+  return g + mlp_block(params, g, options.config) if options.mlp else g
 
 
 # ------------------------------------------------------------------------------------------ the drafter
@@ -112,8 +130,25 @@ def propose(target_params, params, options: Options, state, inputs: DraftInputs,
     g, k, v = adapter(params, options, out.hidden, k, v, position[:, None])
     return draft_head.logits(target_params, params, g[:, -1], config), out.hidden[:, -1], (out.cache, k, v)
 
-  proposal = draft_tokens(step, (inputs.target_cache, state["k"], state["v"]), inputs, gamma, sampling,
-                          params.get("token_map"), config.vocab_size, keep_hidden=True)
+  def expand_step(cache, tokens, committed, positions, ancestors):
+    target_cache, k, v = cache
+    layer_ancestors, adapter_keys, adapter_values = ancestors
+    out = forward_nodes(target_params, tokens, target_cache, committed, positions, layer_ancestors, config,
+                        layers=options.layers, compute_logits=False)
+    g, adapter_keys, adapter_values = adapter_nodes(params, options, out.hidden, k, v, committed, positions,
+                                                    adapter_keys, adapter_values)
+    return draft_head.logits(target_params, params, g, config), (out.cache, adapter_keys, adapter_values)
+
+  cache = (inputs.target_cache, state["k"], state["v"])
+  if inputs.tree_nodes:
+    batch = inputs.position.shape[0]
+    no_keys = jnp.zeros((batch, 0) + state["k"].shape[2:], state["k"].dtype)
+    no_ancestors = (init_cache(config, batch, 0), no_keys, no_keys)
+    proposal = draft_tree_tokens(step, expand_step, cache, no_ancestors, inputs, gamma, sampling,
+                                 params.get("token_map"), config.vocab_size)
+  else:
+    proposal = draft_tokens(step, cache, inputs, gamma, sampling, params.get("token_map"), config.vocab_size,
+                            keep_hidden=True)
   target_cache, k, v = proposal.target_cache
   return proposal._replace(state={"k": k, "v": v}, target_cache=target_cache)
 
@@ -185,7 +220,7 @@ def make(model, adapter: str, exit_layer: int | None = None, mlp: bool | None = 
     params["head"] = draft_head.head_columns(model.params, config, params["token_map"])
   return Drafter(name=NAME, init=init, propose=propose, update=update, options=options, params=params,
                  param_specs=param_specs(options), loss=loss, feature_layers=(options.exit_layer - 1,),
-                 reuse_layers=options.exit_layer, cost=cost(model, options, params))
+                 reuse_layers=options.exit_layer, cost=cost(model, options, params), trees=True)
 
 
 def _adapter_weights(params) -> dict:

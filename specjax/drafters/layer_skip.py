@@ -10,6 +10,12 @@ verification runs layers 0..k-1 only for the last draft token, which the draft n
 Elhoushi et al. 2024: self-speculation reuses the draft's cache and computation).
 
 `adapter=...` puts a trained adapter between layer k and the head (Kangaroo-style; `exit_adapter`).
+
+Trees (EAGLE-2's, `draft_tree.grow`): the first step runs the pending token through the draft's layers as a chain's
+does; expanding k nodes of a depth is one forward of those layers over k positions a row (`model.forward_nodes`),
+each node seeing the target's cache of those layers up to the pending token and its ancestors' keys and values,
+which it carries. Nodes write no cache, so verification runs every layer over the tree's block (no reuse) and
+overwrites the pending token's slot; the accepted path's keys and values are moved where a chain's would be.
 """
 
 from __future__ import annotations
@@ -19,9 +25,12 @@ import json
 
 from specjax import leviathan
 from specjax.config import ModelConfig
-from specjax.drafters import DraftCost, Drafter, DraftInputs, draft_tokens, exit_adapter, keep_state, no_state
-from specjax.model import forward
+from specjax.drafters import (DraftCost, Drafter, DraftInputs, draft_tokens, draft_tree_tokens, exit_adapter,
+                              keep_state, no_state)
+from specjax.model import forward, forward_nodes, init_cache
 from specjax.sampling import SamplingParams
+
+TREES = True  # drafts EAGLE-2's trees (`propose` with `DraftInputs.tree_nodes`), with or without an exit adapter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +47,16 @@ def propose(target_params, params, options: Options, state, inputs: DraftInputs,
                   layers=options.layers)
     return out.logits[:, -1], out.hidden[:, -1], out.cache
 
-  proposal = draft_tokens(step, inputs.target_cache, inputs, gamma, sampling, keep_hidden=is_prefix(options.layers))
+  def expand_step(cache, tokens, committed, positions, ancestors):
+    out = forward_nodes(target_params, tokens, cache, committed, positions, ancestors, options.config,
+                        layers=options.layers)
+    return out.logits, out.cache
+
+  if inputs.tree_nodes:
+    no_ancestors = init_cache(options.config, inputs.position.shape[0], 0)
+    proposal = draft_tree_tokens(step, expand_step, inputs.target_cache, no_ancestors, inputs, gamma, sampling)
+  else:
+    proposal = draft_tokens(step, inputs.target_cache, inputs, gamma, sampling, keep_hidden=is_prefix(options.layers))
   return proposal._replace(state=state)
 
 
@@ -73,7 +91,7 @@ def make(model, exit_layer: int | None = None, skip_layers=None, adapter: str | 
   layers = draft_layers(model.config.num_layers, exit_layer, skip_layers)
   return Drafter(name="layer_skip", init=no_state, propose=propose, update=keep_state,
                  options=Options(config=model.config, layers=layers), params={}, param_specs={},
-                 reuse_layers=len(layers) if is_prefix(layers) else 0, cost=cost(model, layers))
+                 reuse_layers=len(layers) if is_prefix(layers) else 0, cost=cost(model, layers), trees=TREES)
 
 
 def cost(model, layers: tuple[int, ...]) -> DraftCost:

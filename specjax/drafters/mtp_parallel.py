@@ -44,6 +44,7 @@ from specjax.sampling import SamplingParams
 
 NAME = "mtp_parallel"
 DEPTH_DECAY = 0.8
+TREES = True  # drafts Medusa's static trees, or EAGLE-2's grown ones (`propose` with `DraftInputs.tree_nodes`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,7 +248,7 @@ def make(model, path: str | None = "default", num_heads: int = 4, token_map=None
   if options.draft_vocab is not None:
     params["head"] = draft_head.head_columns(model.params, config, params["token_map"])
   return Drafter(name=NAME, init=init, propose=propose, update=update, options=options, params=params,
-                 param_specs=param_specs(options), loss=loss, max_gamma=options.num_heads, trees=True,
+                 param_specs=param_specs(options), loss=loss, max_gamma=options.num_heads, trees=TREES,
                  cost=cost(model, options, params))
 
 

@@ -50,6 +50,7 @@ from specjax.sampling import SamplingParams
 
 NAME = "mtp_sequential"
 DEPTH_DECAY = 0.8
+TREES = True  # drafts EAGLE-2's trees (`propose` with `DraftInputs.tree_nodes`)
 BLOCK = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 
 
@@ -365,7 +366,7 @@ def make(model, path: str | None = "default", depth: int = 4, recurrent: bool = 
     params["head"] = draft_head.head_columns(model.params, config, params["token_map"])
   return Drafter(name=NAME, init=init, propose=propose, update=update, options=options, params=params,
                  param_specs=param_specs(options), loss=loss, feature_layers=options.feature_layers,
-                 max_gamma=None if options.recurrent else options.depth, cost=cost(model, options, params), trees=True)
+                 max_gamma=None if options.recurrent else options.depth, cost=cost(model, options, params), trees=TREES)
 
 
 def cost(model, options: Options, params) -> DraftCost:

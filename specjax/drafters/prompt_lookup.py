@@ -6,7 +6,15 @@ pending token repeats the pending token. With no match the pending token itself 
 confidence 1 and a guess 0, so under positive confidence bars (adaptive drafting) a row proposes only the tokens it
 copied, none without a match; a slot whose keep bar is 0 (`specjax.adaptive.confidence_bars`: a verification that
 costs no more with it) keeps a guess too, and the draft ends there.
-Proposals are deterministic, so q is one-hot and the sampling test accepts x with probability p(x).
+
+A tree of N nodes, gamma deep, offers several earlier matches as branches: the root's children are the first tokens
+of up to ceil(N / gamma) earlier continuations that begin with different tokens (the next is the latest match, of
+the longest n-gram that still has one, whose first token no branch before it has), each the chain of gamma tokens
+that followed it (the last branch cut to fit N). A chain is the tree of one branch. Branches found come first; the
+nodes of branches with no match are not drafted, except the first branch's (the chain's guess).
+
+Proposals are deterministic, so q is one-hot and the sampling test accepts x with probability p(x) (a tree's
+siblings: specjax/verify.py's rule for deterministic siblings).
 """
 
 from __future__ import annotations
@@ -15,9 +23,12 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.drafters import Drafter, DraftInputs, Proposal, draft_lengths, keep_state, no_state
 from specjax.sampling import SamplingParams
+
+TREES = True  # offers several earlier matches as branches (`propose` with `DraftInputs.tree_nodes`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,8 +37,8 @@ class Options:
   vocab_size: int
 
 
-def _latest_match(sequence, position, n: int):
-  """Start index of the latest n-gram ending before `position` equal to the one ending at it (-1 if none)."""
+def _matches(sequence, position, n: int):
+  """[B, L] bool: whether the n-gram starting at each index ends before `position` and equals the one ending at it."""
   length = sequence.shape[1]
   starts = jnp.arange(length)
   rows = jnp.arange(sequence.shape[0])
@@ -36,26 +47,57 @@ def _latest_match(sequence, position, n: int):
     query = sequence[rows, jnp.maximum(position - n + 1 + k, 0)]
     shifted = jnp.pad(sequence[:, k:], ((0, 0), (0, k)), constant_values=-1)
     match &= shifted == query[:, None]
-  return jnp.max(jnp.where(match, starts[None, :], -1), axis=1)
+  return match
+
+
+def continuations(sequence, position, ngram_sizes: tuple[int, ...], branches: int):
+  """(starts [B, branches], found [B, branches]): where up to `branches` earlier continuations of the last tokens
+  start, each the latest match of the largest n-gram size that matches (`ngram_sizes` largest first) among those whose
+  first token no earlier branch has. Found branches come first (a branch that finds none leaves none to later ones)."""
+  starts = jnp.arange(sequence.shape[1])
+  rows = jnp.arange(sequence.shape[0])
+  matches = [(n, _matches(sequence, position, n), jnp.pad(sequence[:, n:], ((0, 0), (0, n)), constant_values=-1))
+             for n in ngram_sizes]  # (n, matches, the token after each match)
+  begins, found, firsts = [], [], []
+  for _ in range(branches):
+    begin, hit = jnp.zeros_like(position), jnp.zeros(position.shape, bool)
+    for n, match, following in matches:
+      fresh = match
+      for first in firsts:
+        fresh &= following != first[:, None]
+      latest = jnp.max(jnp.where(fresh, starts[None, :], -1), axis=1)
+      take = ~hit & (latest >= 0)
+      begin, hit = jnp.where(take, latest + n, begin), hit | take
+    firsts.append(jnp.where(hit, sequence[rows, begin], -1))
+    begins.append(begin)
+    found.append(hit)
+  return jnp.stack(begins, axis=1), jnp.stack(found, axis=1)
 
 
 def propose(target_params, params, options: Options, state, inputs: DraftInputs, gamma: int,
             sampling: SamplingParams):
   seq, pos = inputs.sequence, inputs.position
   rows = jnp.arange(seq.shape[0])
-  start, found = jnp.zeros_like(pos), jnp.zeros(pos.shape, bool)
-  for n in options.ngram_sizes:  # largest first: the first size that matches wins
-    s = _latest_match(seq, pos, n)
-    take = ~found & (s >= 0)
-    start, found = jnp.where(take, s + n, start), found | take
-  index = start[:, None] + jnp.arange(gamma)[None, :]
-  tokens = jnp.where(found[:, None], seq[rows[:, None], jnp.minimum(index, pos[:, None])], seq[rows, pos][:, None])
+  nodes = inputs.tree_nodes or gamma
+  node = np.arange(nodes)
+  branch, depth = node // gamma, node % gamma  # node i: the depth-th token (0-based) of branch i // gamma
+  starts, found = continuations(seq, pos, options.ngram_sizes, -(-nodes // gamma))
+  index = starts[:, branch] + depth[None, :]
+  node_found = found[:, branch]
+  tokens = jnp.where(node_found, seq[rows[:, None], jnp.minimum(index, pos[:, None])], seq[rows, pos][:, None])
   probs = None if sampling.greedy else jax.nn.one_hot(tokens, options.vocab_size, dtype=jnp.float32)
-  # Confidence 1 for a copied continuation, 0 for a guess (no match, or past the pending token): with adaptive
-  # drafting a row proposes only what it copied.
-  copied = found[:, None] & (index <= pos[:, None])
-  return Proposal(tokens=tokens, probs=probs, state=state, target_cache=inputs.target_cache,
-                  lengths=draft_lengths(copied.astype(jnp.float32), inputs, gamma), steps=jnp.zeros((), jnp.int32))
+  if inputs.tree_nodes:
+    # A branch's first token hangs from the pending token (block 0), each later one from the node before it.
+    parents = jnp.broadcast_to(jnp.asarray(np.where(depth == 0, 0, node), jnp.int32), tokens.shape)
+    lengths = jnp.sum(node_found | (branch == 0)[None, :], axis=1).astype(jnp.int32)
+  else:
+    # Confidence 1 for a copied continuation, 0 for a guess (no match, or past the pending token): with adaptive
+    # drafting a row proposes only what it copied.
+    parents = None
+    copied = node_found & (index <= pos[:, None])
+    lengths = draft_lengths(copied.astype(jnp.float32), inputs, gamma)
+  return Proposal(tokens=tokens, probs=probs, state=state, target_cache=inputs.target_cache, lengths=lengths,
+                  steps=jnp.zeros((), jnp.int32), parents=parents)
 
 
 def make(model, ngram_sizes=(3, 2, 1)) -> Drafter:
@@ -66,4 +108,4 @@ def make(model, ngram_sizes=(3, 2, 1)) -> Drafter:
     raise ValueError(f"ngram_sizes must be positive integers, got {ngram_sizes}")
   return Drafter(name="prompt_lookup", init=no_state, propose=propose, update=keep_state,
                  options=Options(ngram_sizes=sizes, vocab_size=model.config.vocab_size), params={}, param_specs={},
-                 forwards_per_step=0)
+                 forwards_per_step=0, trees=TREES)
