@@ -143,15 +143,17 @@ TREE_DRAFTERS = {
     "mtp_sequential_recurrent": ("mtp_sequential", dict(path=None, depth=3, recurrent=True)),
 }
 # (drafter, gamma: the depth, tree_nodes, batch): trees of one level, of a chain's size, and bushy ones.
-# The fast tier runs the first: the engine's tree round, EAGLE-2's grow and a drafter's expansion of nodes (what the
-# parallel heads add to it, one broadcast, the slow rows and the chi-square tests run).
+# The fast tier runs the engine's tree round, EAGLE-2's grow and a drafter's expansion of nodes in
+# test_greedy_rounds_of_every_kind_in_one_program_equal_autoregressive (the first row's drafter and tree, with
+# chains and plain steps between trees); what the parallel heads add to it, one broadcast, the slow rows and the
+# chi-square tests run.
 TREE_GRID = [("mtp_sequential_recurrent", 2, 6, 1), ("mtp_parallel", 3, 20, 4),
              ("mtp_sequential", 3, 3, 4), ("mtp_parallel", 1, 8, 1), ("mtp_sequential_recurrent", 3, 32, 4),
              ("mtp_parallel_static", 3, 12, 4)]
 
 
 @pytest.mark.parametrize("name, gamma, nodes, batch", [
-    row if i < 1 else pytest.param(*row, marks=pytest.mark.slow) for i, row in enumerate(TREE_GRID)],
+    pytest.param(*row, marks=pytest.mark.slow) for row in TREE_GRID],
     ids=[f"{name}-depth{gamma}-nodes{nodes}-batch{batch}" for name, gamma, nodes, batch in TREE_GRID])
 def test_greedy_tree_speculative_equals_autoregressive(name, gamma, nodes, batch, target):
   prompts = ragged_prompts(batch)
@@ -170,14 +172,70 @@ def test_greedy_tree_speculative_equals_autoregressive(name, gamma, nodes, batch
   assert len(s["acceptance_per_position"]) == gamma and s["proposed_per_position"][0] == rounds.sum()
 
 
-def test_tree_nodes_need_a_drafter_that_drafts_trees_and_a_fixed_policy(target):
+@dataclasses.dataclass(frozen=True)
+class KindsInTurn:
+  """A drafting policy (`specjax.adaptive.Policy`) that takes a plain step, drafts a chain of the whole budget and
+  drafts a tree, in turn, with no early stops."""
+  gamma: int = 0
+  tree_nodes: int | None = None
+
+  def plan(self, cost, gamma, rows, tree_nodes=None):
+    return KindsInTurn(gamma, tree_nodes)
+
+  @property
+  def widths(self):
+    return verify_widths(self.gamma)
+
+  def init(self):
+    return jnp.zeros((), jnp.int32)  # rounds so far
+
+  def choose(self, rounds):
+    kind = rounds % 3
+    return Choice(budget=jnp.where(kind == 0, 0, self.gamma), keep_bars=0.0, go_bars=0.0, tree=kind == 2)
+
+  def observe(self, rounds, outcome):
+    return rounds + 1
+
+
+def test_greedy_rounds_of_every_kind_in_one_program_equal_autoregressive(target):
+  """Plain steps, chains and trees in turn, ragged rows: each kind of round hands the next one the cache, sequence
+  and drafter state a chain would have."""
+  prompts = ragged_prompts(4)
+  expected = specjax.generate(target, prompts, max_new_tokens=24, stop_ids=[])
+  drafter = perturbed(specjax.make_drafter("mtp_sequential", target, path=None, depth=2, recurrent=True), seed=3,
+                      scale=0.1)
+  out = specjax.generate(target, prompts, max_new_tokens=24, drafter=drafter, gamma=2, stop_ids=[],
+                         adaptive=KindsInTurn(), tree_nodes=6)
+  assert out.tokens == expected.tokens
+  s = out.stats
+  assert s["tree_rounds"] == s["rounds"] // 3 >= 2 and s["plain_steps"] == (s["rounds"] + 2) // 3
+  assert sum(s["accepted_per_row"]) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mtp_parallel", "mtp_sequential"])
+def test_greedy_adaptive_drafting_with_trees_equals_autoregressive(name, target):
+  """The cost model choosing among plain steps, chains and trees (flat forward costs: trees are tried)."""
+  prompts = ragged_prompts(4)
+  expected = specjax.generate(target, prompts, max_new_tokens=24, stop_ids=[])
+  drafter_name, options = TREE_DRAFTERS[name]
+  drafter = perturbed(specjax.make_drafter(drafter_name, target, **options), seed=3, scale=0.1)
+  policy = specjax.AdaptiveDrafting(forward_costs=((1, 1.0), (64, 1.0)))
+  out = specjax.generate(target, prompts, max_new_tokens=24, drafter=drafter, gamma=3, stop_ids=[],
+                         adaptive=policy, tree_nodes=8)
+  assert out.tokens == expected.tokens
+  assert out.stats["tree_rounds"] >= 1
+
+
+def test_tree_nodes_need_a_drafter_that_drafts_trees_and_a_policy_that_plans_them(target):
   prompts = ragged_prompts(1)
   with pytest.raises(ValueError, match="drafts chains only"):
     specjax.generate(target, prompts, max_new_tokens=4, drafter=specjax.make_drafter("prompt_lookup", target),
                      gamma=2, adaptive=False, tree_nodes=4)
   heads = specjax.make_drafter("mtp_parallel", target, path=None, num_heads=2)
-  with pytest.raises(ValueError, match="pass adaptive=False"):
-    specjax.generate(target, prompts, max_new_tokens=4, drafter=heads, gamma=2, tree_nodes=4)
+  with pytest.raises(ValueError, match="EveryEleventhRound drafts chains only"):
+    specjax.generate(target, prompts, max_new_tokens=4, drafter=heads, gamma=2, tree_nodes=4,
+                     adaptive=EveryEleventhRound())
   with pytest.raises(ValueError, match="tree_nodes must be a positive integer"):
     specjax.generate(target, prompts, max_new_tokens=4, drafter=heads, gamma=2, adaptive=False, tree_nodes=0)
   with pytest.raises(ValueError, match="pass drafter="):
