@@ -76,8 +76,8 @@ et al. 2023, "Fast Inference from Transformers via Speculative Decoding"), or wi
    drafts accepted independently at the chain's alpha), so a tree is tried where a tree could pay and the chain's
    evidence is good. The round drafts the tree when T per unit of its cost beats every chain budget and the plain
    step (`drafts_tree`). A round is evidence on its own kind only: a chain round or a plain step ages the tree's
-   counts by `plain_memory`, and a tree round ages the chain's so, as a plain step does; so a kind not chosen
-   drifts back to its prior and is tried again, rarely.
+   counts by `plain_memory`, and a tree round the chain's, as a plain step does; so a kind not chosen drifts back
+   to its prior and is tried again, rarely.
 """
 
 from __future__ import annotations
