@@ -461,6 +461,24 @@ def test_adaptive_rounds_update_the_cache_in_place(name, options, target):
   assert adaptive <= fixed, (adaptive, fixed)
 
 
+@pytest.mark.slow
+def test_adaptive_rounds_with_trees_update_the_cache_in_place(target):
+  """Plain steps, chains and trees in one program copy no more of the cache than every round a tree."""
+  drafter = specjax.make_drafter("mtp_sequential", target, path=None, depth=3)
+  batch, cache_len = 4, 128
+
+  def compiled(policy):
+    return speculative._generate_speculative.lower(
+        target.params, drafter.params, np.zeros((batch, 16), np.int32), np.full(batch, 5, np.int32),
+        jax.random.PRNGKey(0), config=target.config, drafter=drafter.static(), policy=policy,
+        sampling=specjax.SamplingParams(), max_new_tokens=10, cache_len=cache_len, stop_ids=()).compile().as_text()
+
+  shape = (batch, cache_len, target.config.num_kv_heads, target.config.head_dim)
+  fixed = _cache_copies(compiled(specjax.FixedGamma(3, tree_nodes=8)), shape)
+  adaptive = _cache_copies(compiled(specjax.AdaptiveDrafting().plan(drafter.cost, 3, batch, tree_nodes=8)), shape)
+  assert adaptive <= fixed, (adaptive, fixed)
+
+
 # ------------------------------------------------------------------------------------------ SmolLM2
 
 def spec_bench_prompts(model, n=4):
