@@ -515,7 +515,7 @@ def test_a_round_is_evidence_on_its_own_kind_and_ages_the_others():
   after = p.observe(start, chain_round)
   assert (float(after.tree_tokens), float(after.tree_rows)) == pytest.approx((0.9 * 20, 0.9 * 10))
   # The chain's update is what it is without trees.
-  assert float(after.accepted) == pytest.approx(0.5 * 6 + 1) and float(after.tested) == pytest.approx(0.5 * 10 + 2)
+  assert float(after.accepted) == pytest.approx(0.5 * 6 + 1) and float(after.tested) == pytest.approx(0.5 * 10 + 3)
   plain = p.observe(start, outcome(0))
   assert (float(plain.tree_rows), float(plain.tested)) == pytest.approx((0.9 * 10, 0.9 * 10))
 
