@@ -5,7 +5,7 @@ r"""Draft trees: every drafter that drafts trees as a chain and as trees of 8, 1
 
 A tree method (`<method>_tree<N>`) drafts EAGLE-2's dynamic tree of N nodes, gamma 4 deep, every round
 (specjax/drafters/draft_tree.py) and verifies it in one target forward under a tree mask (specjax/trees.py); its
-chain drafts gamma tokens every round (fixed rounds for both: no policy chooses among trees yet). Greedy, so every
+chain drafts gamma tokens every round (fixed rounds for both, `config.adaptive` False). Greedy, so every
 method is checked token for token against autoregressive decoding. The table gives tokens per target forward
 (mean accepted + 1), per-depth acceptance and paired speedups with intervals; costs (c, r, the accelerator
 projection) are measured for the chains. Not run end to end yet on 2 shared CPU cores: `:small` compiles 7

@@ -14,7 +14,7 @@ ones a user runs, at the config's shapes (bf16, `batch_size` rows, a KV cache of
   autoregressive       `specjax.generate`'s program: prefill and the whole decode loop
   speculative/<name>   `specjax.generate(..., drafter=...)`'s program (adaptive drafting on, as by default, with the
                        forward costs it uses on an accelerator), one per drafter; and for the drafters that draft
-                       trees, `generate(..., gamma=gamma, tree_nodes=N, adaptive=False)`'s, one per tree size N of
+                       trees, `generate(..., gamma=gamma, tree_nodes=N)`'s, one per tree size N of
                        `tree_nodes` (a block's, or the config's)
   train_drafter/<name> `specjax.train_drafter`'s step (AdamW) on a batch of cached features, one per trainable drafter
   train                `specjax.train`'s sharded step over the whole target (`lm_loss`, AdamW)
@@ -91,7 +91,7 @@ from jax.experimental.layout import Format, Layout
 from ml_collections import config_flags
 
 from specjax import sharding, speculative, train, train_drafter, trees
-from specjax.adaptive import ACCELERATOR_FORWARD_COSTS, AdaptiveDrafting, FixedGamma
+from specjax.adaptive import ACCELERATOR_FORWARD_COSTS, AdaptiveDrafting
 from specjax.config import ModelConfig, shaped_config
 from specjax.decoding import prefill
 from specjax.drafters import Drafter, DraftInputs, PromptInfo, RoundResult, keep_state, make_drafter
@@ -432,15 +432,16 @@ def generate_programs(s: Shapes, config: ml_collections.ConfigDict, which: str, 
                              (s.params, s.draft_params[name], tokens, lengths, key),
                              dict(common, drafter=drafter.static(),
                                   policy=policy.plan(drafter.cost, config.gamma, rows_per_device))))
-  # generate(..., gamma=depth, tree_nodes=N): a tree of N nodes, gamma deep, every round (fixed rounds).
+  # generate(..., gamma=depth, tree_nodes=N): rounds of a plain step, a chain or a tree of N nodes, gamma deep, as the
+  # policy chooses.
   for name in tree_drafters(s, drafters):
     drafter = s.drafters[name]
     for nodes in tree_nodes:
       programs.append(Lowering("speculative", name, speculative._generate_speculative,
                                (s.params, s.draft_params[name], tokens, lengths, key),
                                dict(common, drafter=drafter.static(),
-                                    policy=FixedGamma().plan(drafter.cost, config.gamma, rows_per_device),
-                                    tree_nodes=nodes), tree_nodes=nodes))
+                                    policy=policy.plan(drafter.cost, config.gamma, rows_per_device,
+                                                       tree_nodes=nodes)), tree_nodes=nodes))
   return programs
 
 

@@ -50,10 +50,10 @@ summary, every batch size's per-method summary is in `summary.by_batch_size["<b>
 plotted (speedup_vs_batch_size.png). Costs are measured at the first batch size.
 Gamma sweeps: `config.gammas` (a tuple; empty: each method's own gamma) runs every drafter at each gamma, named
 `<method>_g<gamma>` (`family` and `gamma` in its summary).
-Draft trees: a method's `"tree_nodes": N` drafts a tree of N nodes, `gamma` deep, every round
-(`specjax.generate(..., tree_nodes=N)`; a drafter that drafts trees, and `"adaptive": False`: no policy chooses among
-trees yet); `tree_nodes` is in its summary. Costs are measured for chain methods only (experiments/costs.py times
-chain rounds).
+Draft trees: a method's `"tree_nodes": N` drafts a tree of N nodes, `gamma` deep (`specjax.generate(...,
+tree_nodes=N)`; a drafter that drafts trees): every round with `"adaptive": False`, where a tree pays with adaptive
+drafting (each call records its `tree_rounds`); `tree_nodes` is in its summary. Costs are measured for chain methods
+only (experiments/costs.py times chain rounds).
 Methods that need a shipped checkpoint name it (`"needs": ("exit_adapter",)`: specjax/checkpoints/<model>/
 exit_adapter.safetensors); while it is not shipped, the method is left out with a warning in the log, and the
 results list it under `summary.skipped_methods`. A layer-skip method may name a searched skip set instead of its
@@ -134,12 +134,9 @@ def check_methods(config: ml_collections.ConfigDict) -> list[dict]:
         raise ValueError(f"method {spec['name']!r}: a skip set is a layer_skip drafter's, got {spec}")
       method_options(spec)
     if spec.get("tree_nodes") is not None:
-      nodes, adaptive = spec["tree_nodes"], spec.get("adaptive", config.get("adaptive", True))
+      nodes = spec["tree_nodes"]
       if not spec.get("drafter") or not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1:
         raise ValueError(f"method {spec['name']!r}: tree_nodes is a positive integer of a drafting method, got {spec}")
-      if adaptive is not False:
-        raise ValueError(f"method {spec['name']!r}: a tree method drafts its whole tree every round: set "
-                         f"'adaptive': False on it (or config.adaptive = False), got adaptive={adaptive!r}")
   names = [s["name"] for s in specs]
   if len(set(names)) != len(names):
     raise ValueError(f"method names must be unique, got {names}")
@@ -406,6 +403,7 @@ def _record(method: Method, batch: PromptBatch, repeat: int, temperature: float,
       "accepted_per_row": stats.get("accepted_per_row"), "rejections_per_row": stats.get("rejections_per_row"),
       "proposed_per_row": stats.get("proposed_per_row"), "proposed_per_position": stats.get("proposed_per_position"),
       "gamma_histogram": stats.get("gamma_histogram"), "plain_steps": stats.get("plain_steps"),
+      "tree_rounds": stats.get("tree_rounds"),
       "compile_call_seconds": compile_call_seconds,
       "matches_baseline": matches, "agreement": agreement}
 

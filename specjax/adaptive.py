@@ -4,22 +4,26 @@ A policy is a static, hashable object (equal policies share one compiled program
 run inside the compiled loop over a small state pytree the loop carries (`specjax.speculative.SpecState.policy`),
 so no choice needs a host sync:
 
-  plan(cost: DraftCost, gamma, rows) -> policy
+  plan(cost: DraftCost, gamma, rows, tree_nodes=None) -> policy
       the policy for one program, from the drafter's costs (`specjax.drafters.DraftCost`), the most tokens a round
-      drafts and the rows one target forward processes (the batch per device).
-  gamma, widths
-      the most tokens a round drafts, and the verification widths the program compiles (a round verifies in the
-      narrowest that holds its longest draft and the pending token).
+      drafts, the rows one target forward processes (the batch per device) and the size of the draft trees the
+      program may verify (None: chains only).
+  gamma, widths, tree_nodes
+      the most tokens a round drafts (a tree's depth), the verification widths the program compiles for chains (a
+      round verifies in the narrowest that holds its longest draft and the pending token), and N: a tree round
+      verifies its N nodes and the pending token (None: no tree rounds).
   init() -> state
-  choose(state) -> Choice(budget, keep_bars, go_bars)
+  choose(state) -> Choice(budget, keep_bars, go_bars, tree)
       before a round: draft at most `budget` tokens (0: a plain target step), and the bars on a row's joint
-      confidence at each slot to keep the slot and to draft the next one (`specjax.drafters.keeps`).
+      confidence at each slot to keep the slot and to draft the next one (`specjax.drafters.keeps`); or, `tree`,
+      a tree of N nodes, `budget` deep. A kind of round a policy never chooses (its choice a Python value) is not
+      compiled.
   observe(state, outcome: Outcome) -> state
       after the round, from what its rows drafted and the verifier accepted.
 
 `specjax.generate(..., adaptive=False)` runs `FixedGamma`: every round drafts gamma tokens in every row (Leviathan
-et al. 2023, "Fast Inference from Transformers via Speculative Decoding"). `adaptive=True` runs `AdaptiveDrafting()`,
-which drafts where drafting pays by the costs of a round's parts:
+et al. 2023, "Fast Inference from Transformers via Speculative Decoding"), or with `tree_nodes` a tree of N nodes.
+`adaptive=True` runs `AdaptiveDrafting()`, which drafts where drafting pays by the costs of a round's parts:
 
 1. Per-row early stop (Kangaroo, Liu et al. 2024; EAGLE-2, Li et al. 2024) on a row's joint confidence at slot i,
    the product of the draft's top probabilities over slots 1..i (EAGLE-2's path value: about the chance that
@@ -60,6 +64,20 @@ which drafts where drafting pays by the costs of a round's parts:
    plain steps, which bring no evidence. results/adaptive_optimism/ (configs/adaptive_optimism.py) paired
    z = 0.5, 0.25 and 0 per prompt and repeat: for the distilled draft model z = 0.5 decoded faster than z = 0 with
    a 90% interval of the paired ratio above 1, and no comparison read slower.
+
+5. Trees (`tree_nodes=N`, a drafter that drafts trees): a round may instead draft a tree of N nodes, gamma deep
+   (EAGLE-2's, `specjax.drafters.draft_tree`), verified at width N + 1 (a forward over B (N + 1) rows, costed by
+   the same f(n)). Its draft is gamma draft steps: the first over the pending token, each later one over the k
+   nodes a depth expands per row (`draft_tree.TOP_K`), a draft step c scaled as a forward over B k rows,
+   c f(B k) / f(B) (`RoundCosts.of`). Its tokens come from evidence, as the chain's do: T = tokens committed per
+   live row in tree rounds over those rows, decayed by `memory` each tree round, from a prior worth one row. The
+   prior is the chain's expected tokens with every one of the gamma slots drafted, each depth accepted with
+   1 - (1 - alpha)^2 (a tree holds the chain's draft and other candidates beside it: as if each depth offered two
+   drafts accepted independently at the chain's alpha), so a tree is tried where a tree could pay and the chain's
+   evidence is good. The round drafts the tree when T per unit of its cost beats every chain budget and the plain
+   step (`drafts_tree`). A round is evidence on its own kind only: a chain round or a plain step ages the tree's
+   counts by `plain_memory`, and a tree round the chain's, as a plain step does; so a kind not chosen drifts back
+   to its prior and is tried again, rarely.
 """
 
 from __future__ import annotations
@@ -70,9 +88,11 @@ from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from specjax.drafters import DraftCost
+from specjax.drafters.draft_tree import TOP_K
 
 # f(n), a target forward over n rows over a 1-row one, on 2 cores of XLA:CPU with specjax's CPU kernels and
 # SmolLM2-135M fp32: benchmarks/bench_verify.py, two runs on 2026-12-02 (results/benchmarks/RUN.md).
@@ -115,6 +135,17 @@ class Choice(NamedTuple):
   # to draft slot i + 1 (`specjax.drafters.keeps`)
   keep_bars: jax.Array | float
   go_bars: jax.Array | float
+  tree: jax.Array | bool = False  # scalar: draft a tree of the program's `tree_nodes` nodes, `budget` deep
+
+  def kinds(self):
+    """(plain step, chain, tree): whether the round is each kind. Python bools where the choice is a Python value
+    (known when the program is traced: a kind never chosen is not compiled), else traced scalars."""
+    drafts, tree = self.budget > 0, self.tree
+    known = lambda x: isinstance(x, (bool, np.bool_))  # noqa: E731
+    plain = (not drafts) if known(drafts) else ~drafts
+    if known(tree):
+      return plain, drafts if not tree else False, drafts if tree else False
+    return plain, drafts & ~tree, drafts & tree
 
 
 class Outcome(NamedTuple):
@@ -124,15 +155,17 @@ class Outcome(NamedTuple):
   accepted: jax.Array  # [B] drafts accepted
   rejected: jax.Array  # [B] bool: the round ended at a rejected draft
   stopped: jax.Array  # [B] bool: the row drafted fewer slots than the budget (its draft was unsure)
+  tree: jax.Array | bool = False  # the round drafted a tree (drafted: the depth each live row's tree reaches)
 
 
 class Policy(Protocol):
-  """A drafting policy (the module docstring); static and hashable. `gamma` and `widths` are those of a planned
-  policy (`plan`'s result)."""
+  """A drafting policy (the module docstring); static and hashable. `gamma`, `widths` and `tree_nodes` are those of
+  a planned policy (`plan`'s result); a policy whose `plan` takes no `tree_nodes` drafts chains only."""
   gamma: int
   widths: tuple[int, ...]
+  tree_nodes: int | None
 
-  def plan(self, cost: DraftCost, gamma: int, rows: int) -> "Policy": ...
+  def plan(self, cost: DraftCost, gamma: int, rows: int, tree_nodes: int | None = None) -> "Policy": ...
 
   def init(self) -> Any: ...
 
@@ -149,13 +182,15 @@ def is_policy(value) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class FixedGamma:
-  """Every round drafts `gamma` tokens and every row drafts them all: Leviathan et al.'s fixed round."""
+  """Every round drafts `gamma` tokens and every row drafts them all: Leviathan et al.'s fixed round; with
+  `tree_nodes`, every round drafts a tree of that many nodes, gamma deep."""
   gamma: int | None = None  # None: generate's gamma (`plan`)
+  tree_nodes: int | None = None  # set by `plan` (generate's tree_nodes)
 
-  def plan(self, cost: DraftCost, gamma: int, rows: int) -> "FixedGamma":
+  def plan(self, cost: DraftCost, gamma: int, rows: int, tree_nodes: int | None = None) -> "FixedGamma":
     if self.gamma is not None and self.gamma != gamma:
       raise ValueError(f"FixedGamma(gamma={self.gamma}) with generate's gamma={gamma}")
-    return FixedGamma(gamma=int(gamma))
+    return FixedGamma(gamma=int(gamma), tree_nodes=None if tree_nodes is None else int(tree_nodes))
 
   @property
   def widths(self) -> tuple[int, ...]:
@@ -165,7 +200,7 @@ class FixedGamma:
     return ()
 
   def choose(self, state) -> Choice:
-    return Choice(budget=self.gamma, keep_bars=0.0, go_bars=0.0)
+    return Choice(budget=self.gamma, keep_bars=0.0, go_bars=0.0, tree=self.tree_nodes is not None)
 
   def observe(self, state, outcome: Outcome):
     return state
@@ -183,18 +218,29 @@ class RoundCosts:
   verify_costs: tuple[float, ...]  # a verification forward of each width
   refill_cost: float  # layers a drafter reuses (`Drafter.reuse_layers`) over its last draft, when a row kept it
   rows: int  # B: the rows one forward processes
+  tree_nodes: int | None = None  # N: a tree round drafts N nodes, gamma deep (None: no tree rounds)
+  tree_draft_cost: float = 0.0  # growing a tree: gamma draft steps, each after the first over k nodes a row
+  tree_verify_cost: float = 0.0  # its verification, a forward over B (N + 1) rows
 
   @classmethod
-  def of(cls, cost: DraftCost, forward_costs: tuple[tuple[int, float], ...], gamma: int, rows: int) -> "RoundCosts":
-    """The costs of rounds drafting up to `gamma` tokens for `rows` rows a forward, from the drafter's `cost` and
-    the target's forward costs f(n)."""
+  def of(cls, cost: DraftCost, forward_costs: tuple[tuple[int, float], ...], gamma: int, rows: int,
+         tree_nodes: int | None = None) -> "RoundCosts":
+    """The costs of rounds drafting up to `gamma` tokens for `rows` rows a forward, and of rounds drafting trees of
+    `tree_nodes` nodes, from the drafter's `cost` and the target's forward costs f(n)."""
     plain = forward_cost(forward_costs, rows)
     widths = verify_widths(gamma)
     # The layers after the reused ones over w tokens (all of them when none are reused); the reused ones run over
     # the last drafted token only if a row kept it (`refill_cost`).
     verify_costs = tuple((1.0 - cost.reused) * forward_cost(forward_costs, rows * w) / plain for w in widths)
+    trees = {}
+    if tree_nodes is not None:
+      # Depth 1 is one draft step over the pending token; each of depths 2..gamma one over the TOP_K nodes a row
+      # expands, a draft step scaled as the target's forward over as many rows (the module docstring, rule 5).
+      expansion = forward_cost(forward_costs, rows * TOP_K) / plain
+      trees = dict(tree_nodes=int(tree_nodes), tree_draft_cost=float(cost.step) * (1.0 + (gamma - 1) * expansion),
+                   tree_verify_cost=forward_cost(forward_costs, rows * (tree_nodes + 1)) / plain)
     return cls(draft_cost=float(cost.step), plain_cost=1.0 + cost.plain_step, widths=widths,
-               verify_costs=verify_costs, refill_cost=float(cost.reused), rows=int(rows))
+               verify_costs=verify_costs, refill_cost=float(cost.reused), rows=int(rows), **trees)
 
   @property
   def gamma(self) -> int:
@@ -206,6 +252,11 @@ class RoundCosts:
     drafts to the one that holds i (0 within one compiled width)."""
     width = lambda drafted: bisect.bisect_left(self.widths, drafted + 1)  # noqa: E731 (as `width_index`)
     return tuple(self.verify_costs[width(i)] - self.verify_costs[width(i - 1)] for i in range(1, self.gamma + 1))
+
+  @property
+  def tree_cost(self) -> float:
+    """A tree round: its draft and its verification."""
+    return self.tree_draft_cost + self.tree_verify_cost
 
   @property
   def round_costs(self) -> tuple[float, ...]:
@@ -248,16 +299,19 @@ def expected_rounds(costs: RoundCosts, alpha, continues):
 class Acceptance:
   """`AdaptiveDrafting`'s state: decayed counts over past rounds, summed over the batch's live rows: drafts accepted
   and tested (accepted + rejected: the verifier's evidence), and slots drafted and stopped at (a row drafting fewer
-  than the round's budget: the drafter's own early stop)."""
+  than the round's budget: the drafter's own early stop), in chain rounds; tokens committed and rows, in tree
+  rounds."""
   accepted: jax.Array  # scalar float32
   tested: jax.Array
   drafted: jax.Array
   stopped: jax.Array
+  tree_tokens: jax.Array | float = 0.0
+  tree_rows: jax.Array | float = 0.0
 
   @classmethod
   def zero(cls):
     z = jnp.zeros((), jnp.float32)
-    return cls(accepted=z, tested=z, drafted=z, stopped=z)
+    return cls(accepted=z, tested=z, drafted=z, stopped=z, tree_tokens=z, tree_rows=z)
 
   def update(self, memory, accepted: jax.Array, rejected: jax.Array, drafted: jax.Array,
              stopped: jax.Array) -> "Acceptance":
@@ -265,9 +319,19 @@ class Acceptance:
     rejection, slots drafted and whether the row stopped drafting before the budget."""
     total = lambda x: jnp.sum(x).astype(jnp.float32)  # noqa: E731
     accepted_sum = total(accepted)
-    return Acceptance(accepted=memory * self.accepted + accepted_sum,
-                      tested=memory * self.tested + accepted_sum + total(rejected),
-                      drafted=memory * self.drafted + total(drafted), stopped=memory * self.stopped + total(stopped))
+    return self.replace(accepted=memory * self.accepted + accepted_sum,
+                        tested=memory * self.tested + accepted_sum + total(rejected),
+                        drafted=memory * self.drafted + total(drafted), stopped=memory * self.stopped + total(stopped))
+
+  def update_trees(self, memory, tokens: jax.Array, rows: jax.Array) -> "Acceptance":
+    """The tree counts decayed by `memory`, plus a tree round's: per row [B], tokens committed and whether the row
+    was live (0 and False outside tree rounds)."""
+    return self.replace(tree_tokens=memory * self.tree_tokens + jnp.sum(tokens).astype(jnp.float32),
+                        tree_rows=memory * self.tree_rows + jnp.sum(rows).astype(jnp.float32))
+
+  def tree_tokens_per_row(self, prior_tokens) -> jax.Array:
+    """T: tokens a live row commits in a tree round, from `prior_tokens` worth one row."""
+    return (self.tree_tokens + prior_tokens) / (self.tree_rows + 1.0)
 
   def alpha(self, prior_alpha: float) -> jax.Array:
     """P(a drafted token is accepted | the drafts before it were): from the prior, worth one tested draft."""
@@ -318,9 +382,9 @@ class AdaptiveDrafting:
     if not self.optimism >= 0.0:
       raise ValueError(f"optimism must be >= 0 (standard errors above the running acceptance), got {self.optimism}")
 
-  def plan(self, cost: DraftCost, gamma: int, rows: int) -> "AdaptiveDrafting":
+  def plan(self, cost: DraftCost, gamma: int, rows: int, tree_nodes: int | None = None) -> "AdaptiveDrafting":
     return dataclasses.replace(self, costs=RoundCosts.of(cost, self.forward_costs or default_forward_costs(),
-                                                         gamma, rows))
+                                                         gamma, rows, tree_nodes))
 
   @property
   def gamma(self) -> int:
@@ -330,16 +394,32 @@ class AdaptiveDrafting:
   def widths(self) -> tuple[int, ...]:
     return self.costs.widths
 
+  @property
+  def tree_nodes(self) -> int | None:
+    return self.costs.tree_nodes
+
   def init(self) -> Acceptance:
     return Acceptance.zero()
 
   def choose(self, acceptance: Acceptance) -> Choice:
     keep_bars, go_bars = confidence_bars(self, acceptance)
-    return Choice(budget=draft_length(self, acceptance), keep_bars=keep_bars, go_bars=go_bars)
+    budget = draft_length(self, acceptance)
+    if self.tree_nodes is None:
+      return Choice(budget=budget, keep_bars=keep_bars, go_bars=go_bars)
+    tree = drafts_tree(self, acceptance)
+    return Choice(budget=jnp.where(tree, self.gamma, budget), keep_bars=keep_bars, go_bars=go_bars, tree=tree)
 
   def observe(self, acceptance: Acceptance, outcome: Outcome) -> Acceptance:
-    memory = jnp.where(jnp.asarray(outcome.budget) == 0, self.plain_memory, self.memory)
-    return acceptance.update(memory, outcome.accepted, outcome.rejected, outcome.drafted, outcome.stopped)
+    """A round is evidence on its own kind of round only; the other kind's counts age by `plain_memory`, as in a
+    plain step (the module docstring, rules 3 and 5)."""
+    tree = jnp.asarray(outcome.tree)
+    chain = (jnp.asarray(outcome.budget) > 0) & ~tree
+    chain_memory = jnp.where(chain, self.memory, self.plain_memory)
+    acceptance = acceptance.update(chain_memory, *(jnp.where(tree, jnp.zeros_like(x), x) for x in (
+        outcome.accepted, outcome.rejected, outcome.drafted, outcome.stopped)))
+    live = tree & (outcome.drafted > 0)  # every live row of a tree round drafted its tree
+    return acceptance.update_trees(jnp.where(tree, self.memory, self.plain_memory),
+                                   jnp.where(live, outcome.accepted + 1, 0), live)
 
 
 def draft_length(policy: AdaptiveDrafting, acceptance: Acceptance) -> jax.Array:
@@ -359,6 +439,23 @@ def draft_length(policy: AdaptiveDrafting, acceptance: Acceptance) -> jax.Array:
   rate_hi = tokens_hi / cost_hi
   drafting = (1 + jnp.argmax(rate[1:])).astype(jnp.int32)
   return jnp.where((best == 0) & (jnp.max(rate_hi[1:]) > rate_hi[0]), drafting, best)
+
+
+def tree_prior(gamma: int, alpha) -> jax.Array:
+  """Tokens a row commits in a tree round before any evidence: a chain's E = 1 + s + ... + s^gamma with every slot
+  drafted, each depth accepted with s = 1 - (1 - alpha)^2 (the module docstring, rule 5)."""
+  either = 1.0 - (1.0 - alpha) ** 2
+  return jnp.sum(either ** jnp.arange(gamma + 1))
+
+
+def drafts_tree(policy: AdaptiveDrafting, acceptance: Acceptance) -> jax.Array:
+  """Whether the round drafts a tree: T, the tokens a tree round is expected to commit per row, per unit of its cost
+  beats the best chain budget's (a plain step included; `expected_rounds`)."""
+  costs = policy.costs
+  alpha = acceptance.alpha(policy.prior_alpha)
+  tokens, cost = expected_rounds(costs, alpha, acceptance.continues())
+  tree_tokens = acceptance.tree_tokens_per_row(tree_prior(costs.gamma, alpha))
+  return tree_tokens / costs.tree_cost > jnp.max(tokens / cost)
 
 
 def confidence_bars(policy: AdaptiveDrafting, acceptance: Acceptance) -> tuple[jax.Array, jax.Array]:

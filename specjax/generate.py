@@ -167,8 +167,9 @@ def generate(model: Model, prompts: Sequence[str | Sequence[int]], *, max_new_to
       stops drafting at a slot where the draft is unsure; `specjax.AdaptiveDrafting(min_confidence=,
       forward_costs=, prior_alpha=, memory=, plain_memory=, optimism=)` sets its options. False:
       `specjax.FixedGamma()`, gamma tokens every round. Lossless either way.
-    tree_nodes: N drafts a tree of N nodes, gamma deep, every round, verified in one target forward (specjax/trees.py;
-      drafters that draft trees: mtp_parallel, mtp_sequential; with adaptive=False). None: a chain of gamma tokens.
+    tree_nodes: N lets a round draft a tree of N nodes, gamma deep, verified in one target forward (specjax/trees.py;
+      drafters that draft trees: mtp_parallel, mtp_sequential): every round with adaptive=False; with adaptive
+      drafting, the rounds where a tree pays more than a chain or a plain step. None: chains of up to gamma tokens.
     mesh: a `jax.sharding.Mesh` from `specjax.sharding.make_mesh` to run sharded (rows over "data", heads /
       MLP / vocab over "model"; the batch must divide the data axis). Parameters are placed on the mesh
       each call unless already there: pass `sharding.shard_model(model, mesh)` to place them once.

@@ -1,9 +1,10 @@
 """The speculative decoding loop: one jit-compiled program, a `jax.lax.while_loop` over rounds.
 
 One round, for every row at once:
-  0. the drafting policy (specjax/adaptive.py) chooses how many tokens the round drafts: gamma every round
+  0. the drafting policy (specjax/adaptive.py) chooses the round: how many tokens it drafts, gamma every round
      (`FixedGamma`), or as many as pay by the costs (`AdaptiveDrafting`), none at all (a plain target step) where
-     drafting cannot pay, with bars on the draft's confidence at which a row stops early;
+     drafting cannot pay, with bars on the draft's confidence at which a row stops early; or, with `tree_nodes`, a
+     tree (every round with `FixedGamma`, where it pays with `AdaptiveDrafting`);
   1. the drafter proposes up to that many tokens x_1..x_n (and their draft distributions q when sampling);
   2. the target scores [pending, x_1..x_n] in ONE forward at the row's own position (a causal mask makes that
      n + 1 next-token predictions), in the narrowest compiled width that holds the longest draft (only the
@@ -13,7 +14,7 @@ One round, for every row at once:
      at the first rejection, or the bonus token when all the row's drafts were accepted);
   4. x_1..x_a and that token are committed; the new pending token is the last of them. The target cache now
      holds valid K/V up to the old pending position + a; slots past it are overwritten in later rounds;
-     with `tree_nodes=N` the drafter proposes a tree of N nodes instead (specjax/trees.py), verified in one
+     in a tree round the drafter proposes a tree of N nodes instead (specjax/trees.py), verified in one
      forward over [pending, its N nodes] under a tree mask; the accepted root-to-leaf path is committed, and its
      K/V and the target's outputs along it are moved where a chain of its tokens would have put them, so what
      follows sees a chain;
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import time
 from typing import Any
 
@@ -57,16 +59,18 @@ class Counts:
   accepted_at: jax.Array  # [gamma] live rows whose draft i was accepted, over rounds
   width_rounds: jax.Array  # [gamma + 1] rounds by the longest draft a row made (0: a 1-token target step)
   plain_steps: jax.Array  # scalar: rounds that did not draft at all (adaptive drafting's fallback)
+  tree_rounds: jax.Array  # scalar: rounds that drafted a tree
   draft_steps: jax.Array  # scalar: draft steps run
 
   @classmethod
   def zero(cls, batch: int, gamma: int):
     zeros = functools.partial(jnp.zeros, dtype=jnp.int32)
     return cls(zeros(batch), zeros(batch), zeros(batch), zeros(batch), zeros(gamma), zeros(gamma), zeros(gamma + 1),
-               zeros(()), zeros(()))
+               zeros(()), zeros(()), zeros(()))
 
-  def add(self, live, lengths, accepted, rejected, drafted, draft_steps) -> "Counts":
-    """One round: live [B] rows, lengths [B] drafted, accepted [B], rejected [B] (ended at a rejection)."""
+  def add(self, live, lengths, accepted, rejected, drafted, tree, draft_steps) -> "Counts":
+    """One round: live [B] rows, lengths [B] drafted (a tree: the depth it reaches), accepted [B], rejected [B]
+    (ended at a rejection); whether it drafted, and whether it drafted a tree."""
     slots = jnp.arange(self.accepted_at.shape[0])[None, :]
     return Counts(
         live_rounds=self.live_rounds + live, proposed=self.proposed + lengths, accepted=self.accepted + accepted,
@@ -74,7 +78,7 @@ class Counts:
         proposed_at=self.proposed_at + jnp.sum(slots < lengths[:, None], axis=0),
         accepted_at=self.accepted_at + jnp.sum(slots < accepted[:, None], axis=0),
         width_rounds=self.width_rounds.at[jnp.max(lengths)].add(1), plain_steps=self.plain_steps + ~drafted,
-        draft_steps=self.draft_steps + jnp.where(drafted, draft_steps, 0))
+        tree_rounds=self.tree_rounds + tree, draft_steps=self.draft_steps + jnp.where(drafted, draft_steps, 0))
 
 
 @struct.dataclass
@@ -111,12 +115,13 @@ def _commit(state: SpecState, draft_tokens, accepted_len, next_token, lengths, m
 
 
 @functools.partial(jax.jit, static_argnames=("config", "drafter", "policy", "sampling", "max_new_tokens",
-                                             "cache_len", "stop_ids", "cache_sharding", "tree_nodes"))
+                                             "cache_len", "stop_ids", "cache_sharding"))
 def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, config, drafter: Drafter,
                           policy: Policy, sampling: SamplingParams, max_new_tokens, cache_len, stop_ids,
-                          cache_sharding=None, tree_nodes: int | None = None):
+                          cache_sharding=None):
   batch, width = prompt_tokens.shape
   gamma = policy.gamma  # the most tokens a round drafts (a tree's depth): the width of the draft buffers
+  tree_nodes = getattr(policy, "tree_nodes", None)  # a tree round's nodes (None: no tree rounds)
   rows = jnp.arange(batch)
   cache = sharding.constrain_cache(init_cache(config, batch, cache_len), cache_sharding)
   with_layers = bool(drafter.feature_layers)
@@ -138,21 +143,26 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
 
   def body(s: SpecState) -> SpecState:
     choice = policy.choose(s.policy)
+    plain, chain, tree = choice.kinds()
     # One branch per kind of round (`control.run_if`, not `jax.lax.cond`: the cache is updated in place, not
-    # copied), so a plain step runs neither the drafter nor a choice of verify width.
-    s = control.run_if(choice.budget > 0, lambda s: round_(s, choice, drafting=True), s)
-    return control.run_if(choice.budget == 0, lambda s: round_(s, choice, drafting=False), s)
+    # copied), so a plain step runs neither the drafter nor a choice of verify width; a kind the policy never
+    # chooses is not compiled.
+    s = control.run_if(chain, lambda s: round_(s, choice, "chain"), s)
+    s = control.run_if(tree, lambda s: round_(s, choice, "tree"), s)
+    return control.run_if(plain, lambda s: round_(s, choice, "plain"), s)
 
-  def round_(s: SpecState, choice: Choice, drafting: bool) -> SpecState:
-    """Draft up to `choice.budget` tokens (drafting=False: none, a plain target step), verify and commit them; the
-    drafter updates, and the policy observes the round."""
+  def round_(s: SpecState, choice: Choice, kind: str) -> SpecState:
+    """Draft up to `choice.budget` tokens (kind "chain"), a tree of `tree_nodes` nodes ("tree") or nothing
+    ("plain": a plain target step), verify and commit them; the drafter updates, and the policy observes the
+    round."""
     key, draft_key, verify_key = jax.random.split(s.key, 3)
-    proposal = (_propose(params, draft_params, drafter, s, draft_key, gamma, choice, sampling, tree_nodes)
-                if drafting else _no_proposal(params, draft_params, drafter, s, draft_key, gamma, sampling, tree_nodes))
+    drafting, nodes = kind != "plain", tree_nodes if kind == "tree" else None
+    proposal = (_propose(params, draft_params, drafter, s, draft_key, gamma, choice, sampling, nodes)
+                if drafting else _no_proposal(params, draft_params, drafter, s, draft_key, gamma, sampling))
     live = ~s.done
     # Nodes drafted (a chain's are its slots, at most the budget), and the depth they reach.
-    drafted = jnp.where(live, proposal.lengths if tree_nodes else jnp.minimum(proposal.lengths, choice.budget), 0)
-    tree = None if proposal.parents is None else trees.describe(proposal.parents, batch, tree_nodes)
+    drafted = jnp.where(live, proposal.lengths if nodes else jnp.minimum(proposal.lengths, choice.budget), 0)
+    tree = None if proposal.parents is None else trees.describe(proposal.parents, batch, nodes)
     depth = drafted if tree is None else _depth_of(tree, drafted)
     # The cache and the drafter's state travel through the verification below; the rest of the proposal is read only.
     verified = (s.replace(cache=proposal.target_cache, draft_state=proposal.state), jnp.zeros_like(drafted),
@@ -161,15 +171,16 @@ def _generate_speculative(params, draft_params, prompt_tokens, lengths, key, *, 
                                      depth, verify_key, drafting)
     # In the narrowest compiled width that holds [pending, x_1..x_n], n the longest draft a row made (a tree: all
     # its nodes).
-    widths = policy.widths if tree_nodes is None else (tree_nodes + 1,)
+    widths = policy.widths if nodes is None else (nodes + 1,)
     chosen = width_index(widths, jnp.max(drafted)) if drafting and len(widths) > 1 else 0
     for i, width in enumerate(widths):
       verified = control.run_if(chosen == i, functools.partial(verify_round, width=width), verified)
     s, accepted, rejected = verified
     outcome = Outcome(budget=choice.budget, drafted=depth, accepted=accepted, rejected=rejected,
-                      stopped=live & (depth < choice.budget))
+                      stopped=live & (depth < choice.budget), tree=nodes is not None)
     return s.replace(policy=policy.observe(s.policy, outcome), key=key, rounds=s.rounds + 1,
-                     counts=s.counts.add(live, depth, accepted, rejected, jnp.asarray(drafting), proposal.steps))
+                     counts=s.counts.add(live, depth, accepted, rejected, jnp.asarray(drafting),
+                                         jnp.asarray(nodes is not None, jnp.int32), proposal.steps))
 
   def verify(before: SpecState, proposal: Proposal, tree: trees.Tree | None, drafted, depth, key, drafting: bool,
              carry, width: int):
@@ -235,11 +246,11 @@ def _propose(params, draft_params, drafter: Drafter, s: SpecState, key, gamma: i
       steps=jnp.asarray(gamma if proposal.steps is None else proposal.steps, jnp.int32))
 
 
-def _no_proposal(params, draft_params, drafter: Drafter, s: SpecState, key, gamma: int, sampling,
-                 tree_nodes: int | None = None) -> Proposal:
-  """What a round that does not draft passes on: zeros shaped like a proposal, the drafter's state unchanged."""
+def _no_proposal(params, draft_params, drafter: Drafter, s: SpecState, key, gamma: int, sampling) -> Proposal:
+  """What a round that does not draft passes on: zeros shaped like a chain's proposal, the drafter's state
+  unchanged."""
   inputs = DraftInputs(sequence=s.sequence, position=s.position, target_cache=s.cache, key=key,
-                       budget=jnp.asarray(1), tree_nodes=tree_nodes)
+                       budget=jnp.asarray(1))
   shapes = jax.eval_shape(lambda: drafter.propose(params, draft_params, drafter.options, s.draft_state, inputs,
                                                   gamma, sampling))
   empty = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
@@ -303,8 +314,9 @@ def generate(model, prompts, *, drafter: Drafter, gamma: int, sampling: Sampling
 
   gamma is the most tokens a round drafts; `adaptive` is the drafting policy (specjax/adaptive.py): True
   (`AdaptiveDrafting()`: fewer tokens where that pays, and unsure rows stop early), False (`FixedGamma()`: gamma
-  every round), or a policy object. `tree_nodes=N`: every round drafts a tree of N nodes, gamma deep (a drafter
-  with `Drafter.trees`, and `adaptive=False`: no policy chooses among trees yet); None drafts chains.
+  every round), or a policy object. `tree_nodes=N`: rounds may draft a tree of N nodes, gamma deep (a drafter
+  with `Drafter.trees`): every round with `FixedGamma`, where it pays with `AdaptiveDrafting` (chains and plain
+  steps elsewhere); None drafts chains.
   """
   if not isinstance(drafter, Drafter):
     raise TypeError(f"drafter must come from specjax.make_drafter, got {type(drafter).__name__}")
@@ -323,9 +335,9 @@ def generate(model, prompts, *, drafter: Drafter, gamma: int, sampling: Sampling
     if not drafter.trees:
       raise ValueError(f"drafter {drafter.name!r} drafts chains only: tree_nodes needs a drafter that drafts trees "
                        f"({', '.join(tree_drafters())}, or one of your own with Drafter.trees)")
-    if not isinstance(policy, FixedGamma):
-      raise ValueError("tree rounds draft the whole tree every round: pass adaptive=False with tree_nodes (no "
-                       "drafting policy chooses among trees yet)")
+    if "tree_nodes" not in inspect.signature(policy.plan).parameters:
+      raise ValueError(f"the drafting policy {type(policy).__name__} drafts chains only (its plan takes no "
+                       "tree_nodes): pass adaptive=True or False with tree_nodes, or a policy that plans trees")
   if drafter.reuse_layers and any(i < drafter.reuse_layers - 1 for i in drafter.feature_layers):
     raise ValueError(f"drafter {drafter.name!r} reuses the target's first {drafter.reuse_layers} layers, so "
                      f"verification has no features of layers {drafter.feature_layers} over all positions")
@@ -334,7 +346,8 @@ def generate(model, prompts, *, drafter: Drafter, gamma: int, sampling: Sampling
                         max_len=max_len)
   # The round costs depend on the rows one forward processes: the batch over the mesh's "data" axis.
   rows_per_forward = max(1, len(batch.lengths) // (mesh.shape.get("data", 1) if mesh is not None else 1))
-  policy = policy.plan(drafter.cost, int(gamma), rows_per_forward)
+  policy = (policy.plan(drafter.cost, int(gamma), rows_per_forward) if tree_nodes is None
+            else policy.plan(drafter.cost, int(gamma), rows_per_forward, tree_nodes=int(tree_nodes)))
   start = time.perf_counter()
   params, prompt_tokens, lengths, cache_sharding = place_on_mesh(model, batch, mesh)
   (tokens, num_generated, stats), compile_seconds = _speculative_program(
@@ -342,8 +355,7 @@ def generate(model, prompts, *, drafter: Drafter, gamma: int, sampling: Sampling
       describe=(f"{drafter.name}, gamma {gamma}{f', trees of {tree_nodes} nodes' if tree_nodes else ''}, "
                 f"{type(policy).__name__}, {describe_shapes(batch)}"),
       config=model.config, drafter=drafter.static(), policy=policy, sampling=sampling,
-      max_new_tokens=int(max_new_tokens), cache_len=batch.cache_len, stop_ids=stop_ids, cache_sharding=cache_sharding,
-      tree_nodes=None if tree_nodes is None else int(tree_nodes))
+      max_new_tokens=int(max_new_tokens), cache_len=batch.cache_len, stop_ids=stop_ids, cache_sharding=cache_sharding)
   tokens, num_generated, stats = distributed.to_host((tokens, num_generated, stats))  # also multi-process arrays
   seconds = time.perf_counter() - start - compile_seconds
   rows, texts = decode_outputs(model, tokens, num_generated, stop_ids)

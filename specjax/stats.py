@@ -48,6 +48,7 @@ def summarize(stats, num_generated, seconds: float, forwards_per_step: int = 1, 
       # Rounds by the gamma actually used: the longest draft a row made (index 0: a 1-token target step).
       "gamma_histogram": stats["width_rounds"].tolist(),
       "plain_steps": int(stats["plain_steps"]),  # rounds in which adaptive drafting did not draft at all
+      "tree_rounds": int(stats["tree_rounds"]),  # rounds that drafted a tree (`tree_nodes`)
       "new_tokens_per_row": num_generated.tolist(),
       "rounds_per_row": stats["live_rounds"].tolist(),
       "proposed_per_row": stats["proposed"].tolist(),

@@ -12,8 +12,9 @@ import pytest
 
 import specjax
 from specjax import speculative, verify
-from specjax.adaptive import (Acceptance, AdaptiveDrafting, FixedGamma, Outcome, RoundCosts, confidence_bars,
-                              draft_length, expected_rounds, verify_widths)
+from specjax.adaptive import (ACCELERATOR_FORWARD_COSTS, CPU_FORWARD_COSTS, Acceptance, AdaptiveDrafting, Choice,
+                              FixedGamma, Outcome, RoundCosts, confidence_bars, draft_length, drafts_tree,
+                              expected_rounds, tree_prior, verify_widths)
 from specjax.decoding import prefill
 from specjax.drafters import DraftCost, DraftInputs, PromptInfo
 from specjax.model import init_cache
@@ -431,3 +432,120 @@ def test_speculative_verify_draws_an_undrafted_slot_from_p():
   assert np.all(np.asarray(accepted) <= 1)
   observed = np.bincount(np.asarray(next_token)[np.asarray(accepted) == 1], minlength=vocab) / n
   np.testing.assert_allclose(observed, [0.4, 0.3, 0.2, 0.1, 0.0], atol=0.01)
+
+
+# ------------------------------------------------------------------------------------------------ trees
+
+
+def tree_policy(forward_costs, rows=1, tree_nodes=16, step=0.1, gamma=4) -> AdaptiveDrafting:
+  return AdaptiveDrafting(forward_costs=forward_costs, optimism=0.0).plan(DraftCost(step=step), gamma, rows,
+                                                                          tree_nodes)
+
+
+def with_trees(acceptance, tokens_per_row, rows):
+  """`acceptance` plus tree evidence: `rows` live rows of tree rounds committed `tokens_per_row` each."""
+  return acceptance.replace(tree_tokens=jnp.float32(tokens_per_row * rows), tree_rows=jnp.float32(rows))
+
+
+def test_a_tree_round_costs_its_expansions_and_a_forward_over_its_nodes():
+  """Depth 1 is a draft step over the pending token, depths 2..gamma a draft step over the k = 8 nodes a row
+  expands, scaled as a forward over B k rows; verification a forward over B (N + 1) rows; chains as without trees."""
+  points = ((1, 1.0), (8, 1.2), (16, 1.4), (40, 2.8))
+  costs = RoundCosts.of(DraftCost(step=0.1), points, 4, 1, tree_nodes=16)
+  f17 = 1.4 + (2.8 - 1.4) / 24
+  assert costs.tree_draft_cost == pytest.approx(0.1 * (1 + 3 * 1.2))
+  assert costs.tree_verify_cost == pytest.approx(f17) and costs.tree_cost == pytest.approx(0.46 + f17)
+  assert costs.round_costs == RoundCosts.of(DraftCost(step=0.1), points, 4, 1).round_costs
+  # At batch 2: expansions over 16 rows, verification over 34, over a plain step's f(2).
+  at_2 = RoundCosts.of(DraftCost(step=0.1), points, 4, 2, tree_nodes=16)
+  f2 = 1.0 + 0.2 / 7
+  assert at_2.tree_draft_cost == pytest.approx(0.1 * (1 + 3 * 1.4 / f2))
+  assert at_2.tree_verify_cost == pytest.approx((1.4 + 1.4 * 18 / 24) / f2)
+  assert RoundCosts.of(DraftCost(step=0.1), points, 4, 1).tree_nodes is None
+
+
+def test_the_policy_picks_a_tree_where_its_evidence_pays_more_than_every_chain():
+  """The same evidence, a chain accepting 0.6 of its drafts and trees committing 2.6 tokens a row (a chain of 4 at
+  that acceptance: 2.3): with flat forward costs (an accelerator) a tree costs what the longest chain does and
+  wins; with this CPU's, its 17-row verification and 8-row expansions cost more than 0.3 more tokens bring."""
+  chain = evidence(60, 100)
+  alpha = float(chain.alpha(0.5))
+  assert sum(alpha ** i for i in range(5)) == pytest.approx(2.3, abs=0.01)
+  seen = with_trees(chain, 2.6, rows=50)
+  accelerator = tree_policy(ACCELERATOR_FORWARD_COSTS)
+  choice = accelerator.choose(seen)
+  assert bool(choice.tree) and int(choice.budget) == 4
+  assert bool(drafts_tree(accelerator, seen))
+  cpu = tree_policy(CPU_FORWARD_COSTS)
+  choice = cpu.choose(seen)
+  assert not bool(choice.tree) and int(choice.budget) == int(draft_length(cpu, seen)) > 0
+  # Well above the chain's, a tree pays on this CPU too.
+  assert bool(cpu.choose(with_trees(chain, 3.6, rows=50)).tree)
+
+
+def test_with_no_acceptance_the_policy_takes_plain_steps_not_trees():
+  for forward_costs in (ACCELERATOR_FORWARD_COSTS, CPU_FORWARD_COSTS):
+    p = tree_policy(forward_costs)
+    choice = p.choose(with_trees(evidence(0, 100), 1.0, rows=50))
+    assert not bool(choice.tree) and int(choice.budget) == 0
+
+
+def test_before_any_tree_evidence_a_tree_is_tried_where_it_could_pay():
+  """The prior: a chain of gamma slots, each depth accepted as either of two drafts at the chain's acceptance."""
+  chain = evidence(60, 100)
+  alpha = float(chain.alpha(0.5))
+  either = 1 - (1 - alpha) ** 2
+  assert float(tree_prior(4, alpha)) == pytest.approx(sum(either ** i for i in range(5)), rel=1e-6)
+  assert float(chain.tree_tokens_per_row(tree_prior(4, alpha))) == pytest.approx(float(tree_prior(4, alpha)))
+  assert bool(tree_policy(ACCELERATOR_FORWARD_COSTS).choose(chain).tree)
+  # At batch 8 on this CPU a 32-node tree is verified over 264 rows: no tree could pay for that.
+  assert not bool(tree_policy(CPU_FORWARD_COSTS, rows=8, tree_nodes=32).choose(chain).tree)
+
+
+def test_a_round_is_evidence_on_its_own_kind_and_ages_the_others():
+  p = dataclasses.replace(policy(0.1, (1.0, 1.0, 1.0), memory=0.5), plain_memory=0.9)
+  start = with_trees(evidence(6, 10), 2.0, rows=10)
+  tree_round = Outcome(budget=4, drafted=jnp.array([4, 3, 0]), accepted=jnp.array([2, 3, 0]),
+                       rejected=jnp.array([True, False, False]), stopped=jnp.array([False, True, True]), tree=True)
+  after = p.observe(start, tree_round)
+  # Two live rows committed 3 and 4 tokens; the chain's counts aged as in a plain step, nothing added.
+  assert float(after.tree_tokens) == pytest.approx(0.5 * 20 + 7) and float(after.tree_rows) == pytest.approx(7)
+  assert (float(after.accepted), float(after.tested)) == pytest.approx((0.9 * 6, 0.9 * 10))
+  chain_round = outcome(2, drafted=(2, 1), accepted=(1, 0), rejected=(True, True))
+  after = p.observe(start, chain_round)
+  assert (float(after.tree_tokens), float(after.tree_rows)) == pytest.approx((0.9 * 20, 0.9 * 10))
+  # The chain's update is what it is without trees.
+  assert float(after.accepted) == pytest.approx(0.5 * 6 + 1) and float(after.tested) == pytest.approx(0.5 * 10 + 3)
+  plain = p.observe(start, outcome(0))
+  assert (float(plain.tree_rows), float(plain.tested)) == pytest.approx((0.9 * 10, 0.9 * 10))
+
+
+def test_a_tree_found_wanting_is_left_for_chains_and_tried_again_rarely():
+  """Flat costs, chains accepting 3 drafts of 4 every round, trees committing 1 token a row: the prior tries a
+  tree first, its evidence then holds the policy to chains, and as that evidence ages a tree is tried again, in a
+  few of 300 rounds."""
+  p = tree_policy(ACCELERATOR_FORWARD_COSTS)
+  state, kinds = p.init(), []
+  for _ in range(300):
+    choice = p.choose(state)
+    tree, budget = bool(choice.tree), int(choice.budget)
+    kinds.append("tree" if tree else "chain" if budget else "plain")
+    accepted = 0 if tree else min(3, budget)
+    state = p.observe(state, Outcome(budget=budget, drafted=jnp.array([budget]), accepted=jnp.array([accepted]),
+                                     rejected=jnp.array([accepted < budget]), stopped=jnp.array([False]),
+                                     tree=tree))
+  assert kinds[0] == "tree" and kinds[1] == "chain"
+  assert 2 <= kinds.count("tree") <= 15 and kinds.count("plain") == 0, kinds.count("tree")
+
+
+def test_fixed_gamma_with_trees_drafts_a_tree_every_round():
+  p = FixedGamma().plan(DraftCost(), gamma=3, rows=2, tree_nodes=12)
+  assert p == FixedGamma(3, 12) and p.tree_nodes == 12
+  choice = p.choose(p.init())
+  assert (choice.budget, choice.tree) == (3, True)
+  assert choice.kinds() == (False, False, True)  # known when tracing: no chain or plain round is compiled
+  assert FixedGamma().plan(DraftCost(), gamma=3, rows=2).choose(()).kinds() == (False, True, False)
+  plain, chain, tree = Choice(budget=jnp.int32(0), keep_bars=0.0, go_bars=0.0, tree=jnp.bool_(False)).kinds()
+  assert (bool(plain), bool(chain), bool(tree)) == (True, False, False)
+  plain, chain, tree = Choice(budget=jnp.int32(3), keep_bars=0.0, go_bars=0.0, tree=jnp.bool_(True)).kinds()
+  assert (bool(plain), bool(chain), bool(tree)) == (False, False, True)

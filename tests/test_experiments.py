@@ -418,12 +418,14 @@ def test_tree_methods_draft_trees_of_their_size_in_fixed_rounds(tiny_chat):
   assert [(m.name, m.tree_nodes, m.adaptive) for m in methods] == [
       ("ar", None, False), ("heads", None, False), ("heads_tree4", 4, False)]
   assert run._method_info(methods)["heads_tree4"]["tree_nodes"] == 4
+  # With adaptive drafting, trees where they pay.
+  tree_method = run.make_methods(_config(methods=config.methods, adaptive=True), tiny_chat)[2]
+  assert (tree_method.name, tree_method.tree_nodes, tree_method.adaptive) == ("heads_tree4", 4, True)
   names = [m["name"] for m in trees.get_config("small").methods]
   assert names[:3] == ["autoregressive", "mtp_parallel", "mtp_sequential"] and "mtp_sequential_tree32" in names
 
 
 @pytest.mark.parametrize("method, adaptive, message", [
-    ({"name": "heads_tree4", "drafter": "mtp_parallel", "tree_nodes": 4}, True, "set 'adaptive': False"),
     ({"name": "heads_tree0", "drafter": "mtp_parallel", "tree_nodes": 0, "adaptive": False}, False,
      "tree_nodes is a positive integer"),
     ({"name": "ar_tree4", "tree_nodes": 4}, False, "tree_nodes is a positive integer of a drafting method"),

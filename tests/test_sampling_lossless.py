@@ -216,6 +216,19 @@ def test_tree_speculative_sampling_matches_the_target_distribution(drafter, targ
   assert chi_square_pvalue(samples, exact_joint(target, SETTINGS[1])) > 1e-3
 
 
+@pytest.mark.slow
+def test_adaptive_tree_speculative_sampling_matches_the_target_distribution(target, draft):
+  """Adaptive drafting with trees of 6 nodes, 2 deep: the first round (the joint's tokens 2 and 3) is a tree, the
+  prior's choice, in a program whose other rounds may be chains or plain steps."""
+  drafter = DRAFTERS["mtp_sequential"](target, draft)
+  planned = ADAPTIVE.plan(dataclasses.replace(drafter.cost, step=0.1), 2, SAMPLES, tree_nodes=6)
+  assert bool(planned.choose(planned.init()).tree)
+  samples, s = speculative_samples(target, draft, SETTINGS[1], drafter="mtp_sequential", gamma=2, tree_nodes=6)
+  assert s["tree_rounds"] >= 1
+  assert sum(s["accepted_per_row"]) >= 300 and sum(s["rejections_per_row"]) >= 300
+  assert chi_square_pvalue(samples, exact_joint(target, SETTINGS[1])) > 1e-3
+
+
 def own_tree_samples(target, sampling, samples=SAMPLES, chunk=5_000):
   """Samples of trees of 6 nodes, 2 deep, whose siblings are the target's own top tokens, in runs of `chunk` rows
   (one compilation; each node's children are scored from its own copy of the cache)."""

@@ -152,17 +152,19 @@ TREE_DRAFTERS = {
     "prompt_lookup": ("prompt_lookup", lambda draft: dict(ngram_sizes=(3, 2, 1))),
 }
 # (drafter, gamma: the depth, tree_nodes, batch): trees of one level, of a chain's size, and bushy ones.
-# The fast tier runs the first three: the engine's tree round, EAGLE-2's grow over a drafter's expansion of nodes by
-# its own modules (the sequential module) and by a forward of its layers over them with their ancestors' K/V (a
-# draft model, and layer skip with an exit adapter, whose tree rounds verify every layer); the slow rows add the
-# other drafters (the parallel heads add one broadcast to the sequential module's expansion, a skip set and a plain
-# exit are the adapter's layers without it, prompt lookup's branches are test_trees.py's) and tree shapes.
-TREE_GRID = [("mtp_sequential_recurrent", 2, 6, 1), ("draft_model", 3, 10, 4), ("layer_skip_adapter", 2, 5, 4),
+# The fast tier runs the first two: EAGLE-2's grow over a drafter's expansion of nodes by a forward of its layers over
+# them with their ancestors' K/V (a draft model, and layer skip with an exit adapter, whose tree rounds verify every
+# layer); the engine's tree round with the sequential module's expansion runs in the fast
+# test_greedy_rounds_of_every_kind_in_one_program_equal_autoregressive (the third row's drafter and tree, with chains
+# and plain steps between trees). The slow rows add the other drafters (the parallel heads add one broadcast to the
+# sequential module's expansion, a skip set and a plain exit are the adapter's layers without it, prompt lookup's
+# branches are test_trees.py's) and tree shapes.
+TREE_GRID = [("draft_model", 3, 10, 4), ("layer_skip_adapter", 2, 5, 4), ("mtp_sequential_recurrent", 2, 6, 1),
              ("mtp_parallel", 3, 20, 4), ("mtp_sequential", 3, 3, 4), ("mtp_parallel", 1, 8, 1),
              ("mtp_sequential_recurrent", 3, 32, 4), ("mtp_parallel_static", 3, 12, 4),
              ("draft_model_distilled", 2, 12, 1), ("layer_skip_exit", 3, 16, 4), ("layer_skip_skip", 3, 8, 1),
              ("prompt_lookup", 3, 9, 1), ("prompt_lookup", 1, 3, 4)]
-FAST_TREE_ROWS = 3
+FAST_TREE_ROWS = 2
 
 
 @pytest.mark.parametrize("name, gamma, nodes, batch", [
@@ -209,15 +211,71 @@ def test_drafters_that_are_the_target_accept_the_greedy_path_of_every_tree(targe
     assert out.stats["rounds"] == 8, name  # 24 tokens after the prefill's, 3 a round
 
 
-def test_tree_nodes_need_a_drafter_that_drafts_trees_and_a_fixed_policy(target):
+@dataclasses.dataclass(frozen=True)
+class KindsInTurn:
+  """A drafting policy (`specjax.adaptive.Policy`) that takes a plain step, drafts a chain of the whole budget and
+  drafts a tree, in turn, with no early stops."""
+  gamma: int = 0
+  tree_nodes: int | None = None
+
+  def plan(self, cost, gamma, rows, tree_nodes=None):
+    return KindsInTurn(gamma, tree_nodes)
+
+  @property
+  def widths(self):
+    return verify_widths(self.gamma)
+
+  def init(self):
+    return jnp.zeros((), jnp.int32)  # rounds so far
+
+  def choose(self, rounds):
+    kind = rounds % 3
+    return Choice(budget=jnp.where(kind == 0, 0, self.gamma), keep_bars=0.0, go_bars=0.0, tree=kind == 2)
+
+  def observe(self, rounds, outcome):
+    return rounds + 1
+
+
+def test_greedy_rounds_of_every_kind_in_one_program_equal_autoregressive(target):
+  """Plain steps, chains and trees in turn, ragged rows: each kind of round hands the next one the cache, sequence
+  and drafter state a chain would have."""
+  prompts = ragged_prompts(4)
+  expected = specjax.generate(target, prompts, max_new_tokens=24, stop_ids=[])
+  drafter = perturbed(specjax.make_drafter("mtp_sequential", target, path=None, depth=2, recurrent=True), seed=3,
+                      scale=0.1)
+  out = specjax.generate(target, prompts, max_new_tokens=24, drafter=drafter, gamma=2, stop_ids=[],
+                         adaptive=KindsInTurn(), tree_nodes=6)
+  assert out.tokens == expected.tokens
+  s = out.stats
+  assert s["tree_rounds"] == s["rounds"] // 3 >= 2 and s["plain_steps"] == (s["rounds"] + 2) // 3
+  assert sum(s["accepted_per_row"]) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mtp_parallel", "mtp_sequential"])
+def test_greedy_adaptive_drafting_with_trees_equals_autoregressive(name, target, draft):
+  """The cost model choosing among plain steps, chains and trees (flat forward costs: trees are tried)."""
+  prompts = ragged_prompts(4)
+  expected = specjax.generate(target, prompts, max_new_tokens=24, stop_ids=[])
+  drafter_name, options = TREE_DRAFTERS[name]
+  drafter = perturbed(specjax.make_drafter(drafter_name, target, **options(draft)), seed=3, scale=0.1)
+  policy = specjax.AdaptiveDrafting(forward_costs=((1, 1.0), (64, 1.0)))
+  out = specjax.generate(target, prompts, max_new_tokens=24, drafter=drafter, gamma=3, stop_ids=[],
+                         adaptive=policy, tree_nodes=8)
+  assert out.tokens == expected.tokens
+  assert out.stats["tree_rounds"] >= 1
+
+
+def test_tree_nodes_need_a_drafter_that_drafts_trees_and_a_policy_that_plans_them(target):
   prompts = ragged_prompts(1)
   chains_only = dataclasses.replace(specjax.make_drafter("prompt_lookup", target), trees=False)
   with pytest.raises(ValueError, match="drafts chains only") as error:
     specjax.generate(target, prompts, max_new_tokens=4, drafter=chains_only, gamma=2, adaptive=False, tree_nodes=4)
   assert all(name in str(error.value) for name in tree_drafters())
   heads = specjax.make_drafter("mtp_parallel", target, path=None, num_heads=2)
-  with pytest.raises(ValueError, match="pass adaptive=False"):
-    specjax.generate(target, prompts, max_new_tokens=4, drafter=heads, gamma=2, tree_nodes=4)
+  with pytest.raises(ValueError, match="EveryEleventhRound drafts chains only"):
+    specjax.generate(target, prompts, max_new_tokens=4, drafter=heads, gamma=2, tree_nodes=4,
+                     adaptive=EveryEleventhRound())
   with pytest.raises(ValueError, match="tree_nodes must be a positive integer"):
     specjax.generate(target, prompts, max_new_tokens=4, drafter=heads, gamma=2, adaptive=False, tree_nodes=0)
   with pytest.raises(ValueError, match="pass drafter="):
@@ -440,6 +498,24 @@ def test_adaptive_rounds_update_the_cache_in_place(name, options, target):
   shape = (batch, cache_len, target.config.num_kv_heads, target.config.head_dim)
   fixed = _cache_copies(compiled(specjax.FixedGamma(3)), shape)
   adaptive = _cache_copies(compiled(specjax.AdaptiveDrafting().plan(drafter.cost, 3, batch)), shape)
+  assert adaptive <= fixed, (adaptive, fixed)
+
+
+@pytest.mark.slow
+def test_adaptive_rounds_with_trees_update_the_cache_in_place(target):
+  """Plain steps, chains and trees in one program copy no more of the cache than every round a tree."""
+  drafter = specjax.make_drafter("mtp_sequential", target, path=None, depth=3)
+  batch, cache_len = 4, 128
+
+  def compiled(policy):
+    return speculative._generate_speculative.lower(
+        target.params, drafter.params, np.zeros((batch, 16), np.int32), np.full(batch, 5, np.int32),
+        jax.random.PRNGKey(0), config=target.config, drafter=drafter.static(), policy=policy,
+        sampling=specjax.SamplingParams(), max_new_tokens=10, cache_len=cache_len, stop_ids=()).compile().as_text()
+
+  shape = (batch, cache_len, target.config.num_kv_heads, target.config.head_dim)
+  fixed = _cache_copies(compiled(specjax.FixedGamma(3, tree_nodes=8)), shape)
+  adaptive = _cache_copies(compiled(specjax.AdaptiveDrafting().plan(drafter.cost, 3, batch, tree_nodes=8)), shape)
   assert adaptive <= fixed, (adaptive, fixed)
 
 

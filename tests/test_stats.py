@@ -10,7 +10,7 @@ def test_summarize_counts_acceptance_over_proposed_tested_and_live_rounds():
   counts = {"rounds": np.int32(3), "live_rounds": np.array([3, 2]), "proposed": np.array([6, 4]),
             "accepted": np.array([5, 1]), "rejections": np.array([1, 1]), "proposed_at": np.array([5, 5]),
             "accepted_at": np.array([4, 2]), "width_rounds": np.array([0, 1, 4]), "plain_steps": np.int32(0),
-            "draft_steps": np.int32(3)}
+            "tree_rounds": np.int32(2), "draft_steps": np.int32(3)}
   num_generated = np.array([9, 4])  # each row's first token comes from the prefill
   summary = stats.summarize(counts, num_generated, seconds=2.0, forwards_per_step=2, compile_seconds=1.5)
   assert summary["target_calls"] == 4 and summary["draft_calls"] == 6
@@ -19,13 +19,14 @@ def test_summarize_counts_acceptance_over_proposed_tested_and_live_rounds():
   assert summary["mean_accepted"] == (13 - 2) / 5
   assert summary["acceptance_per_position"] == [4 / 5, 2 / 5]
   assert summary["tokens_per_second"] == 13 / 2.0 and summary["compile_seconds"] == 1.5
+  assert summary["tree_rounds"] == 2 and summary["plain_steps"] == 0
 
 
 def test_summarize_gives_nan_for_a_slot_no_round_drafted():
   counts = {"rounds": np.int32(1), "live_rounds": np.array([1]), "proposed": np.array([1]),
             "accepted": np.array([1]), "rejections": np.array([0]), "proposed_at": np.array([1, 0]),
             "accepted_at": np.array([1, 0]), "width_rounds": np.array([0, 1, 0]), "plain_steps": np.int32(0),
-            "draft_steps": np.int32(1)}
+            "tree_rounds": np.int32(0), "draft_steps": np.int32(1)}
   summary = stats.summarize(counts, np.array([3]), seconds=1.0)
   assert summary["acceptance_per_position"][0] == 1.0 and np.isnan(summary["acceptance_per_position"][1])
 
