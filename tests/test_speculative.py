@@ -153,13 +153,13 @@ TREE_DRAFTERS = {
 }
 # (drafter, gamma: the depth, tree_nodes, batch): trees of one level, of a chain's size, and bushy ones.
 # The fast tier runs the first two: EAGLE-2's grow over a drafter's expansion of nodes by a forward of its layers over
-# them with their ancestors' K/V (a draft model, and layer skip with an exit adapter, whose tree rounds verify every
-# layer); the engine's tree round with the sequential module's expansion runs in the fast
-# test_greedy_rounds_of_every_kind_in_one_program_equal_autoregressive (the third row's drafter and tree, with chains
-# and plain steps between trees). The slow rows add the other drafters (the parallel heads add one broadcast to the
-# sequential module's expansion, a skip set and a plain exit are the adapter's layers without it, prompt lookup's
-# branches are test_trees.py's) and tree shapes.
-TREE_GRID = [("draft_model", 3, 10, 4), ("layer_skip_adapter", 2, 5, 4), ("mtp_sequential_recurrent", 2, 6, 1),
+# them with their ancestors' K/V (a draft model), and by its own modules (the sequential module); layer skip with an
+# exit adapter, whose chain rounds hand the draft's layers over to verification and whose tree rounds verify every
+# layer, runs in the fast test_greedy_rounds_of_every_kind_in_one_program_equal_autoregressive (chains, trees and
+# plain steps in turn). The slow rows add the other drafters (the parallel heads add one broadcast to the sequential
+# module's expansion, a skip set and a plain exit are the adapter's layers without it, prompt lookup's branches are
+# test_trees.py's) and tree shapes.
+TREE_GRID = [("draft_model", 3, 10, 4), ("mtp_sequential_recurrent", 2, 6, 1), ("layer_skip_adapter", 2, 5, 4),
              ("mtp_parallel", 3, 20, 4), ("mtp_sequential", 3, 3, 4), ("mtp_parallel", 1, 8, 1),
              ("mtp_sequential_recurrent", 3, 32, 4), ("mtp_parallel_static", 3, 12, 4),
              ("draft_model_distilled", 2, 12, 1), ("layer_skip_exit", 3, 16, 4), ("layer_skip_skip", 3, 8, 1),
@@ -238,11 +238,12 @@ class KindsInTurn:
 
 def test_greedy_rounds_of_every_kind_in_one_program_equal_autoregressive(target):
   """Plain steps, chains and trees in turn, ragged rows: each kind of round hands the next one the cache, sequence
-  and drafter state a chain would have."""
+  and drafter state a chain would have. The drafter is an exit adapter: its chains hand the target's first layers
+  over to verification, its trees do not."""
   prompts = ragged_prompts(4)
   expected = specjax.generate(target, prompts, max_new_tokens=24, stop_ids=[])
-  drafter = perturbed(specjax.make_drafter("mtp_sequential", target, path=None, depth=2, recurrent=True), seed=3,
-                      scale=0.1)
+  drafter = perturbed(specjax.make_drafter("layer_skip", target, adapter="fresh", exit_layer=1), seed=3, scale=0.1)
+  assert drafter.reuse_layers
   out = specjax.generate(target, prompts, max_new_tokens=24, drafter=drafter, gamma=2, stop_ids=[],
                          adaptive=KindsInTurn(), tree_nodes=6)
   assert out.tokens == expected.tokens
