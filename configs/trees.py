@@ -1,20 +1,22 @@
-r"""Draft trees: every drafter that drafts trees as a chain and as trees of 8, 16 and 32 nodes.
+r"""Draft trees: every drafter as a chain and as trees of 8, 16 and 32 nodes.
 
   python -m experiments.run --config=configs/trees.py:small    # 1 prompt x 13 categories, 64 tokens
   python -m experiments.run --config=configs/trees.py          # 5 prompts x 13 categories, 128 tokens
 
-A tree method (`<method>_tree<N>`) drafts EAGLE-2's dynamic tree of N nodes, gamma 4 deep, every round
-(specjax/drafters/draft_tree.py) and verifies it in one target forward under a tree mask (specjax/trees.py); its
-chain drafts gamma tokens every round (fixed rounds for both, `config.adaptive` False). Greedy, so every
-method is checked token for token against autoregressive decoding. The table gives tokens per target forward
-(mean accepted + 1), per-depth acceptance and paired speedups with intervals; costs (c, r, the accelerator
-projection) are measured for the chains. Not run end to end yet on 2 shared CPU cores: `:small` compiles 7
-programs per prompt-length bucket (about 20 s each).
+A tree method (`<method>_tree<N>`) drafts a tree of N nodes, gamma 4 deep, every round (EAGLE-2's dynamic trees from
+the model drafters, specjax/drafters/draft_tree.py; earlier matches as branches from prompt lookup; layer skip at
+its best, the searched skip set and the trained exit) and verifies it in one target forward under a tree mask
+(specjax/trees.py); its chain drafts gamma tokens every round (fixed rounds for both, `config.adaptive` False).
+Greedy, so every method is checked token for token against autoregressive decoding. The table gives tokens per
+target forward (mean accepted + 1), per-depth acceptance and paired speedups with intervals; costs (c, r, the
+accelerator projection) are measured for the chains. `:small` compiles 25 programs per prompt-length bucket (about
+20 s each on 2 cores).
 """
 
 from configs import common
 
-DRAFTERS = ("mtp_parallel", "mtp_sequential")  # the drafters that draft trees
+DRAFTERS = ("prompt_lookup", "layer_skip_best_set", "layer_skip_trained_exit", "mtp_parallel", "mtp_sequential",
+            "draft_model")
 TREE_NODES = (8, 16, 32)
 
 
