@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 
 from configs import compile_tpu
-from configs import trees as configs_trees
 from experiments import compile_for, projection
 from specjax import sharding
 from specjax.config import shaped_config
@@ -65,10 +64,10 @@ def test_the_speculative_program_compiled_for_a_v5e_slice_holds_no_cpu_custom_ca
 @pytest.mark.slow
 @pytest.mark.tpu_compile
 def test_a_tree_drafting_speculative_program_compiled_for_a_v5e_slice_holds_no_cpu_custom_call(libtpu):
-  """generate(..., tree_nodes=16)'s program (the parallel MTP heads' trees, verified under a tree mask) for a v5e:2x4
-  slice: compiled by the TPU compiler without a call of specjax's CPU kernels, which the same program lowered for this
-  host's CPU makes (the cache part of the tree's attention). Two of SmolLM2's layers: the kernels' choice is per
-  program, not per layer, and compiling stays short."""
+  """generate(..., tree_nodes=16)'s program (rounds of the parallel MTP heads' chains or trees, a tree verified
+  under a tree mask, as the policy chooses) for a v5e:2x4 slice: compiled by the TPU compiler without a call of
+  specjax's CPU kernels, which the same program lowered for this host's CPU makes (the cache part of the tree's
+  attention). Two of SmolLM2's layers: the kernels' choice is per program, not per layer, and compiling stays short."""
   config = compile_tpu.get_config()
   config.batch_size, config.prompt_len, config.cache_len = 4, 64, 256
   config.drafters = tuple(d for d in config.drafters if d["name"] == "mtp_parallel")
@@ -78,7 +77,7 @@ def test_a_tree_drafting_speculative_program_compiled_for_a_v5e_slice_holds_no_c
     shapes = compile_for.model_shapes(two_layers, 8192, target, config,
                                       compile_for.measured_acceptance(config.acceptance))
     chain, tree = compile_for.generate_programs(shapes, config, "speculative", ("mtp_parallel",), tree_nodes=(16,))
-    assert (chain.tree_nodes, tree.tree_nodes, tree.static["tree_nodes"]) == (None, 16, 16)
+    assert (chain.tree_nodes, tree.tree_nodes, tree.static["policy"].tree_nodes) == (None, 16, 16)
     return tree
   on_cpu = compile_for.Target("cpu", sharding.make_mesh(1, 1), 0.0, 1.0, 1.0)
   assert "specjax_decode_attention" in tree_program(on_cpu).lower().as_text()
@@ -299,14 +298,13 @@ def test_the_published_run_is_of_the_default_config_and_compiled_every_program()
 
 
 def test_the_published_run_projects_the_trees_of_the_default_config():
-  """results/tpu_compile/ has a projection row, with its round's costs, for each drafter that drafts trees at each
-  tree size of the default grid's step programs."""
+  """results/tpu_compile/ has a projection row, with its round's costs, for each drafter at each tree size of the
+  default grid's step programs (every drafter drafts trees)."""
   with open(RESULTS) as f:
     results = json.load(f)
   config = compile_tpu.get_config()
-  drafts_trees = {d["name"] for d in config.drafters if d["drafter"] in configs_trees.DRAFTERS}
   wanted = {(m, t, d, n) for m, (t, _, _), p, drafters, nodes in compile_for.blocks(config) if p == "steps"
-            for d in drafters if d in drafts_trees for n in nodes}
+            for d in drafters for n in nodes}
   assert wanted
   trees = {(p["model"], p["topology"], p["drafter"], p["tree_nodes"]): p for p in results["projections"]
            if p.get("tree_nodes")}
