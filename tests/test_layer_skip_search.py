@@ -189,7 +189,7 @@ def test_greedy_path_search_goes_past_a_step_that_scores_lower():
     lss.greedy_path_search(6, objective, candidates=[1, 2], max_skip=3)
 
 
-@pytest.mark.parametrize("skip", [(1,), (0, 2)])
+@pytest.mark.parametrize("skip", [pytest.param((1,), marks=pytest.mark.slow), (0, 2)])
 def test_teacher_forced_draft_logits_equal_the_layer_skip_drafts_first_step(skip, tiny):
   """At position n the proxy's draft is what layer skip drafts for the pending token at n: the kept layers
   run on it, reading the target's K/V of positions < n from the shared cache."""
