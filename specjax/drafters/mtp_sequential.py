@@ -45,7 +45,7 @@ from specjax.config import ModelConfig
 from specjax import leviathan, ops
 from specjax.drafters import (DraftCost, Drafter, DraftInputs, PromptInfo, Proposal, RoundResult, choose_tokens,
                               confidence, draft_head, draft_tree, keeps)
-from specjax.model import ParamSpec, embed, merge_heads, mlp_block, qkv, rms_norm
+from specjax.model import ParamSpec, embed, merge_heads, mlp_block, node_attention_block, qkv, rms_norm
 from specjax.sampling import SamplingParams
 
 NAME = "mtp_sequential"
@@ -121,9 +121,9 @@ def module_input(mp, token_emb: jax.Array, hidden: jax.Array, config: ModelConfi
   return ops.matmul(both, mp["fc"])
 
 
-def finish(mp, x, attn_out, config: ModelConfig) -> jax.Array:
-  """The block's residual updates after attention: g = x + Wo attn; g + MLP(g)."""
-  x = x + merge_heads(attn_out, mp["wo"])
+def finish(mp, x, attn_update, config: ModelConfig) -> jax.Array:
+  """The block's residual updates after attention, given its update Wo attn: g = x + Wo attn; g + MLP(g)."""
+  x = x + attn_update
   return x + mlp_block(mp, x, config)
 
 
@@ -145,7 +145,7 @@ def _run_true(target_params, params, options: Options, state, next_tokens, featu
     q, k, v = qkv(mp, x, positions, config)
     k_cache, v_cache = _write(state["k"][m], k, positions), _write(state["v"][m], v, positions)
     if m == 0:  # causal over the committed slots
-      first = finish(mp, x, ops.attention(q, k_cache, v_cache, positions), config)
+      first = finish(mp, x, merge_heads(ops.attention(q, k_cache, v_cache, positions), mp["wo"]), config)
     k_caches.append(k_cache)
     v_caches.append(v_cache)
   return {**state, "k": jnp.stack(k_caches), "v": jnp.stack(v_caches)}, first
@@ -198,7 +198,7 @@ def propose(target_params, params, options: Options, state, inputs: DraftInputs,
       slots = jnp.arange(k_cache.shape[1])[None, None, :]
       own = (slots <= (p - 1)[:, None, None]) | (slots == position[:, :, None])
       attn = ops.attention(q_, k_cache, v_cache, position, mask=own)
-    hidden = finish(mp, x, attn, config)[:, 0]
+    hidden = finish(mp, x, merge_heads(attn, mp["wo"]), config)[:, 0]
     return (*choose(hidden, keys[step - 1]), hidden, k_all.at[m].set(k_cache), v_all.at[m].set(v_cache))
 
   token, q, sure = choose(state["hidden"], keys[0])
@@ -235,14 +235,14 @@ def _propose_tree(target_params, params, options: Options, state, inputs: DraftI
     m = 0 if options.recurrent else d - 1
     mp = _module(params, m)
     x = module_input(mp, embed(target_params, tokens), node["hidden"], config)
-    q_, k, v = qkv(mp, x, jnp.broadcast_to((p + d - 2)[:, None], tokens.shape), config)
-    ancestors_k = jnp.concatenate([node["k"], k[:, :, None]], axis=2) if options.recurrent else k[:, :, None]
-    ancestors_v = jnp.concatenate([node["v"], v[:, :, None]], axis=2) if options.recurrent else v[:, :, None]
-    committed = jnp.broadcast_to((p - 1)[:, None], tokens.shape)  # the cache slots every node sees
-    hidden = finish(mp, x, ops.attention(q_, state["k"][m], state["v"][m], committed, extra_keys=ancestors_k,
-                                         extra_values=ancestors_v), config)
-    children = {"hidden": hidden, "k": ancestors_k if options.recurrent else node["k"],
-                "v": ancestors_v if options.recurrent else node["v"]}
+    # Every node sees the committed slots, its ancestors' K/V (none for chained modules: each depth is another
+    # module) and its own.
+    update, keys, values = node_attention_block(mp, x, state["k"][m], state["v"][m], p - 1,
+                                                jnp.broadcast_to((p + d - 2)[:, None], tokens.shape), node["k"],
+                                                node["v"], config)
+    hidden = finish(mp, x, update, config)
+    children = {"hidden": hidden, "k": keys if options.recurrent else node["k"],
+                "v": values if options.recurrent else node["v"]}
     return draft_head.logits(target_params, params, hidden, config), children
 
   tokens, probs, parents = draft_tree.grow(draft_head.logits(target_params, params, state["hidden"], config), first,
@@ -294,7 +294,7 @@ def loss(target_params, params, options: Options, batch):
     mp = _module(params, m)
     x_true, q_true, k_true, v_true = true_keys(m)
     if k == 1:
-      hidden = finish(mp, x_true, ops.attention(q_true, k_true, v_true, positions), config)
+      hidden = finish(mp, x_true, merge_heads(ops.attention(q_true, k_true, v_true, positions), mp["wo"]), config)
     else:
       prev = jnp.pad(hidden[:, :-1], ((0, 0), (1, 0), (0, 0)))  # g^{k-1}_{j-1} at position j
       x = module_input(mp, token_emb, prev, config)
@@ -305,7 +305,7 @@ def loss(target_params, params, options: Options, batch):
       extra_k = jnp.stack([draft_head.shifted_back(kd, n - 1 - i) for i, (kd, _) in enumerate(drafted)], axis=2)
       extra_v = jnp.stack([draft_head.shifted_back(vd, n - 1 - i) for i, (_, vd) in enumerate(drafted)], axis=2)
       attn = ops.attention(q, k_true, v_true, positions - (k - 1), extra_keys=extra_k, extra_values=extra_v)
-      hidden = finish(mp, x, attn, config)
+      hidden = finish(mp, x, merge_heads(attn, mp["wo"]), config)
     valid = target_mask & (slots[None, :] >= k - 1)
     loss_k, top1_k = draft_head.distill_loss(draft_head.logits(target_params, params, hidden, config), teacher_ids,
                                              teacher_probs, valid, params, config.vocab_size)
