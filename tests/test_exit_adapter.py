@@ -44,11 +44,11 @@ def test_fresh_adapter_with_mlp_drafts_as_early_exit_one_layer_later(random_targ
   adapter = specjax.make_drafter("layer_skip", random_target, adapter="fresh", exit_layer=2)
   plain = specjax.make_drafter("layer_skip", random_target, exit_layer=3)
   assert adapter.feature_layers == (1,) and adapter.options.layers == (0, 1)
-  for gamma in (1, 4):
-    a, b = (specjax.generate(random_target, prompts, max_new_tokens=24, drafter=d, gamma=gamma, stop_ids=[],
-                             adaptive=False).stats for d in (adapter, plain))
-    assert a["accepted_per_row"] == b["accepted_per_row"] and a["rounds_per_row"] == b["rounds_per_row"]
-    assert 0 < sum(a["accepted_per_row"]) < sum(a["rounds_per_row"]) * gamma  # drafts both right and wrong
+  gamma = 4
+  a, b = (specjax.generate(random_target, prompts, max_new_tokens=24, drafter=d, gamma=gamma, stop_ids=[],
+                           adaptive=False).stats for d in (adapter, plain))
+  assert a["accepted_per_row"] == b["accepted_per_row"] and a["rounds_per_row"] == b["rounds_per_row"]
+  assert 0 < sum(a["accepted_per_row"]) < sum(a["rounds_per_row"]) * gamma  # drafts both right and wrong
 
 
 def test_adapter_options_are_checked(random_target):

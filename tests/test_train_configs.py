@@ -36,7 +36,8 @@ def tiny_run(tiny, tmp_path_factory):
 @pytest.mark.parametrize("module, arg, options", [
     (train_mtp, "parallel,small", {}),
     (train_exit, "8,small", {"exit_layer": 1}),
-    (train_exit, "16,attention,small", {"exit_layer": 2}),
+    # the attention-only adapter's config: the block's config above with one option (its drafts: test_exit_adapter.py)
+    pytest.param(train_exit, "16,attention,small", {"exit_layer": 2}, marks=pytest.mark.slow),
     (train_draft, "small", {"num_layers": 2}),
 ], ids=["mtp_parallel", "exit_block", "exit_attention", "draft_model"])
 def test_training_config_trains_and_exports_a_loadable_drafter(module, arg, options, tiny_run):
