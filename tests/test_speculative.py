@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import re
 
@@ -481,6 +482,14 @@ def _cache_copies(hlo: str, cache_shape) -> int:
   return len(re.findall(rf"= f32\[{shape}\]\S* copy\(", hlo))
 
 
+def _compiled_loop_text(target, drafter, batch, cache_len, policy):
+  """The optimized HLO of the speculative loop for `policy`, at `batch` rows of 16-token prompts."""
+  return speculative._generate_speculative.lower(
+      target.params, drafter.params, np.zeros((batch, 16), np.int32), np.full(batch, 5, np.int32),
+      jax.random.PRNGKey(0), config=target.config, drafter=drafter.static(), policy=policy,
+      sampling=specjax.SamplingParams(), max_new_tokens=10, cache_len=cache_len, stop_ids=()).compile().as_text()
+
+
 @pytest.mark.parametrize("name, options", [("layer_skip", {"exit_layer": 1}),
                                            pytest.param("prompt_lookup", {}, marks=pytest.mark.slow)])
 def test_adaptive_rounds_update_the_cache_in_place(name, options, target):
@@ -490,12 +499,7 @@ def test_adaptive_rounds_update_the_cache_in_place(name, options, target):
   drafter = specjax.make_drafter(name, target, **options)
   batch, cache_len = 8, 128
 
-  def compiled(policy):
-    return speculative._generate_speculative.lower(
-        target.params, drafter.params, np.zeros((batch, 16), np.int32), np.full(batch, 5, np.int32),
-        jax.random.PRNGKey(0), config=target.config, drafter=drafter.static(), policy=policy,
-        sampling=specjax.SamplingParams(), max_new_tokens=10, cache_len=cache_len, stop_ids=()).compile().as_text()
-
+  compiled = functools.partial(_compiled_loop_text, target, drafter, batch, cache_len)
   shape = (batch, cache_len, target.config.num_kv_heads, target.config.head_dim)
   fixed = _cache_copies(compiled(specjax.FixedGamma(3)), shape)
   adaptive = _cache_copies(compiled(specjax.AdaptiveDrafting().plan(drafter.cost, 3, batch)), shape)
@@ -508,12 +512,7 @@ def test_adaptive_rounds_with_trees_update_the_cache_in_place(target):
   drafter = specjax.make_drafter("mtp_sequential", target, path=None, depth=3)
   batch, cache_len = 4, 128
 
-  def compiled(policy):
-    return speculative._generate_speculative.lower(
-        target.params, drafter.params, np.zeros((batch, 16), np.int32), np.full(batch, 5, np.int32),
-        jax.random.PRNGKey(0), config=target.config, drafter=drafter.static(), policy=policy,
-        sampling=specjax.SamplingParams(), max_new_tokens=10, cache_len=cache_len, stop_ids=()).compile().as_text()
-
+  compiled = functools.partial(_compiled_loop_text, target, drafter, batch, cache_len)
   shape = (batch, cache_len, target.config.num_kv_heads, target.config.head_dim)
   fixed = _cache_copies(compiled(specjax.FixedGamma(3, tree_nodes=8)), shape)
   adaptive = _cache_copies(compiled(specjax.AdaptiveDrafting().plan(drafter.cost, 3, batch, tree_nodes=8)), shape)
