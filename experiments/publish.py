@@ -739,7 +739,7 @@ BLOCKS: dict[str, tuple[str, Callable[[Runs, str], str]]] = {
     "layer-skip-deep": ("docs/results.md", layer_skip_deep_block),
     "bench-autoregressive": ("docs/benchmarks.md", _verbatim("benchmarks", "bench_autoregressive.txt",
                                                              "`benchmarks/bench_autoregressive.py --repeats=3`")),
-    "bench-verify": ("docs/benchmarks.md", _verbatim("benchmarks", "bench_verify.txt",
+    "bench-verify": ("docs/benchmarks.md", _verbatim("bench_verify", "bench_verify.txt",
                                                      "`benchmarks/bench_verify.py --repeats=5`")),
     "tpu-compile": ("docs/scaling.md", tpu_compile_block),
     "h200-costs": ("docs/benchmarks.md", h200_costs_block),

@@ -8,7 +8,8 @@ Reads <data_dir>/train and <data_dir>/held_out (built by `python -m experiments.
 drafter's own parameters with the target frozen (`specjax.train_drafter`), and writes to the workdir:
 metrics.jsonl (training and held-out metrics), checkpoints/ (orbax; a rerun of the same command resumes),
 <drafter>.safetensors (the exported drafter) and <drafter>.md, its model card (how to reproduce it and what
-it measured); a draft model also as an HF Llama directory (`config.export_hf`).
+it measured); a draft model also as an HF Llama directory (`config.export_hf`); parallel heads also their rank
+accuracy on the held-out split, <drafter>.ranks.json (`experiments.rank_accuracy`: what their static trees use).
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from absl import app, flags, logging
 import specjax
 from specjax import export, sharding, train_drafter
 from specjax.data import features
-from specjax.drafters import draft_head, draft_model
+from specjax.drafters import draft_head, draft_model, mtp_parallel
 from specjax.loading import CheckpointError
-from experiments import cli, prepare_data, spec_bench
+from experiments import cli, prepare_data, rank_accuracy, spec_bench
 from experiments.cli import code_commit, environment, parse_flags
 
 _CONFIG = cli.define_config_flag("Training config: configs/train_mtp.py:<variant>.")
@@ -222,6 +223,9 @@ def run(config: ml_collections.ConfigDict, command: str) -> dict[str, Any]:
   with open(card_path, "w") as f:
     f.write(model_card(card))
   print(f"exported {path} ({os.path.getsize(path) / 1e6:.1f} MB) and its model card {card_path}")
+  if config.drafter == mtp_parallel.NAME:  # Medusa's static trees come from the heads' measured rank accuracy
+    ranks, _ = rank_accuracy.measure_and_save(model, result.drafter, caches["held_out"], path)
+    print(f"rank accuracy on the held-out split: {ranks}")
   if config.get("export_hf"):
     hf_dir = export.save_hf(draft_model.as_model(model, result.drafter, name=os.path.basename(config.export_hf)),
                             config.export_hf)

@@ -94,9 +94,13 @@ from flax import struct
 from specjax.drafters import DraftCost
 from specjax.drafters.draft_tree import TOP_K
 
-# f(n), a target forward over n rows over a 1-row one, on 2 cores of XLA:CPU with specjax's CPU kernels and
-# SmolLM2-135M fp32: benchmarks/bench_verify.py, two runs on 2026-12-02 (results/benchmarks/RUN.md).
-CPU_FORWARD_COSTS = ((1, 1.0), (2, 1.0), (4, 1.05), (5, 1.06), (8, 1.2), (16, 1.4), (20, 1.75), (40, 2.8))
+# f(n), a target forward over n rows (batch rows x tokens) over a 1-row one, on 2 cores of XLA:CPU with specjax's CPU
+# kernels and SmolLM2-135M fp32, causal: benchmarks/bench_verify.py on 2026-12-04 (results/bench_verify/). The
+# kernels' products take rows 8 at a time, so the cost steps up past each multiple of 8; a tree's forward under its
+# mask costs 1.04-1.08x the causal one over as many rows there.
+CPU_FORWARD_COSTS = ((1, 1.0), (2, 1.16), (3, 1.09), (4, 1.12), (5, 1.09), (8, 1.27), (9, 1.42), (16, 1.8), (17, 2.03),
+                     (20, 2.22), (24, 2.51), (32, 3.05), (33, 3.32), (40, 3.82), (48, 4.41), (64, 5.72), (65, 5.91),
+                     (68, 6.17), (136, 11.84))
 
 # GPU/TPU: a small model's forward stays memory-bound over these row counts (results/accelerator/).
 ACCELERATOR_FORWARD_COSTS = ((1, 1.0), (64, 1.0))
@@ -118,11 +122,14 @@ def width_index(widths: tuple[int, ...], drafted):
 
 
 def forward_cost(points: tuple[tuple[int, float], ...], rows: int) -> float:
-  """f(rows): linear interpolation between the (rows, cost) points, extrapolated from the last two."""
+  """f(rows): linear interpolation between the (rows, cost) points, extrapolated from the last two; never more than
+  a point at more rows costs (a forward over more rows does not cost less: a measurement above a later one is
+  noise)."""
   for (n0, f0), (n1, f1) in zip(points, points[1:]):
     if rows <= n1:
       break
-  return f0 + (f1 - f0) * (rows - n0) / (n1 - n0)
+  later = [f for n, f in points if n >= rows]
+  return min([f0 + (f1 - f0) * (rows - n0) / (n1 - n0)] + later)
 
 
 # ------------------------------------------------------------------------------------------ the interface

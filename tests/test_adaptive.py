@@ -14,7 +14,7 @@ import specjax
 from specjax import speculative, verify
 from specjax.adaptive import (ACCELERATOR_FORWARD_COSTS, CPU_FORWARD_COSTS, Acceptance, AdaptiveDrafting, Choice,
                               FixedGamma, Outcome, RoundCosts, confidence_bars, draft_length, drafts_tree,
-                              expected_rounds, tree_prior, verify_widths)
+                              expected_rounds, forward_cost, tree_prior, verify_widths)
 from specjax.decoding import prefill
 from specjax.drafters import DraftCost, DraftInputs, PromptInfo
 from specjax.model import init_cache
@@ -369,6 +369,9 @@ def test_round_costs_follow_the_forward_costs_of_the_rows_verified(random_target
   at_2 = RoundCosts.of(DraftCost(step=0.3), points, 4, 2)
   assert at_2.round_costs == pytest.approx((1.0, 0.3 + 1.3 / 1.1, 0.6 + 2.4 / 1.1, 0.9 + 2.4 / 1.1, 1.2 + 2.4 / 1.1))
   assert RoundCosts.of(DraftCost(step=0.3), points, 4, 4).round_costs[4] == pytest.approx(1.2 + 4.4 / 1.3)
+  # A forward over more rows does not cost less: a point measured above a later one is read as that one's cost.
+  noisy = ((1, 1.0), (2, 1.3), (5, 1.1), (10, 2.0))
+  assert [forward_cost(noisy, n) for n in (2, 4, 5, 7)] == pytest.approx([1.1, 1.1, 1.1, 1.46])
 
 
 def test_drafters_describe_their_costs(random_target):
@@ -391,8 +394,8 @@ def test_drafters_describe_their_costs(random_target):
 
 
 def test_the_default_costs_draft_at_batch_1_and_not_at_batch_8(random_target):
-  """On 2-core XLA:CPU a 2-token forward at batch 8 costs ~1.17 plain steps (a 5-token one ~2.3), so alpha 0.1
-  does not pay there; at batch 1 a 2-token forward costs what a 1-token one does."""
+  """On 2-core XLA:CPU (`CPU_FORWARD_COSTS`) a 2-token forward at batch 8 costs ~1.5 plain steps (16 rows over 8),
+  so alpha 0.1 does not pay there; at batch 1 it costs ~1.09 steps, less than the 1.1 tokens alpha 0.1 brings."""
   lookup = specjax.make_drafter("prompt_lookup", random_target)
   plans = {b: AdaptiveDrafting().plan(lookup.cost, 4, b) for b in (1, 8)}
   assert int(draft_length(plans[1], evidence(10, 100))) > 0
@@ -469,7 +472,9 @@ def test_a_tree_round_costs_its_expansions_and_a_forward_over_its_nodes():
 def test_the_policy_picks_a_tree_where_its_evidence_pays_more_than_every_chain():
   """The same evidence, a chain accepting 0.6 of its drafts and trees committing 2.6 tokens a row (a chain of 4 at
   that acceptance: 2.3): with flat forward costs (an accelerator) a tree costs what the longest chain does and
-  wins; with this CPU's, its 17-row verification and 8-row expansions cost more than 0.3 more tokens bring."""
+  wins; with this CPU's, its 17-row verification (~2 steps) and 8-row expansions cost more than 0.3 more tokens
+  bring, and more than even 1.3 more; a tree of 7 nodes (8 rows: one pass of the CPU kernels' products) pays
+  there once it commits well above the chain."""
   chain = evidence(60, 100)
   alpha = float(chain.alpha(0.5))
   assert sum(alpha ** i for i in range(5)) == pytest.approx(2.3, abs=0.01)
@@ -481,8 +486,8 @@ def test_the_policy_picks_a_tree_where_its_evidence_pays_more_than_every_chain()
   cpu = tree_policy(CPU_FORWARD_COSTS)
   choice = cpu.choose(seen)
   assert not bool(choice.tree) and int(choice.budget) == int(draft_length(cpu, seen)) > 0
-  # Well above the chain's, a tree pays on this CPU too.
-  assert bool(cpu.choose(with_trees(chain, 3.6, rows=50)).tree)
+  assert not bool(cpu.choose(with_trees(chain, 3.6, rows=50)).tree)
+  assert bool(tree_policy(CPU_FORWARD_COSTS, tree_nodes=7).choose(with_trees(chain, 3.6, rows=50)).tree)
 
 
 def test_with_no_acceptance_the_policy_takes_plain_steps_not_trees():

@@ -57,6 +57,8 @@ def test_training_config_trains_and_exports_a_loadable_drafter(module, arg, opti
   model = specjax.load(model_dir)
   loaded = specjax.make_drafter(config.drafter, model, **{train.CHECKPOINT_ARGUMENT.get(config.drafter, "path"): path})
   assert loaded.options.draft_vocab == 16
+  if config.drafter == "mtp_parallel":  # its rank accuracy on the held-out split, for Medusa's static trees
+    assert len(loaded.options.rank_accuracy) == loaded.options.num_heads
   prompt = [[5, 9, 2, 7, 5, 9, 2, 7, 1]]
   assert (specjax.generate(model, prompt, max_new_tokens=8, drafter=loaded, gamma=2, stop_ids=[]).tokens
           == specjax.generate(model, prompt, max_new_tokens=8, stop_ids=[]).tokens)

@@ -231,6 +231,18 @@ def test_rank_accuracy_counts_each_heads_rank_that_is_the_targets_next_token(tin
   assert int(counted[0]) == length - 2  # the last position has no next token, position 4's is masked
   np.testing.assert_array_equal(hits[0], [4, 3, 3, 0])  # t in 0..10 but 4: residues 0, 1, 2 four, three, three times
 
+  class Cache:  # two layers, the target's last one second: what rank_accuracy reads
+    path, meta = "a test", {"feature_layers": [0, tiny.config.num_layers - 1]}
+
+    def __len__(self):
+      return 1
+
+    def batch(self, indices):
+      return {"features": np.concatenate([-features, features], axis=2), "teacher_ids": teacher, "mask": mask}
+  accuracy, compared = mtp_parallel.rank_accuracy(tiny, drafter, Cache())
+  assert int(compared[0]) == length - 2
+  np.testing.assert_allclose(accuracy[0, :4], np.asarray([4, 3, 3, 0]) / (length - 2))
+
 
 def test_a_checkpoints_measured_rank_accuracy_makes_its_trees_static(tiny, tmp_path):
   from specjax.drafters import draft_head

@@ -155,16 +155,22 @@ def rank_hits(target_params, params, options: Options, batch, ranks: int = draft
   return jnp.stack(hits), jnp.stack(counted)
 
 
-def rank_accuracy(model, drafter, cache, batch_size: int = 16) -> np.ndarray:
-  """[K, R]: the share of the positions of `cache` (held-out cached features, `FeatureCache`) where head k's rank-r
-  token is the target's greedy token (`rank_hits`), what `static_tree` builds Medusa's tree from."""
+def rank_accuracy(model, drafter, cache, batch_size: int = 16) -> tuple[np.ndarray, np.ndarray]:
+  """(accuracy [K, R], counted [K]): the share of the positions of `cache` (cached features, `FeatureCache`, that
+  hold the target's last layer) where head k's rank-r token is the target's greedy token (`rank_hits`), what
+  `static_tree` builds Medusa's tree from; and the positions compared per head."""
+  layers = list(cache.meta["feature_layers"])
+  last = model.config.num_layers - 1
+  if last not in layers:
+    raise ValueError(f"{NAME} reads the target's last layer ({last}), but {cache.path} holds layers {layers}")
   hits_of = jax.jit(functools.partial(rank_hits, options=drafter.options))
   hits, counted = 0, 0
   for start in range(0, len(cache), batch_size):
-    h, c = hits_of(model.params, drafter.params, batch=cache.batch(np.arange(start, min(start + batch_size,
-                                                                                         len(cache)))))
+    batch = cache.batch(np.arange(start, min(start + batch_size, len(cache))))
+    batch["features"] = batch["features"][:, :, [layers.index(last)]]
+    h, c = hits_of(model.params, drafter.params, batch=batch)
     hits, counted = hits + np.asarray(h, np.int64), counted + np.asarray(c, np.int64)
-  return hits / np.maximum(counted, 1)[:, None]
+  return hits / np.maximum(counted, 1)[:, None], counted
 
 
 def ranks_path(checkpoint_path: str) -> str:
@@ -175,9 +181,10 @@ def ranks_path(checkpoint_path: str) -> str:
 def save_rank_accuracy(checkpoint_path: str, accuracy, source: str) -> str:
   """Writes `accuracy` [K, R] beside the checkpoint (`ranks_path`), with the data it was measured on."""
   path = ranks_path(checkpoint_path)
-  with open(path, "w") as f:
+  with open(path + ".tmp", "w") as f:
     json.dump({"rank_accuracy": np.asarray(accuracy, np.float64).round(6).tolist(), "measured_on": source}, f,
               indent=1)
+  os.replace(path + ".tmp", path)  # atomic: a killed write leaves the old file
   return path
 
 

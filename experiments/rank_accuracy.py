@@ -1,0 +1,52 @@
+r"""Measures how often each parallel head's rank-r token is the target's greedy token, and stores it beside the
+checkpoint (<checkpoint>.ranks.json), where `make_drafter("mtp_parallel", ...)` reads it to draft Medusa's static
+trees (`specjax.drafters.mtp_parallel.static_tree`).
+
+  python -m experiments.rank_accuracy --cache=workdirs/data/train_data-regenerate/held_out [--checkpoint=default]
+
+--cache is a feature cache of the target's last layer (prepare_data's <workdir>/held_out or train): conversations of
+the training data, never evaluation prompts. `experiments.train` does the same for every parallel-heads run it
+exports, on its held-out split.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import numpy as np
+from absl import app, flags
+
+import specjax
+from specjax.data import features
+from specjax.drafters import draft_head, mtp_parallel
+
+
+def measure_and_save(model, drafter, cache: features.FeatureCache, checkpoint_path: str) -> tuple[str, np.ndarray]:
+  """Rank accuracy of `drafter` (parallel heads) on `cache`, written beside `checkpoint_path`; (file, accuracy)."""
+  accuracy, counted = mtp_parallel.rank_accuracy(model, drafter, cache)
+  source = (f"{os.path.abspath(cache.path)}: {len(cache)} sequences, {int(counted[0])} positions compared for head 1 "
+            f"(top {accuracy.shape[1]} ranks)")
+  return mtp_parallel.save_rank_accuracy(checkpoint_path, accuracy, source), accuracy
+
+
+def main(argv: Sequence[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  model = specjax.load(flags.FLAGS.model, dtype="float32")
+  checkpoint = flags.FLAGS.checkpoint
+  path = draft_head.shipped_checkpoint(model, mtp_parallel.NAME) if checkpoint == "default" else checkpoint
+  drafter = specjax.make_drafter(mtp_parallel.NAME, model, path=path)
+  written, accuracy = measure_and_save(model, drafter, features.FeatureCache.open(flags.FLAGS.cache), path)
+  for k, row in enumerate(accuracy, 1):
+    print(f"head {k}: top-1 {row[0]:.3f}, top-{len(row)} {row.sum():.3f}; ranks 1-5 "
+          + " ".join(f"{a:.3f}" for a in row[:5]))
+  print(f"wrote {written}")
+
+
+if __name__ == "__main__":
+  flags.DEFINE_string("checkpoint", "default", "parallel heads (.safetensors); default: the ones shipped for --model")
+  flags.DEFINE_string("cache", None, "a feature cache holding the target's last layer (prepare_data's output)")
+  flags.DEFINE_string("model", "smollm2-135m", "the target")
+  flags.mark_flags_as_required(["cache"])
+  app.run(main)
