@@ -1,4 +1,4 @@
-r"""Draft trees: every drafter as a chain and as trees of 8, 16 and 32 nodes.
+r"""Draft trees: every drafter as a chain and as trees of 7, 8, 16 and 32 nodes.
 
   python -m experiments.run --config=configs/trees.py:small    # 1 prompt x 13 categories, 64 tokens
   python -m experiments.run --config=configs/trees.py          # 5 prompts x 13 categories, 128 tokens
@@ -9,15 +9,16 @@ its best, the searched skip set and the trained exit) and verifies it in one tar
 (specjax/trees.py); its chain drafts gamma tokens every round (fixed rounds for both, `config.adaptive` False).
 Greedy, so every method is checked token for token against autoregressive decoding. The table gives tokens per
 target forward (mean accepted + 1), per-depth acceptance and paired speedups with intervals; costs (c, r, the
-accelerator projection) are measured for the chains. `:small` compiles 25 programs per prompt-length bucket (about
-20 s each on 2 cores).
+accelerator projection) are measured for the chains. A tree of 7 nodes is verified over 8 rows, one pass of the CPU
+kernels' 8-row products (benchmarks/bench_verify.py: the cost steps up past each multiple of 8 rows); 8 nodes take
+9. `:small` compiles 31 programs per prompt-length bucket (about 20 s each on 2 cores).
 """
 
 from configs import common
 
 DRAFTERS = ("prompt_lookup", "layer_skip_best_set", "layer_skip_trained_exit", "mtp_parallel", "mtp_sequential",
             "draft_model")
-TREE_NODES = (8, 16, 32)
+TREE_NODES = (7, 8, 16, 32)
 
 
 def get_config(arg=None):

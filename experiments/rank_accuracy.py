@@ -25,7 +25,7 @@ from specjax.drafters import draft_head, mtp_parallel
 def measure_and_save(model, drafter, cache: features.FeatureCache, checkpoint_path: str) -> tuple[str, np.ndarray]:
   """Rank accuracy of `drafter` (parallel heads) on `cache`, written beside `checkpoint_path`; (file, accuracy)."""
   accuracy, counted = mtp_parallel.rank_accuracy(model, drafter, cache)
-  source = (f"{os.path.abspath(cache.path)}: {len(cache)} sequences, {int(counted[0])} positions compared for head 1 "
+  source = (f"{os.path.relpath(cache.path)}: {len(cache)} sequences, {int(counted[0])} positions compared for head 1 "
             f"(top {accuracy.shape[1]} ranks)")
   return mtp_parallel.save_rank_accuracy(checkpoint_path, accuracy, source), accuracy
 

@@ -145,7 +145,16 @@ def model_card(card: dict[str, Any]) -> str:
     lines += [f"Spec-Bench ({sb['prompts']} prompts, one per category, greedy, gamma {sb['gamma']}, "
               f"{sb['max_new_tokens']} new tokens): mean_accepted **{sb['mean_accepted']:.2f}** tokens per target "
               f"forward, alpha {sb['alpha']:.3f}, output identical to autoregressive decoding: {sb['lossless']}.", ""]
+  if card["drafter"] == "mtp_parallel":
+    lines += [TREES_NOTE, ""]
   return "\n".join(lines)
+
+
+# How parallel heads draft trees, in their model card.
+TREES_NOTE = ("## Trees\n\nDraft trees (`generate(..., tree_nodes=N)`) are Medusa's static ones, built from "
+              "<name>.ranks.json beside this file: how often head k's rank-r token is the target's greedy token, "
+              "measured on held-out answers (`python -m experiments.rank_accuracy --checkpoint=<this file> "
+              "--cache=<a feature cache's held_out>`; training writes it on its held-out split).")
 
 
 def check_answers(cache: features.FeatureCache, answers: str) -> None:
