@@ -7,6 +7,9 @@
 #
 # Rerunning it resumes the set: a run whose run.json exists (written when it ends) is skipped, a killed run resumes
 # from its last checkpoint without repeating or losing an evaluation point. One set runs at a time (a lock file).
+# A run's training data is built first where it is missing (prepare_data, itself resumable): the target's own
+# answers (configs/train_data.py:regenerate, ~3 CPU-hours) and, for the `sharegpt` control, ShareGPT's answers to
+# as many conversations (configs/train_budget.py says which; ~2.7 CPU-hours).
 # Log: workdirs/budget/train_budget.log; curves: python -m experiments.curves --workdirs=workdirs/budget.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,11 +26,21 @@ fi
 shift
 exec 9> "$ROOT/.lock"
 flock -n 9 || { echo "another launch/train_budget.sh holds $ROOT/.lock"; exit 1; }
+ensure_data() {  # $1: prepare_data's workdir (configs/train_budget.py's data_dir); the rest: its arguments
+  [[ -f "$1/train/meta.json" && -f "$1/held_out/meta.json" ]] && return
+  echo "$(date -Is) building the training data in $1"
+  python -m experiments.prepare_data "${@:2}" --config.workdir="$1"
+}
 for run in $RUNS; do
   workdir="$ROOT/${run//,/-}"
   if [[ -f "$workdir/run.json" ]]; then
     echo "$(date -Is) $run: finished before ($workdir/run.json), skipped"
     continue
+  fi
+  if [[ ",$run," == *,sharegpt,* ]]; then
+    ensure_data workdirs/data/train_data --config=configs/train_data.py --config.num_train=14000
+  else
+    ensure_data workdirs/data/train_data-regenerate --config=configs/train_data.py:regenerate
   fi
   echo "$(date -Is) $run: training in $workdir"
   python -m experiments.train --config="configs/train_budget.py:$run" "$@"
