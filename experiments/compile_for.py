@@ -104,8 +104,9 @@ from experiments.cli import code_commit, environment, parse_flags
 
 _CONFIG = cli.define_config_flag("Compile config: configs/compile_tpu.py[:small].")
 _WORKDIR = cli.define_workdir_flag("Output folder (default: workdirs/<config>-<time>).")
-_RENDER = flags.DEFINE_string("render", None, "A run's folder: write its tables, plot and RUN.md again from its "
-                              "results.json, compiling nothing.")
+_RENDER = flags.DEFINE_string("render", None, "A run's folder: project its compiled costs again at the acceptance "
+                              "files its config names (as they are now), and write its results.json, tables, plot and "
+                              "RUN.md again, compiling nothing.")
 
 PROGRAMS = ("prefill", "autoregressive", "speculative", "train_drafter", "train", "steps")
 TREE_PROGRAMS = ("speculative", "steps")  # the kinds with tree programs (`tree_nodes`)
@@ -964,6 +965,23 @@ def run(config: ml_collections.ConfigDict, workdir: str, name: str = "compile_tp
   return results
 
 
+def reproject(workdir: str) -> dict:
+  """A run's projections again from its compiled records, at the acceptance files its config names as they are now
+  (a run of configs/trees.py measured after the compile, say); results.json and the reports rewritten."""
+  path = os.path.join(workdir, "results.json")
+  with open(path) as f:
+    results = json.load(f)
+  config = ml_collections.ConfigDict(results["config"])
+  trees = tree_acceptance(config.tree_acceptance)
+  results.update(tree_acceptance_found=trees is not None, projected=time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+                 projections=projections(results["records"], config, measured_acceptance(config.acceptance), trees))
+  with open(path + ".tmp", "w") as f:
+    json.dump(results, f, indent=1)
+  os.replace(path + ".tmp", path)
+  write_reports(results, workdir)
+  return results
+
+
 def write_reports(results: dict, workdir: str) -> None:
   """results.md, RUN.md and compile_tpu.png from a run's results (`--render`: again, from its results.json)."""
   with open(os.path.join(workdir, "results.md"), "w") as f:
@@ -989,7 +1007,10 @@ def run_md(results: dict) -> str:
       f"{results['load_average']['end']:.1f} at the end (the machine is shared; wall time grows with the load, CPU "
       "time much less).",
       f"- {len(results['records'])} programs: {counts['compiled']} compiled, {counts['does_not_fit']} do not fit in "
-      f"HBM, {counts['failed']} failed.", "",
+      f"HBM, {counts['failed']} failed."]
+      + ([f"- projections derived again on {results['projected']} UTC from the compiled costs, at the acceptance "
+          f"files as they were then (`python -m experiments.compile_for --render=<this folder>`)."]
+         if results.get("projected") else []) + ["",
       "Files: `results.md` (the tables), `results.json` (every program's record, the projections, the chips' figures "
       "and their sources), `compile_tpu.png` (memory per device, projected speedups).", ""])
 
@@ -998,8 +1019,7 @@ def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if _RENDER.value:
-    with open(os.path.join(_RENDER.value, "results.json")) as f:
-      write_reports(json.load(f), _RENDER.value)
+    reproject(_RENDER.value)
     return
   name = os.path.basename(config_flags.get_config_filename(flags.FLAGS["config"])).replace(".py", "").replace(":", "-")
   workdir = _WORKDIR.value or os.path.join("workdirs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")

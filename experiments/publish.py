@@ -469,6 +469,30 @@ def compare_drafters_block(runs: Runs, prefix: str) -> str:
           f"{min(efficiency):.2f}–{max(efficiency):.2f}.")
 
 
+def trees_block(runs: Runs, prefix: str) -> str:
+  """configs/trees.py: each drafter's chain and its trees (`<method>_tree<N>`), fixed rounds: tokens per target
+  forward, acceptance by depth, the paired speedup over autoregressive decoding and over the drafter's own chain
+  (the same prompts and repeat), and the projection from the round's costs compiled for one TPU chip."""
+  run = runs["trees"]
+  compiled = projection.read(str(runs.root / projection.COSTS_FILE))
+  summary = run.results["summary"]["methods"]
+  rows = ["| drafter | nodes | tokens per forward | accepted at depth 1 / 2 / 3 / 4 | speedup (paired median, 90% "
+          f"interval) | over its chain | projected on TPU {projection.TOPOLOGY} |", "|---|---:|---:|---|---:|---:|---:|"]
+  chains = [m for m in run.methods() if not summary[m].get("tree_nodes")]
+  for chain in chains:
+    trees = sorted((m for m in run.methods() if m.startswith(f"{chain}_tree") and summary[m].get("tree_nodes")),
+                   key=lambda m: summary[m]["tree_nodes"])
+    for m in [chain, *trees]:
+      s = summary[m]
+      depths = " / ".join(f"{a:.2f}" for a in s["acceptance_per_position"] or [])
+      projected = projection.project(dict(s, adaptive=run.adaptive(m)), compiled, m)
+      over_chain = speedup_cell(report.paired_speedups(run.records, m, chain)) if m != chain else "–"
+      rows.append(f"| `{chain}` | {s.get('tree_nodes') or 'chain'} | {s['mean_accepted']:.2f} | {depths} | "
+                  f"{speedup_cell(_paired(run, m))} | {over_chain} | {_num(projected, '.2f')} |")
+  return (run_line(run, prefix) + " Every method drafts gamma 4 deep every round (no adaptive drafting); a tree of "
+          "N nodes is verified in one forward over N + 1 tokens.\n\n" + "\n".join(rows))
+
+
 def compare_drafters_by_category_block(runs: Runs, prefix: str) -> str:
   return category_block(runs["compare_drafters"], prefix)
 
@@ -726,6 +750,7 @@ BLOCKS: dict[str, tuple[str, Callable[[Runs, str], str]]] = {
     "readme-results": ("README.md", readme_results_block),
     "compare-drafters": ("docs/results.md", compare_drafters_block),
     "compare-drafters-by-category": ("docs/results.md", compare_drafters_by_category_block),
+    "trees": ("docs/results.md", trees_block),
     "adaptive-by-category-full": ("docs/results.md", _category_block("adaptive_by_category-full")),
     "adaptive-by-category-trained-all": ("docs/results.md", _category_block("adaptive_by_category-trained-all")),
     "adaptive-by-category-others": ("docs/results.md", _category_block("adaptive_by_category-others")),

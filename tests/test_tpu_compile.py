@@ -242,6 +242,15 @@ def test_a_run_writes_its_results_tables_plot_and_run_record(tmp_path, monkeypat
   assert results["projections"][0]["projected_speedup"] == pytest.approx(tau * 1e-3 / (0.1e-3 + 1e-3))
   assert "python -m experiments.compile_for --config=x" in run_md
   assert "7 programs: 6 compiled, 1 do not fit in HBM, 0 failed" in run_md
+  # A run of configs/trees.py measured afterwards: --render projects the tree from the compiled costs again.
+  with open(config.tree_acceptance, "w") as f:
+    json.dump({"summary": {"methods": {"mtp_parallel_tree16": {"gamma": 4, "mean_accepted": 3.0, "tree_nodes": 16}}}},
+              f)
+  again = compile_for.reproject(str(tmp_path))
+  tree = [p for p in again["projections"] if p["tree_nodes"] == 16]
+  assert len(tree) == 1 and tree[0]["projected_speedup"] == pytest.approx(3.0 / tree[0]["break_even_tau"])
+  assert again["records"] == results["records"] and "projections derived again" in (tmp_path / "RUN.md").read_text()
+  assert json.loads((tmp_path / "results.json").read_text())["projections"] == again["projections"]
 
 
 def test_the_acceptance_comes_from_a_fixed_gamma_run():
