@@ -642,10 +642,13 @@ def programs_of(s: Shapes, config: ml_collections.ConfigDict, which: str, drafte
 
 
 def compile_all(config: ml_collections.ConfigDict, progress: Callable[[str], None] = print,
-                model_configs: dict[str, ModelConfig] | None = None, log_path: str | None = None) -> list[dict]:
+                model_configs: dict[str, ModelConfig] | None = None, log_path: str | None = None,
+                done: dict[tuple, dict] | None = None) -> list[dict]:
   """Every program of the config's blocks, compiled one at a time; their records (each also appended to `log_path`
-  as a JSON line as soon as it is made, so a long run that stops keeps what it compiled). A model is
-  `specjax.config.shaped_config(name)` unless `model_configs` gives its config."""
+  as a JSON line as soon as it is made, so a long run that stops keeps what it compiled; a program whose record is in
+  `done`, by `record_key`, keeps it and is not compiled again). A model is `specjax.config.shaped_config(name)`
+  unless `model_configs` gives its config."""
+  done = done or {}
   acceptance = measured_acceptance(config.acceptance)
   unknown = sorted({r["acceptance_of"] for r in config.drafters} - set(acceptance))
   if unknown:
@@ -664,6 +667,10 @@ def compile_all(config: ml_collections.ConfigDict, progress: Callable[[str], Non
       shapes[key] = model_shapes(model_config, models[model]["draft_vocab"], mesh_target, config, acceptance)
     s = shapes[key]
     for lowering in programs_of(s, config, which, drafters, tree_nodes):
+      before = done.get((model, topology, which, lowering.name, lowering.drafter, lowering.tree_nodes))
+      if before is not None:
+        records.append(before)
+        continue
       record = compile_program(lowering, s.target)
       record.update(model=model, topology=topology, mesh=[data, model_axis], kind=which)
       records.append(record)
@@ -931,6 +938,24 @@ def machine() -> dict[str, Any]:
   return {"cpu": model, "cores": os.cpu_count(), "memory_bytes": memory, "niceness": os.nice(0)}
 
 
+def record_key(r: dict) -> tuple:
+  return (r["model"], r["topology"], r["kind"], r["program"], r["drafter"], r["tree_nodes"])
+
+
+def earlier_records(log_path: str, config: ml_collections.ConfigDict) -> dict[tuple, dict]:
+  """The records a stopped run of the same config left in `log_path` (by `record_key`), which a rerun keeps instead
+  of compiling again; a log of another config, or none, starts a new log headed by this config."""
+  wanted = json.loads(json.dumps(config.to_dict()))
+  if os.path.exists(log_path):
+    with open(log_path) as f:
+      lines = [json.loads(line) for line in f if line.strip().endswith("}")]  # a line cut by a kill is dropped
+    if lines and lines[0].get("config") == wanted:
+      return {record_key(r): r for r in lines[1:]}
+  with open(log_path, "w") as f:
+    f.write(json.dumps({"config": wanted}) + "\n")
+  return {}
+
+
 def run(config: ml_collections.ConfigDict, workdir: str, name: str = "compile_tpu", command: str = "") -> dict:
   """Compiles the config's programs and writes results.json, results.md, compile_tpu.png and RUN.md (the command,
   commit, machine and times) into `workdir`."""
@@ -938,9 +963,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, name: str = "compile_tp
   os.makedirs(workdir, exist_ok=True)
   load_before, start, cpu_start = os.getloadavg(), time.perf_counter(), time.process_time()
   log_path = os.path.join(workdir, "records.jsonl")  # the records so far, while compiling; results.json after
-  if os.path.exists(log_path):
-    os.remove(log_path)
-  records = compile_all(config, log_path=log_path)
+  earlier = earlier_records(log_path, config)
+  records = compile_all(config, log_path=log_path, done=earlier)
   wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
   targets = {}
   for topology, data, model_axis in config.topologies:
@@ -953,6 +977,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, name: str = "compile_tp
                  "%Y-%m-%d %H:%M", time.gmtime(time.time() - wall)), "wall_seconds": wall, "cpu_seconds": cpu,
              # 1-minute load averages: the machine may be shared, and compiling is CPU work
              "load_average": {"start": load_before[0], "end": os.getloadavg()[0]},
+             "resumed_records": len(earlier),  # compiled before a restart: their time is not in wall/cpu_seconds
              "compile_seconds": sum(r["seconds"] for r in records), "targets": targets, "records": records,
              "tree_acceptance_found": tree_acceptance(config.tree_acceptance) is not None,
              "projections": projections(records, config, measured_acceptance(config.acceptance),
@@ -1007,7 +1032,9 @@ def run_md(results: dict) -> str:
       f"{results['load_average']['end']:.1f} at the end (the machine is shared; wall time grows with the load, CPU "
       "time much less).",
       f"- {len(results['records'])} programs: {counts['compiled']} compiled, {counts['does_not_fit']} do not fit in "
-      f"HBM, {counts['failed']} failed."]
+      f"HBM, {counts['failed']} failed"
+      + (f" ({results['resumed_records']} of them compiled before a restart: their time is not in the wall and CPU "
+         "time above)." if results.get("resumed_records") else ".")]
       + ([f"- projections derived again on {results['projected']} UTC from the compiled costs, at the acceptance "
           f"files as they were then (`python -m experiments.compile_for --render=<this folder>`)."]
          if results.get("projected") else []) + ["",

@@ -103,6 +103,24 @@ def test_a_program_larger_than_the_chips_memory_is_reported_as_not_fitting(libtp
   records = compile_for.compile_all(config, progress=lambda line: None, model_configs={"huge": huge})
   assert [r["status"] for r in records] == ["does_not_fit"]
   assert "RESOURCE_EXHAUSTED" in records[0]["error"] or "memory" in records[0]["error"]
+  # A rerun keeps the records a stopped run made (compile_for.earlier_records) instead of compiling again.
+  kept = dict(records[0], status="kept")
+  again = compile_for.compile_all(config, progress=lambda line: None, model_configs={"huge": huge},
+                                  done={compile_for.record_key(kept): kept})
+  assert again == [kept]
+
+
+def test_a_rerun_keeps_the_records_of_a_stopped_run_of_the_same_config(tmp_path):
+  config, log = compile_tpu.get_config(), str(tmp_path / "records.jsonl")
+  assert compile_for.earlier_records(log, config) == {}  # a new log, headed by the config
+  record = {"model": "m", "topology": "v5e:2x4", "kind": "steps", "program": "decode_step", "drafter": None,
+            "tree_nodes": None, "status": "compiled"}
+  with open(log, "a") as f:
+    f.write(json.dumps(record) + "\n" + '{"model": "m", "topol')  # the second record cut by a kill
+  assert compile_for.earlier_records(log, config) == {compile_for.record_key(record): record}
+  config.batch_size = 4  # another config: its log starts again
+  assert compile_for.earlier_records(log, config) == {}
+  assert compile_for.earlier_records(log, config) == {}
 
 
 @pytest.mark.tpu_compile
@@ -227,7 +245,7 @@ def test_a_run_writes_its_results_tables_plot_and_run_record(tmp_path, monkeypat
            for args in (("decode_step", None, 1e9, 819e6), ("verify_5", None, 1e9, 819e6),
                         ("propose_4", "heads", 0, 81.9e6), ("verify_tree_17", None, 1e9, 1638e6, 16),
                         ("propose_tree_16", "heads", 0, 819e6, 16))]
-  monkeypatch.setattr(compile_for, "compile_all", lambda config, log_path=None: [program, too_big] + steps)
+  monkeypatch.setattr(compile_for, "compile_all", lambda config, log_path=None, done=None: [program, too_big] + steps)
   v5e = compile_for.CHIPS["v5e"]
   monkeypatch.setattr(compile_for, "target", lambda topology, data, model: compile_for.Target(
       topology, sharding.make_mesh(1, 1), v5e.hbm_bytes, v5e.hbm_bytes_per_second, v5e.bf16_flops_per_second))
