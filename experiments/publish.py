@@ -478,19 +478,20 @@ def trees_block(runs: Runs, prefix: str) -> str:
   summary = run.results["summary"]["methods"]
   rows = ["| drafter | nodes | tokens per forward | accepted at depth 1 / 2 / 3 / 4 | speedup (paired median, 90% "
           f"interval) | over its chain | projected on TPU {projection.TOPOLOGY} |", "|---|---:|---:|---|---:|---:|---:|"]
-  chains = [m for m in run.methods() if not summary[m].get("tree_nodes")]
+  chains = [m for m in run.methods() if summary[m].get("gamma") and not summary[m].get("tree_nodes")]
   for chain in chains:
     trees = sorted((m for m in run.methods() if m.startswith(f"{chain}_tree") and summary[m].get("tree_nodes")),
                    key=lambda m: summary[m]["tree_nodes"])
     for m in [chain, *trees]:
       s = summary[m]
-      depths = " / ".join(f"{a:.2f}" for a in s["acceptance_per_position"] or [])
+      depths = " / ".join(_num(a, ".2f") for a in s["acceptance_per_position"] or [])  # –: no node that deep
       projected = projection.project(dict(s, adaptive=run.adaptive(m)), compiled, m)
       over_chain = speedup_cell(report.paired_speedups(run.records, m, chain)) if m != chain else "–"
       rows.append(f"| `{chain}` | {s.get('tree_nodes') or 'chain'} | {s['mean_accepted']:.2f} | {depths} | "
                   f"{speedup_cell(_paired(run, m))} | {over_chain} | {_num(projected, '.2f')} |")
-  return (run_line(run, prefix) + " Every method drafts gamma 4 deep every round (no adaptive drafting); a tree of "
-          "N nodes is verified in one forward over N + 1 tokens.\n\n" + "\n".join(rows))
+  return (run_line(run, prefix) + " Every method drafts every round, its chain's γ deep (no adaptive drafting); a "
+          "tree of N nodes is verified in one forward over N + 1 tokens; *over its chain*: paired with the drafter's "
+          "chain on the same prompt.\n\n" + "\n".join(rows))
 
 
 def compare_drafters_by_category_block(runs: Runs, prefix: str) -> str:

@@ -148,13 +148,13 @@ def test_a_speedup_cell_gives_the_median_and_its_interval_or_the_pairs():
 
 
 def test_the_accelerator_projection_of_the_results_is_the_compile_runs_own():
-  """docs/results.md projects the fixed-γ comparison with the round costs compiled for a TPU
-  (experiments/projection.py): for the methods whose τ the compile run took from that comparison, the same speedups
-  as the compile run's."""
+  """docs/results.md projects the fixed-γ comparison and the trees with the round costs compiled for a TPU
+  (experiments/projection.py): for the methods whose τ the compile run took from those runs, the same speedups as the
+  compile run's."""
   runs = publish.load_runs(ROOT)
   compiled = runs["tpu_compile"].results
   costs = projection.read()
-  table = publish.compare_drafters_block(runs, "")
+  table, trees = publish.compare_drafters_block(runs, ""), publish.trees_block(runs, "").splitlines()
   mine = [p for p in compiled["projections"]
           if p["model"] == projection.MODEL and p["topology"] == projection.TOPOLOGY]
   assert mine
@@ -162,8 +162,12 @@ def test_the_accelerator_projection_of_the_results_is_the_compile_runs_own():
     cost = costs[p["acceptance_of"]]
     assert cost["tree_nodes"] == p.get("tree_nodes")
     assert projection.break_even_tau(cost) == pytest.approx(p["round_seconds"] / p["decode_step_seconds"])
-    if p.get("tree_nodes"):  # a tree's tau comes from a run of configs/trees.py, not from the chains' comparison
+    if p.get("tree_nodes"):  # a tree's tau comes from the run of configs/trees.py, and its row is in that table
       assert p["projected_speedup"] == (None if p["tau"] is None else pytest.approx(projection.speedup(p["tau"], cost)))
+      if p["projected_speedup"] is not None:
+        chain = p["acceptance_of"].removesuffix(f"_tree{p['tree_nodes']}")
+        row = next(line for line in trees if line.startswith(f"| `{chain}` | {p['tree_nodes']} |"))
+        assert row.endswith(f"| {p['projected_speedup']:.2f} |")
       continue
     assert projection.speedup(p["tau"], cost) == pytest.approx(p["projected_speedup"])
     row = next(line for line in table.splitlines() if line.startswith(f"| `{p['acceptance_of']}` |"))
