@@ -44,9 +44,14 @@ def main(argv: Sequence[str]) -> None:
   print(f"wrote {written}")
 
 
-if __name__ == "__main__":
+def _define_flags():
+  """Defined when the command runs, not on import: --model is other commands' too."""
   flags.DEFINE_string("checkpoint", "default", "parallel heads (.safetensors); default: the ones shipped for --model")
   flags.DEFINE_string("cache", None, "a feature cache holding the target's last layer (prepare_data's output)")
   flags.DEFINE_string("model", "smollm2-135m", "the target")
+
+
+if __name__ == "__main__":
+  _define_flags()
   flags.mark_flags_as_required(["cache"])
   app.run(main)
