@@ -943,13 +943,16 @@ def record_key(r: dict) -> tuple:
 
 
 def earlier_records(log_path: str, config: ml_collections.ConfigDict) -> dict[tuple, dict]:
-  """The records a stopped run of the same config left in `log_path` (by `record_key`), which a rerun keeps instead
-  of compiling again; a log of another config, or none, starts a new log headed by this config."""
+  """The records a stopped run left in `log_path` (by `record_key`), which a rerun keeps instead of compiling again,
+  when its config was this one but for its grid (`runs`: which programs, not how each is built); a log of another
+  config, or none, starts a new log headed by this config."""
+  def how(config_dict):
+    return {k: v for k, v in config_dict.items() if k != "runs"}
   wanted = json.loads(json.dumps(config.to_dict()))
   if os.path.exists(log_path):
     with open(log_path) as f:
       lines = [json.loads(line) for line in f if line.strip().endswith("}")]  # a line cut by a kill is dropped
-    if lines and lines[0].get("config") == wanted:
+    if lines and how(lines[0].get("config", {})) == how(wanted):
       return {record_key(r): r for r in lines[1:]}
   with open(log_path, "w") as f:
     f.write(json.dumps({"config": wanted}) + "\n")

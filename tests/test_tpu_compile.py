@@ -118,7 +118,9 @@ def test_a_rerun_keeps_the_records_of_a_stopped_run_of_the_same_config(tmp_path)
   with open(log, "a") as f:
     f.write(json.dumps(record) + "\n" + '{"model": "m", "topol')  # the second record cut by a kill
   assert compile_for.earlier_records(log, config) == {compile_for.record_key(record): record}
-  config.batch_size = 4  # another config: its log starts again
+  config.runs = config.runs[:1]  # another grid of programs built alike: the records are kept
+  assert compile_for.earlier_records(log, config) == {compile_for.record_key(record): record}
+  config.batch_size = 4  # programs built otherwise: the log starts again
   assert compile_for.earlier_records(log, config) == {}
   assert compile_for.earlier_records(log, config) == {}
 
@@ -139,7 +141,9 @@ def test_the_cover_grid_has_every_program_on_every_topology_and_every_model():
   grid = compile_for.blocks(config)
   topologies = {t[0] for t in config.topologies}
   drafters = tuple(d["name"] for d in config.drafters)
-  assert {(t[0], p) for _, t, p, _, _ in grid} == {(t, p) for t in topologies for p in compile_for.PROGRAMS}
+  # Every program a user runs (the projection's step programs are the default grid's, on every topology too).
+  assert {(t[0], p) for _, t, p, _, _ in grid} == {(t, p) for t in topologies for p in compile_tpu.USER_PROGRAMS}
+  assert set(compile_tpu.USER_PROGRAMS) == set(compile_for.PROGRAMS) - {"steps"}
   assert {m for m, _, _, _, _ in grid} == {m["name"] for m in config.models}
   assert all(d == drafters for _, _, _, d, _ in grid)
   # Trees of every size where a program has them (speculative, steps), none elsewhere.
