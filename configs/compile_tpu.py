@@ -112,9 +112,12 @@ def get_config(arg=None):
     config.runs = ({"models": ("smollm2-135m",), "topologies": ("h200:1x1x1", "h100:1x1x8"),
                     "programs": ("prefill", "autoregressive", "speculative"), "drafters": ("mtp_sequential",)},)
   elif arg == "cover":  # every program a user runs on every topology (SmolLM2), and every model on v5e:2x4
+    # Trees of one size everywhere (a larger tree is the same program with more nodes), both sizes for SmolLM2 on
+    # v5e:2x4.
     config.train_drafters = ("exit_adapter", "draft_model", "mtp_parallel", "mtp_sequential")
-    users = dict(everything, programs=USER_PROGRAMS)
-    config.runs = (dict(users, models=("smollm2-135m",)), dict(users, topologies=("v5e:2x4",)))
+    users = dict(everything, programs=USER_PROGRAMS, tree_nodes=config.tree_nodes[:1])
+    config.runs = (dict(users, models=("smollm2-135m",)), dict(users, topologies=("v5e:2x4",)),
+                   {"models": ("smollm2-135m",), "topologies": ("v5e:2x4",), "programs": ("speculative",)})
   elif arg == "full":  # the whole cross product
     config.train_drafters = ("exit_adapter", "draft_model", "mtp_parallel", "mtp_sequential")
     config.runs = (everything,)
