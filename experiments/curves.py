@@ -10,6 +10,7 @@ data and cost from the run.json experiments.train writes when it ends. Writes to
                 depth, Spec-Bench tokens per forward and alpha, the curve, and where the project's target for its
                 family would be reached
   results.md    the table of results.json, rendered from it at the precision shown
+  RUN.md        the command, the code of the curves and of each run, the machine
 
 Where the target of a family (TARGETS) is not reached, it is extrapolated: a line fitted by least squares to the
 metric against log10(positions) over the last FIT_POINTS evaluation points, solved for the target. It is an
@@ -22,6 +23,7 @@ import glob
 import json
 import math
 import os
+import sys
 import time
 from typing import Any, Sequence
 
@@ -32,7 +34,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from experiments.cli import code_commit  # noqa: E402
+from experiments.cli import code_commit, environment  # noqa: E402
 
 
 # The project's targets (Spec-Bench, greedy, gamma 4 chain): family -> (metric of the evaluation points, value).
@@ -71,6 +73,22 @@ def extrapolate(points: list[dict[str, Any]], metric: str, target: float) -> dic
   return {**out, "slope_per_decade": float(slope), "positions": None if positions is None else float(positions)}
 
 
+STALLED = 0.25  # an interval between logged steps whose CPU time per wall second is under this share of the run's median
+
+
+def stalled_seconds(records: list[dict[str, Any]]) -> float:
+  """Wall seconds of a run's training in which its process was stopped or starved: over the intervals between logged
+  steps whose CPU seconds per wall second fell under STALLED of the run's median, the wall time beyond what the
+  interval's CPU time takes at the median rate."""
+  intervals = [(b["train_seconds"] - a["train_seconds"], b["train_cpu_seconds"] - a["train_cpu_seconds"])
+               for a, b in zip(records, records[1:]) if "train_cpu_seconds" in a and "train_cpu_seconds" in b]
+  intervals = [(wall, cpu) for wall, cpu in intervals if wall > 0]
+  if not intervals:
+    return 0.0
+  rate = float(np.median([cpu / wall for wall, cpu in intervals]))
+  return float(sum(wall - cpu / rate for wall, cpu in intervals if cpu / wall < STALLED * rate))
+
+
 def read_run(workdir: str) -> dict[str, Any]:
   """One run's summary: its evaluation points from metrics.jsonl, its family, data and final figures."""
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
@@ -79,8 +97,13 @@ def read_run(workdir: str) -> dict[str, Any]:
   if os.path.isfile(os.path.join(workdir, "run.json")):
     with open(os.path.join(workdir, "run.json")) as f:
       card = json.load(f)
+  starts = []
+  if os.path.isfile(os.path.join(workdir, "starts.jsonl")):
+    with open(os.path.join(workdir, "starts.jsonl")) as f:
+      starts = [json.loads(line) for line in f if line.strip()]
   name = os.path.basename(os.path.normpath(workdir))
-  config = card.get("config", {})
+  config = card.get("config") or (starts[-1]["config"] if starts else {})
+  records = [r for r in records if "positions" in r]
   family = config.get("family") or name.split("-")[0]
   keep = ("step", "positions", "flops", "train_seconds", "train_cpu_seconds", "spec_bench_mean_accepted",
           "spec_bench_alpha")
@@ -91,8 +114,11 @@ def read_run(workdir: str) -> dict[str, Any]:
   run = {
       "name": name, "workdir": os.path.abspath(workdir), "family": family, "drafter": card.get("drafter"),
       "answers": config.get("data_answers") or None, "finished": bool(card),
+      "commit": card.get("environment", {}).get("specjax_commit"), "started": card.get("date"),
+      "starts": [{"date": st["date"], "commit": st["commit"]} for st in starts],
       "budget_positions": config.get("positions"), "positions": last.get("positions"), "steps": last.get("step"),
       "train_seconds": last.get("train_seconds"), "train_cpu_seconds": last.get("train_cpu_seconds"),
+      "stalled_seconds": stalled_seconds(records),
       "flops_per_position": last["flops"] / last["positions"] if last.get("positions") else None,
       "final_top1": {k.removeprefix("eval_top1_"): v for k, v in sorted(final.items()) if k.startswith("eval_top1_")},
       "final_mean_accepted": final.get("spec_bench_mean_accepted"), "final_alpha": final.get("spec_bench_alpha"),
@@ -109,9 +135,12 @@ def _fmt(value, spec: str) -> str:
   return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
+METRICS = {"spec_bench_mean_accepted": "tokens per target forward", "spec_bench_alpha": "alpha"}
+
+
 def target_sentence(run: dict[str, Any]) -> str:
   t = run["target"]
-  what = f"{run['name']}: {t['metric'].removeprefix('spec_bench_').replace('_', ' ')} >= {t['target']}"
+  what = f"{run['name']}: {METRICS[t['metric']]} >= {t['target']}"
   if t["reached"]:
     return f"{what} reached at {t['positions']:,.0f} positions (measured)."
   if t["positions"] is None:
@@ -121,12 +150,11 @@ def target_sentence(run: dict[str, Any]) -> str:
           f"~{t['positions']:.2g} positions{hours}.")
 
 
-def results_markdown(results: dict[str, Any]) -> str:
-  """results.md from results.json."""
+def table(results: dict[str, Any]) -> str:
+  """The runs' table and the families' target sentences (results.md's, and the publication's)."""
   runs = results["runs"]
   depths = sorted({d for r in runs for d in r["final_top1"]}, key=int)
-  lines = [f"# Drafters on one budget ({results['date']}, commit {results['commit']})", "",
-           "| run | answers | positions | wall (h) | CPU (h) | GFLOPs / position | "
+  lines = ["| run | answers | positions | wall (h) | CPU (h) | GFLOPs / position | "
            + " | ".join(f"top-1 depth {d}" for d in depths) + " | tokens / forward | alpha |",
            "|---|---|---:|---:|---:|---:|" + "---:|" * (len(depths) + 2)]
   for r in runs:
@@ -141,7 +169,38 @@ def results_markdown(results: dict[str, Any]) -> str:
   if sentences:
     lines += ["", "Targets (Spec-Bench, greedy, gamma 4 chain):", ""] + [f"- {s}" for s in sentences]
   lines += ["", "Wall and CPU time are of training alone (evaluation and compilation apart), on a machine shared with "
-            "other work: CPU time is the steadier of the two.", ""]
+            "other work: CPU time is the steadier of the two."]
+  stalled = [r for r in runs if r.get("stalled_seconds", 0) >= 60]
+  if stalled:
+    lines[-1] += (" Wall time that includes stretches in which the run's process was stopped or starved (under "
+                  f"{STALLED:.0%} of its median CPU rate): " + "; ".join(
+                      f"{r['name']} {r['stalled_seconds'] / 3600:.2f} h" for r in stalled) + ".")
+  return "\n".join(lines)
+
+
+def results_markdown(results: dict[str, Any]) -> str:
+  """results.md from results.json."""
+  return f"# Drafters on one budget ({results['date']}, commit {results['commit']})\n\n{table(results)}\n"
+
+
+def run_markdown(results: dict[str, Any]) -> str:
+  """RUN.md: how the curves were made (the command, the code of the curves and of each run, the machine),
+  rendered from results.json."""
+  env = results["environment"]
+  lines = [f"# {results['name']}, {results['date']} {results['time']} UTC", "", "```bash", results["command"], "```", "",
+           f"- code: curves drawn at commit {results['commit']}; jax {env['jax']}, Python {env['python']}, "
+           f"{env['platform']}, {env['cpu_count']} CPU cores.",
+           "- runs (each trained by `python -m experiments.train --config=configs/train_budget.py:<run>`, killed runs "
+           "resumed from their last checkpoint; each start's time and code where the run logged them):"]
+  for r in results["runs"]:
+    state = (f"finished at commit {r['commit']}" if r["finished"] else "still training when the curves were drawn")
+    if r.get("starts"):
+      state += "; started " + ", ".join(f"{st['date']} at {st['commit']}" for st in r["starts"])
+    lines.append(f"  - {r['name']}: {state}; {_fmt(r['steps'], ',')} steps, {_fmt(r['positions'], ',')} answer "
+                 f"positions of a budget of {_fmt(r['budget_positions'], ',')}.")
+  lines += ["", "Files: `results.md` (the table), `results.json` (every run's evaluation points, times and FLOPs, "
+            "the targets and their extrapolation), `curves.png` (held-out top-1 and Spec-Bench tokens per forward "
+            "against positions seen, log x).", ""]
   return "\n".join(lines)
 
 
@@ -170,15 +229,19 @@ def plot(runs: list[dict[str, Any]], path: str) -> None:
   plt.close(fig)
 
 
-def curves(workdirs: Sequence[str], out: str) -> dict[str, Any]:
+def curves(workdirs: Sequence[str], out: str, command: str = "python -m experiments.curves") -> dict[str, Any]:
+  """Reads the runs of `workdirs` and writes results.json, results.md, RUN.md and curves.png to `out`."""
   runs = [read_run(d) for d in run_dirs(workdirs)]
-  results = {"date": time.strftime("%Y-%m-%d"), "commit": code_commit(), "targets": TARGETS,
-             "fit_points": FIT_POINTS, "runs": runs}
+  now = time.gmtime()
+  results = {"name": "train_budget", "command": command, "date": time.strftime("%Y-%m-%d", now),
+             "time": time.strftime("%H:%M", now), "commit": code_commit(), "environment": environment(),
+             "family_targets": TARGETS, "fit_points": FIT_POINTS, "runs": runs}
   os.makedirs(out, exist_ok=True)
-  with open(os.path.join(out, "results.json"), "w") as f:
-    json.dump(results, f, indent=1)
-  with open(os.path.join(out, "results.md"), "w") as f:
-    f.write(results_markdown(results))
+  for name, text in (("results.json", json.dumps(results, indent=1)), ("results.md", results_markdown(results)),
+                     ("RUN.md", run_markdown(results))):
+    with open(os.path.join(out, name + ".tmp"), "w") as f:
+      f.write(text)
+    os.replace(os.path.join(out, name + ".tmp"), os.path.join(out, name))
   plot(runs, os.path.join(out, "curves.png"))
   return results
 
@@ -186,9 +249,9 @@ def curves(workdirs: Sequence[str], out: str) -> dict[str, Any]:
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  results = curves(flags.FLAGS.workdirs, flags.FLAGS.out)
+  results = curves(flags.FLAGS.workdirs, flags.FLAGS.out, "python -m experiments.curves " + " ".join(sys.argv[1:]))
   print(results_markdown(results))
-  print(f"wrote {flags.FLAGS.out}/curves.png, results.json and results.md")
+  print(f"wrote {flags.FLAGS.out}/curves.png, results.json, results.md and RUN.md")
 
 
 def _define_flags():

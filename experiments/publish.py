@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from absl import app, flags
 
-from experiments import projection, report
+from experiments import curves, projection, report
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ARCHIVE = "archive"
@@ -106,13 +106,23 @@ class Run:
     return self.results["name"] if self.results else self.name
 
   @property
+  def timed(self) -> bool:
+    """A run of experiments.run: methods timed against a baseline on prompts."""
+    return bool(self.results) and "summary" in self.results
+
+  @property
   def compiled(self) -> bool:
     """A run of experiments.compile_for: programs compiled for TPU topologies, no method timed."""
-    return bool(self.results) and "summary" not in self.results
+    return bool(self.results) and "projections" in self.results
+
+  @property
+  def trained(self) -> bool:
+    """The curves of training runs (experiments.curves): no method timed."""
+    return bool(self.results) and "runs" in self.results and not self.timed
 
   @property
   def records(self) -> list[dict]:
-    return self.results["records"] if self.results and not self.compiled else []
+    return self.results["records"] if self.timed else []
 
   @property
   def baseline(self) -> str:
@@ -120,7 +130,7 @@ class Run:
 
   def methods(self) -> list[str]:
     """The methods compared with the baseline, in the run's order."""
-    if not self.results or self.compiled:
+    if not self.timed:
       return []
     return [m for m in self.results["summary"]["methods"] if m != self.baseline]
 
@@ -298,6 +308,8 @@ def describe(run: Run) -> str:
     return f"{title} ({', '.join(outputs)})" if outputs else title
   if run.compiled:
     return describe_compiled(run.results)
+  if run.trained:
+    return describe_trained(run.results)
   config = run.results["config"]
   methods = run.methods()
   fixed_at: dict[str, list[int]] = {}
@@ -329,6 +341,16 @@ def describe_compiled(results: dict[str, Any]) -> str:
   topologies = ", ".join(dict.fromkeys(r["topology"] for r in records))
   return (f"{len(records)} programs of {models} for {topologies}, compiled without the devices: "
           f"{counts['compiled']} compiled, {counts['does_not_fit']} do not fit, {counts['failed']} failed")
+
+
+def describe_trained(results: dict[str, Any]) -> str:
+  """What a run of experiments.curves drew: its training runs, finished or not, and their budget."""
+  runs = results["runs"]
+  finished = sum(r["finished"] for r in runs)
+  budgets = sorted({r["budget_positions"] for r in runs if r["budget_positions"]})
+  return (f"acceptance-vs-training curves of {len(runs)} drafter training runs ({', '.join(r['name'] for r in runs)}; "
+          f"{finished} finished)" + (f" on a budget of {', '.join(f'{b:,}' for b in budgets)} answer positions"
+                                     if budgets else ""))
 
 
 def run_line(run: Run, prefix: str) -> str:
@@ -627,6 +649,14 @@ def tpu_compile_block(runs: Runs, prefix: str) -> str:
   return "\n\n".join(lines)
 
 
+def train_budget_block(runs: Runs, prefix: str) -> str:
+  """The drafters trained on one budget: the curves' table and targets (experiments.curves renders both) and the
+  plot."""
+  run = runs["train_budget"]
+  return (f"{_link(run, prefix)} (commit {run.commit}, {run.date()} UTC): {describe_trained(run.results)}.\n\n"
+          f"{curves.table(run.results)}\n\n![curves]({prefix}{run.folder}/curves.png)")
+
+
 def _program_label(record: dict) -> str:
   return (record["program"] + (f" with {record['drafter']}" if record["drafter"] else "")
           + (f" drafting trees of {record['tree_nodes']}" if record.get("tree_nodes") else ""))
@@ -752,6 +782,7 @@ BLOCKS: dict[str, tuple[str, Callable[[Runs, str], str]]] = {
     "compare-drafters": ("docs/results.md", compare_drafters_block),
     "compare-drafters-by-category": ("docs/results.md", compare_drafters_by_category_block),
     "trees": ("docs/results.md", trees_block),
+    "train-budget": ("docs/results.md", train_budget_block),
     "adaptive-by-category-full": ("docs/results.md", _category_block("adaptive_by_category-full")),
     "adaptive-by-category-trained-all": ("docs/results.md", _category_block("adaptive_by_category-trained-all")),
     "adaptive-by-category-others": ("docs/results.md", _category_block("adaptive_by_category-others")),

@@ -182,6 +182,11 @@ def run(config: ml_collections.ConfigDict, command: str) -> dict[str, Any]:
   model = specjax.load(config.model, dtype="float32")
   caches = open_caches(config.data_dir, config.get("held_out_dir", ""))
   check_answers(caches["train"], config.get("data_answers", ""))
+  # Each start of the run (a killed run resumes from its checkpoint at the code of its restart): when, at what code.
+  os.makedirs(config.workdir, exist_ok=True)
+  with open(os.path.join(config.workdir, "starts.jsonl"), "a") as f:
+    f.write(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": code_commit(),
+                        "command": command, "config": config.to_dict()}) + "\n")
   token_map, coverage = None, None
   if config.draft_vocab:
     counts = caches["train"].token_counts

@@ -139,6 +139,10 @@ def test_budget_run_trains_to_its_positions_and_the_card_shows_the_curve(tiny, c
     train.run(config, "test")
   config.data_answers = "sharegpt"  # the tiny caches record no regeneration
   card = train.run(config, "python -m experiments.train (test)")
+  with open(os.path.join(config.workdir, "starts.jsonl")) as f:
+    starts = [json.loads(line) for line in f]
+  assert [s["command"] for s in starts] == ["python -m experiments.train (test)"]
+  assert starts[0]["config"]["positions"] == config.positions
   pool = td.pool_sequences(cache_set["train"], 200)
   seen = td.positions_seen(cache_set["train"], pool, 4, 0, card["steps"])
   assert seen[-1] >= 400 > seen[-2] and card["positions"] == seen[-1] and card["pool_sequences"] == pool
@@ -185,8 +189,20 @@ def test_curves_table_plot_and_extrapolation_from_runs_metrics(tmp_path):
   assert "| sequential | regenerated | 100,000 | 0.28 | 0.56 | 2.00 | 0.500 | 0.250 | 1.80 | 0.800 |" in table
   assert "exit (running)" in table and "~1e+07 positions" in table
   assert (tmp_path / "out" / "curves.png").stat().st_size > 10000
+  run_md = (tmp_path / "out" / "RUN.md").read_text()
+  assert run_md.startswith(f"# train_budget, {saved['date']} {saved['time']} UTC") and "python -m experiments.curves" in run_md
+  assert "  - exit: still training when the curves were drawn; 3 steps, 100,000 answer positions" in run_md
+  assert seq["stalled_seconds"] == 0.0
   with pytest.raises(FileNotFoundError, match="no training run"):
     curves.curves([str(tmp_path / "out")], str(tmp_path / "out2"))
+
+
+def test_a_run_stopped_between_two_logged_steps_counts_the_stop_as_stalled_wall_time():
+  # 10 s of wall and 20 s of CPU per interval; the third interval takes 1,000 s of wall for its 20 s of CPU.
+  walls, cpus = [0, 10, 20, 1020, 1030], [0, 20, 40, 60, 80]
+  records = [{"train_seconds": w, "train_cpu_seconds": c} for w, c in zip(walls, cpus)]
+  assert curves.stalled_seconds(records) == pytest.approx(990)
+  assert curves.stalled_seconds(records[:3]) == 0.0 and curves.stalled_seconds(records[:1]) == 0.0
 
 
 def test_a_checkpoint_replaces_the_shipped_one_only_when_it_scores_higher_on_held_out_prompts(tiny, caches):
