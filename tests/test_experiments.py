@@ -94,6 +94,7 @@ CONFIGS = [
     (bench_peers, "small", 13, 64),
     (trees, None, 65, 128),
     (trees, "small", 13, 64),
+    (trees, "mtp", 65, 128),
 ]
 
 
@@ -425,6 +426,8 @@ def test_tree_methods_draft_trees_of_their_size_in_fixed_rounds(tiny_chat):
   assert {8, 16, 32} <= set(trees.TREE_NODES)
   assert names == ["autoregressive", *trees.DRAFTERS] + [f"{d}_tree{n}" for d in trees.DRAFTERS
                                                          for n in trees.TREE_NODES]
+  assert [m["name"] for m in trees.get_config("mtp").methods] == [
+      "autoregressive", *trees.MTP, *(f"{d}_tree{trees.CPU_TREE}" for d in trees.MTP)]
 
 
 @pytest.mark.parametrize("method, adaptive, message", [
