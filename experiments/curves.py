@@ -31,6 +31,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
@@ -169,7 +170,9 @@ def table(results: dict[str, Any]) -> str:
   if sentences:
     lines += ["", "Targets (Spec-Bench, greedy, gamma 4 chain):", ""] + [f"- {s}" for s in sentences]
   lines += ["", "Wall and CPU time are of training alone (evaluation and compilation apart), on a machine shared with "
-            "other work: CPU time is the steadier of the two."]
+            "other work: CPU time is the steadier of the two. A run's evaluation points lie along one learning-rate "
+            "schedule over its whole budget, so an earlier point is not what a run of that smaller budget would "
+            "reach (its rate would have decayed by then), and a line through the last points is a rough guide."]
   stalled = [r for r in runs if r.get("stalled_seconds", 0) >= 60]
   if stalled:
     lines[-1] += (" Wall time that includes stretches in which the run's process was stopped or starved (under "
@@ -220,6 +223,7 @@ def plot(runs: list[dict[str, Any]], path: str) -> None:
       ax.annotate(f"{', '.join(families)} target", (1.0, value), xycoords=("axes fraction", "data"), ha="right",
                   va="bottom", fontsize=8, color="gray")
     ax.set_xscale("log")
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # decades only: minor labels overlap
     ax.set_xlabel("answer positions seen")
     ax.set_ylabel(label)
     ax.grid(True, which="both", alpha=0.3)
