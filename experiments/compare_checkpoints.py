@@ -2,7 +2,7 @@ r"""Whether a newly trained drafter checkpoint should replace the shipped one: b
 
   python -m experiments.compare_checkpoints --drafter=mtp_sequential \
       --candidate=workdirs/budget/sequential/mtp_sequential.safetensors \
-      --held_out=workdirs/data/train_data-regenerate/held_out [--shipped=default] [--prompts=48]
+      --held_out=workdirs/data/train_data-regenerate/held_out [--shipped=default] [--prompts=48] [--out=<json>]
 
 The prompts are the prompt parts (everything before the first answer position) of the first `--prompts` sequences of
 a held-out feature cache: conversations no drafter was trained on, and no evaluation prompt either. Each drafter
@@ -17,6 +17,8 @@ only if it scores higher; this command says which, and replaces nothing (copy th
 from __future__ import annotations
 
 import json
+import os
+import sys
 from typing import Any, Sequence
 
 import numpy as np
@@ -24,7 +26,9 @@ from absl import app, flags
 
 import specjax
 from specjax.data import features
+from experiments.cli import code_commit
 from experiments.train import CHECKPOINT_ARGUMENT
+
 
 def held_out_prompts(cache: features.FeatureCache, count: int) -> list[list[int]]:
   """The prompt of each of the first `count` sequences of `cache`: its tokens before the first answer position."""
@@ -84,6 +88,14 @@ def main(argv: Sequence[str]) -> None:
         f"{result['prompts_shipped_better']}")
   print("REPLACE the shipped checkpoint" if result["replace"] else "KEEP the shipped checkpoint")
   print(json.dumps({k: v for k, v in result.items() if k not in ("candidate", "shipped")}))
+  if flags.FLAGS.out:  # the comparison behind a checkpoint's replacement, for its model card
+    result.update(drafter=flags.FLAGS.drafter, candidate_path=flags.FLAGS.candidate, shipped_path=flags.FLAGS.shipped,
+                  held_out=flags.FLAGS.held_out, command="python -m experiments.compare_checkpoints " +
+                  " ".join(sys.argv[1:]), commit=code_commit())
+    with open(flags.FLAGS.out + ".tmp", "w") as f:
+      json.dump(result, f, indent=1)
+    os.replace(flags.FLAGS.out + ".tmp", flags.FLAGS.out)
+    print(f"wrote {flags.FLAGS.out}")
 
 
 def _define_flags():
@@ -96,6 +108,7 @@ def _define_flags():
   flags.DEFINE_integer("prompts", 48, "held-out prompts")
   flags.DEFINE_integer("gamma", 4, "draft tokens per round")
   flags.DEFINE_integer("max_new_tokens", 64, "new tokens per prompt")
+  flags.DEFINE_string("out", None, "also write the comparison (both drafters' figures, the verdict) to this JSON file")
 
 
 if __name__ == "__main__":
