@@ -29,7 +29,7 @@ from specjax import export, sharding, train_drafter
 from specjax.data import features
 from specjax.drafters import draft_head, draft_model, mtp_parallel
 from specjax.loading import CheckpointError
-from experiments import cli, prepare_data, rank_accuracy, spec_bench
+from experiments import cli, curves, prepare_data, rank_accuracy, spec_bench
 from experiments.cli import code_commit, environment, parse_flags
 
 _CONFIG = cli.define_config_flag("Training config: configs/train_mtp.py:<variant>.")
@@ -116,7 +116,10 @@ def model_card(card: dict[str, Any]) -> str:
       f"AdamW lr {card['config']['learning_rate']} (warmup {card['config']['warmup_steps']}, cosine), seed "
       f"{card['config']['seed']}",
       f"- wall time {card['train_seconds'] / 60:.0f} min on {card['environment']['cpu_count']} CPU cores "
-      f"({card['environment']['backend']}), commit {card['environment']['specjax_commit']}, {card['date']}",
+      f"({card['environment']['backend']})"
+      + (f" ({card['stalled_seconds'] / 60:.0f} min of it stopped or starved: under {curves.STALLED:.0%} of the "
+         "run's median CPU rate)" if card.get("stalled_seconds", 0) >= 60 else "")
+      + f", commit {card['environment']['specjax_commit']}, {card['date']}",
   ]
   if card.get("positions"):
     lines += [
@@ -214,7 +217,8 @@ def run(config: ml_collections.ConfigDict, command: str) -> dict[str, Any]:
   card = {
       "drafter": config.drafter, "target": config.model, "options": result.drafter.options.saved(),
       "command": command, "config": config.to_dict(), "steps": result.steps, "train_seconds": result.train_seconds,
-      "train_cpu_seconds": result.train_cpu_seconds, "positions": result.positions,
+      "train_cpu_seconds": result.train_cpu_seconds, "stalled_seconds": curves.stalled_seconds(result.history),
+      "positions": result.positions,
       "flops_per_position": result.flops_per_position, "compile_seconds": result.compile_seconds,
       "pool_sequences": plan["num_sequences"], "curve": curve(result.history),
       "held_out": result.final_eval, "token_map_coverage": coverage, "environment": environment(), "date": start,
