@@ -9,7 +9,8 @@ data and cost from the run.json experiments.train writes when it ends. Writes to
   results.json  per run: positions, wall and CPU time of training, FLOPs per position, the final held-out top-1 per
                 depth, Spec-Bench tokens per forward and alpha, the curve, and where the project's target for its
                 family would be reached
-  results.md    the table of results.json, rendered from it at the precision shown
+  results.md    the table of results.json, rendered from it at the precision shown (with each run's comparison
+                with the shipped checkpoint, where its workdir holds one: SHIPPED_COMPARISON)
   RUN.md        the command, the code of the curves and of each run, the machine
 
 Where the target of a family (TARGETS) is not reached, it is extrapolated: a line fitted by least squares to the
@@ -74,6 +75,9 @@ def extrapolate(points: list[dict[str, Any]], metric: str, target: float) -> dic
   return {**out, "slope_per_decade": float(slope), "positions": None if positions is None else float(positions)}
 
 
+# A run's comparison with the shipped checkpoint of its drafter, where one was made:
+#   python -m experiments.compare_checkpoints ... --out=<run workdir>/shipped_comparison.json
+SHIPPED_COMPARISON = "shipped_comparison.json"
 STALLED = 0.25  # an interval between logged steps whose CPU time per wall second is under this share of the run's median
 
 
@@ -125,6 +129,16 @@ def read_run(workdir: str) -> dict[str, Any]:
       "final_mean_accepted": final.get("spec_bench_mean_accepted"), "final_alpha": final.get("spec_bench_alpha"),
       "curve": points,
   }
+  compared = os.path.join(workdir, SHIPPED_COMPARISON)
+  if os.path.isfile(compared):
+    with open(compared) as f:
+      c = json.load(f)
+    run["shipped_comparison"] = {
+        "prompts": c["prompts"], "gamma": c["gamma"], "max_new_tokens": c["max_new_tokens"],
+        "candidate_mean_accepted": c["candidate"]["mean_accepted"], "shipped_mean_accepted": c["shipped"]["mean_accepted"],
+        "candidate_score": c["candidate"]["score"], "shipped_score": c["shipped"]["score"],
+        "prompts_candidate_better": c["prompts_candidate_better"], "prompts_shipped_better": c["prompts_shipped_better"],
+        "replace": c["replace"]}
   if family in TARGETS:
     run["target"] = extrapolate(points, *TARGETS[family])
     if run["target"]["positions"] and run["positions"] and run["train_cpu_seconds"]:
@@ -166,6 +180,20 @@ def table(results: dict[str, Any]) -> str:
         f"| {_fmt(r['flops_per_position'] and r['flops_per_position'] / 1e9, '.2f')} | "
         + " | ".join(_fmt(r["final_top1"].get(d), ".3f") for d in depths)
         + f" | {_fmt(r['final_mean_accepted'], '.2f')} | {_fmt(r['final_alpha'], '.3f')} |")
+  compared = [r for r in runs if "shipped_comparison" in r]
+  if compared:
+    c0 = compared[0]["shipped_comparison"]
+    lines += ["", f"Against the shipped checkpoint of the same drafter (`experiments.compare_checkpoints`: held-out "
+              f"prompts of the target's own answers, greedy, a chain of γ {c0['gamma']}, {c0['max_new_tokens']} new "
+              "tokens; the score is tokens per forward over the round's cost; the run replaces the shipped checkpoint "
+              "only if it scores higher):", "",
+              "| run | prompts | tokens / forward (run) | tokens / forward (shipped) | prompts better (run / shipped) "
+              "| verdict |", "|---|---:|---:|---:|---|---|"]
+    for r in compared:
+      c = r["shipped_comparison"]
+      lines.append(f"| {r['name']} | {c['prompts']} | {c['candidate_mean_accepted']:.2f} | "
+                   f"{c['shipped_mean_accepted']:.2f} | {c['prompts_candidate_better']} / "
+                   f"{c['prompts_shipped_better']} | {'replaces it' if c['replace'] else 'keeps the shipped one'} |")
   sentences = [target_sentence(r) for r in runs if "target" in r]
   if sentences:
     lines += ["", "Targets (Spec-Bench, greedy, gamma 4 chain):", ""] + [f"- {s}" for s in sentences]

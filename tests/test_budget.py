@@ -171,9 +171,15 @@ def test_curves_table_plot_and_extrapolation_from_runs_metrics(tmp_path):
   synthetic_run(tmp_path / "runs" / "parallel", "parallel", positions, [0.2, 0.3, 0.35], [1.5, 1.7, 1.6])
   synthetic_run(tmp_path / "runs" / "exit", "exit", positions, [0.2, 0.2, 0.2], [1.2, 1.2, 1.2], alpha=0.2,
                 finished=False)
+  comparison = {"prompts": 48, "gamma": 4, "max_new_tokens": 64, "candidate": {"mean_accepted": 1.74, "score": 1.37},
+                "shipped": {"mean_accepted": 1.88, "score": 1.49}, "prompts_candidate_better": 10,
+                "prompts_shipped_better": 34, "replace": False}
+  (tmp_path / "runs" / "sequential" / curves.SHIPPED_COMPARISON).write_text(json.dumps(comparison))
   results = curves.curves([str(tmp_path / "runs")], str(tmp_path / "out"))
   runs = {r["name"]: r for r in results["runs"]}
   assert set(runs) == {"sequential", "parallel", "exit"}
+  assert runs["sequential"]["shipped_comparison"]["shipped_mean_accepted"] == 1.88
+  assert "shipped_comparison" not in runs["parallel"]
   seq = runs["sequential"]
   assert seq["target"]["reached"] is False
   assert seq["target"]["positions"] == pytest.approx(10 ** 7, rel=1e-6)  # +0.2 per decade: 2.2 two decades on
@@ -188,6 +194,7 @@ def test_curves_table_plot_and_extrapolation_from_runs_metrics(tmp_path):
   table = (tmp_path / "out" / "results.md").read_text()
   assert "| sequential | regenerated | 100,000 | 0.28 | 0.56 | 2.00 | 0.500 | 0.250 | 1.80 | 0.800 |" in table
   assert "exit (running)" in table and "~1e+07 positions" in table
+  assert "| sequential | 48 | 1.74 | 1.88 | 10 / 34 | keeps the shipped one |" in table
   assert (tmp_path / "out" / "curves.png").stat().st_size > 10000
   run_md = (tmp_path / "out" / "RUN.md").read_text()
   assert run_md.startswith(f"# train_budget, {saved['date']} {saved['time']} UTC") and "python -m experiments.curves" in run_md
