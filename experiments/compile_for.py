@@ -95,6 +95,7 @@ from specjax.adaptive import ACCELERATOR_FORWARD_COSTS, AdaptiveDrafting
 from specjax.config import ModelConfig, shaped_config
 from specjax.decoding import prefill
 from specjax.drafters import Drafter, DraftInputs, PromptInfo, RoundResult, keep_state, make_drafter
+from specjax.drafters import tree_drafters as tree_drafters_of_library
 from specjax.loading import Model
 from specjax.model import KVCache, forward, init_cache
 from specjax.sampling import SamplingParams, argmax
@@ -630,6 +631,27 @@ def blocks(config: ml_collections.ConfigDict) -> list[tuple[str, tuple[str, int,
   return order
 
 
+def missing_programs(config: ml_collections.ConfigDict, records: Sequence[dict]) -> list[str]:
+  """The programs a user runs (every kind but the projection's `steps`) that the config's grid asks for and no record
+  of `records` built (compiled, or compiled and found too large for the chip's HBM), as labels "model topology kind
+  [drafter] [tree N]", in the grid's order."""
+  trees = set(tree_drafters_of_library())
+  recipes = {d["name"]: d["drafter"] for d in config.drafters}
+  built = {(r["model"], r["topology"], r["kind"], r["drafter"], r.get("tree_nodes")) for r in records
+           if r["status"] != "failed"}
+  wanted = []
+  for model, (topology, _, _), kind, drafters, tree_nodes in blocks(config):
+    if kind in ("prefill", "autoregressive", "train"):
+      wanted.append((model, topology, kind, None, None))
+    elif kind == "speculative":
+      wanted += [(model, topology, kind, d, None) for d in drafters]
+      wanted += [(model, topology, kind, d, n) for d in drafters if recipes[d] in trees for n in tree_nodes]
+    elif kind == "train_drafter":
+      wanted += [(model, topology, kind, d, None) for d in config.train_drafters if d in drafters]
+  return [" ".join([m, t, k] + ([d] if d else []) + ([f"tree {n}"] if n else [])) for m, t, k, d, n in wanted
+          if (m, t, k, d, n) not in built]
+
+
 def programs_of(s: Shapes, config: ml_collections.ConfigDict, which: str, drafters: Sequence[str],
                 tree_nodes: Sequence[int] = ()) -> list[Lowering]:
   """The programs of kind `which` ("prefill", ..., "steps"; `PROGRAMS`), with `drafters` where it has drafters and
@@ -1037,12 +1059,22 @@ def run_md(results: dict) -> str:
       f"- {len(results['records'])} programs: {counts['compiled']} compiled, {counts['does_not_fit']} do not fit in "
       f"HBM, {counts['failed']} failed"
       + (f" ({results['resumed_records']} of them compiled before a restart: their time is not in the wall and CPU "
-         "time above)." if results.get("resumed_records") else ".")]
+         "time above)." if results.get("resumed_records") else "."),
+      coverage_line(results)]
       + ([f"- projections derived again on {results['projected']} UTC from the compiled costs, at the acceptance "
           f"files as they were then (`python -m experiments.compile_for --render=<this folder>`)."]
          if results.get("projected") else []) + ["",
       "Files: `results.md` (the tables), `results.json` (every program's record, the projections, the chips' figures "
       "and their sources), `compile_tpu.png` (memory per device, projected speedups).", ""])
+
+
+def coverage_line(results: dict) -> str:
+  """RUN.md's line on whether every program a user runs that the run's grid asks for was built."""
+  missing = missing_programs(ml_collections.ConfigDict(results["config"]), results["records"])
+  if not missing:
+    return "- coverage: every program a user runs that the grid asks for was built (`missing_programs`)."
+  return (f"- coverage: {len(missing)} programs a user runs that the grid asks for were not built: "
+          + ", ".join(missing) + ".")
 
 
 def main(argv: Sequence[str]) -> None:

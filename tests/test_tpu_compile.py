@@ -16,6 +16,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 
@@ -156,6 +157,25 @@ def test_the_cover_grid_has_every_program_on_every_topology_and_every_model():
   assert len(grid) == len({(m, t, p) for m, t, p, _, _ in grid})
 
 
+def test_missing_programs_names_each_program_a_user_runs_that_no_record_built():
+  config = compile_tpu.get_config("small")  # SmolLM2 on v5e:2x4: prompt lookup and the sequential module, trees of 16
+  keys = [("prefill", None, None), ("autoregressive", None, None), ("speculative", "prompt_lookup", None),
+          ("speculative", "mtp_sequential", None), ("speculative", "prompt_lookup", 16),
+          ("speculative", "mtp_sequential", 16)]
+  records = [{"model": "smollm2-135m", "topology": "v5e:2x4", "kind": kind, "drafter": drafter, "tree_nodes": nodes,
+              "status": "compiled"} for kind, drafter, nodes in keys]
+  records.append(dict(records[0], kind="steps", program="decode_step"))  # the projection's: not counted
+  assert compile_for.missing_programs(config, records) == []
+  records[5]["status"] = "failed"
+  records[2]["status"] = "does_not_fit"  # built, and too large for the chip: a finding, not a gap
+  assert compile_for.missing_programs(config, records[1:]) == [
+      "smollm2-135m v5e:2x4 prefill", "smollm2-135m v5e:2x4 speculative mtp_sequential tree 16"]
+  # The published default run built every program a user runs that its grid asks for.
+  with open(RESULTS) as f:
+    published = json.load(f)
+  assert compile_for.missing_programs(ml_collections.ConfigDict(published["config"]), published["records"]) == []
+
+
 def test_the_default_grid_projects_every_drafter_on_every_topology():
   config = compile_tpu.get_config()
   grid = compile_for.blocks(config)
@@ -240,8 +260,10 @@ def test_a_methods_projection_needs_its_own_tree_size():
 
 def test_a_run_writes_its_results_tables_plot_and_run_record(tmp_path, monkeypatch):
   config = compile_tpu.get_config()
-  config.drafters = ({"name": "heads", "acceptance_of": "mtp_parallel"},)
+  config.drafters = ({"name": "heads", "drafter": "mtp_parallel", "acceptance_of": "mtp_parallel"},)
   config.topologies = (("v5e:2x4", 2, 4),)
+  config.models = ({"name": "m", "draft_vocab": 8},)
+  config.runs = ({"models": ("m",), "topologies": ("v5e:2x4",), "programs": ("speculative", "train", "steps")},)
   program = {"kind": "speculative", "status": "compiled", "model": "m", "topology": "v5e:2x4", "mesh": [2, 4],
              "program": "speculative", "drafter": "heads", "seconds": 30.0, "cpu_seconds": 20.0,
              "memory": {"arguments": 2**30, "outputs": 0, "temporaries": 2**30, "code": 0, "aliased": 0},
@@ -268,6 +290,8 @@ def test_a_run_writes_its_results_tables_plot_and_run_record(tmp_path, monkeypat
   assert results["projections"][0]["projected_speedup"] == pytest.approx(tau * 1e-3 / (0.1e-3 + 1e-3))
   assert "python -m experiments.compile_for --config=x" in run_md
   assert "7 programs: 6 compiled, 1 do not fit in HBM, 0 failed" in run_md
+  assert ("- coverage: 2 programs a user runs that the grid asks for were not built: m v5e:2x4 speculative heads "
+          "tree 16, m v5e:2x4 speculative heads tree 32.") in run_md
   # A run of configs/trees.py measured afterwards: --render projects the tree from the compiled costs again.
   with open(config.tree_acceptance, "w") as f:
     json.dump({"summary": {"methods": {"mtp_parallel_tree16": {"gamma": 4, "mean_accepted": 3.0, "tree_nodes": 16}}}},
