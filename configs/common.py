@@ -4,8 +4,8 @@ and a drafter training run's fields (`drafter_training`, experiments/train.py).
 Each experiment config in this directory starts from `spec_bench_run(...)` and takes its methods from `METHODS` by
 name (`methods(...)`); any field can be overridden on the command line (`--config.max_new_tokens=16`,
 `--config.prompts.categories="('qa',)"`). Configs are data: this is the one module they import, and a method only
-declares what it needs (a shipped checkpoint, `"needs"`; a searched layer-skip set, `"skip_set"`), which the runner
-looks up when it builds the method.
+declares what it needs (a shipped checkpoint, `"needs"`; a checkpoint file of its own, `"checkpoint"`; a searched
+layer-skip set, `"skip_set"`), which the runner looks up when it builds the method.
 """
 
 import ml_collections
@@ -50,6 +50,25 @@ METHODS = {method["name"]: method for method in (
     {"name": "llamacpp_autoregressive", "peer": "llamacpp_autoregressive", "options": {}},
     {"name": "llamacpp_prompt_lookup", "peer": "llamacpp_prompt_lookup", "options": {}},
 )}
+
+# The runs of configs/train_budget.py (launch/train_budget.sh: every family trained on one budget of the target's
+# own answers, and the sequential module on ShareGPT's answers) and the drafter each trains; a run's checkpoint is
+# <BUDGET>/<run>/<drafter>.safetensors (experiments/train.py's export). As methods, `budget_<run>`.
+BUDGET = "workdirs/budget"
+BUDGET_RUNS = {"parallel": "mtp_parallel", "sequential": "mtp_sequential", "deepseek": "mtp_sequential",
+               "exit": "layer_skip", "exit16": "layer_skip", "draft": "draft_model",
+               "sequential-sharegpt": "mtp_sequential"}
+
+
+def budget_method(run: str) -> dict:
+  """The method drafting with the checkpoint of budget run `run` (the draft model as `draft_model` drafts)."""
+  drafter = BUDGET_RUNS[run]
+  return {"name": "budget_" + run.replace("-", "_"), "drafter": drafter,
+          "options": {"prompt_window": 256} if drafter == "draft_model" else {},
+          "checkpoint": f"{BUDGET}/{run}/{drafter}.safetensors"}
+
+
+METHODS.update((m["name"], m) for m in map(budget_method, BUDGET_RUNS))
 
 # Every drafter once, as the library ships it (no searched skip sets): the set the peer comparison and the adaptive
 # drafting runs compare.

@@ -20,14 +20,19 @@ tokens, one repeat), `sampling` (temperature 0.7, top-p 0.9: lossless in distrib
 (greedy, then temperature 0.7 on the same prompts: results.md's table is greedy, alpha_by_temperature.png compares
 them), `adaptive` (adaptive drafting, specjax/adaptive.py: per-row confidence stop and a per-round draft length from
 the running acceptance and the costs, `gamma` the most per round; by default every round drafts `gamma` tokens, so
-that acceptance per position is measured at a fixed chain length).
+that acceptance per position is measured at a fixed chain length), `budget` (prompt lookup and the searched skip set
+beside every drafter trained on one budget, `budget_<run>`, from its run's checkpoint in workdirs/budget/: the
+comparison at equal training; a run not trained yet is left out, as a missing checkpoint is).
 """
 
 from configs import common
 
-VARIANTS = ("small", "sampling", "both", "adaptive")
+VARIANTS = ("small", "sampling", "both", "adaptive", "budget")
 METHODS = ("autoregressive", "prompt_lookup", "layer_skip_exit24", "layer_skip_best_set", "layer_skip_deep_set",
            "layer_skip_trained_exit", "draft_model", "mtp_parallel", "mtp_sequential")
+# `budget`: the drafters trained on one budget (configs/train_budget.py), beside the untrained ones at their best.
+BUDGET_METHODS = ("autoregressive", "prompt_lookup", "layer_skip_best_set",
+                  *(common.budget_method(run)["name"] for run in common.BUDGET_RUNS))
 
 
 def get_config(arg=None):
@@ -37,5 +42,5 @@ def get_config(arg=None):
   config = common.drafter_comparison(small="small" in variants, adaptive="adaptive" in variants)
   config.temperature = 0.7 if "sampling" in variants else 0.0
   config.temperatures = (0.0, 0.7) if "both" in variants else ()
-  config.methods = common.methods(*METHODS)
+  config.methods = common.methods(*(BUDGET_METHODS if "budget" in variants else METHODS))
   return config

@@ -81,7 +81,7 @@ def get_config(arg=None):
   config.draft_vocab = 8192  # truncated draft vocabulary (FR-Spec), the same for every family
   config.steps = 0  # unused: the budget is `positions`
   name = family + ("-sharegpt" if sharegpt else "")
-  config = common.drafter_training(config, f"workdirs/budget/{name}", small=False)
+  config = common.drafter_training(config, f"{common.BUDGET}/{name}", small=False)
 
   suffix = "-small" if small else ""
   config.data_dir = (SHAREGPT if sharegpt else REGENERATED) + suffix

@@ -27,7 +27,6 @@ from absl import app, flags
 import specjax
 from specjax.data import features
 from experiments.cli import code_commit
-from experiments.train import CHECKPOINT_ARGUMENT
 
 
 def held_out_prompts(cache: features.FeatureCache, count: int) -> list[list[int]]:
@@ -74,7 +73,7 @@ def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   model = specjax.load(flags.FLAGS.model, dtype="float32")
-  argument = CHECKPOINT_ARGUMENT.get(flags.FLAGS.drafter, "path")
+  argument = specjax.drafters.checkpoint_option(flags.FLAGS.drafter)
   candidate = specjax.make_drafter(flags.FLAGS.drafter, model, **{argument: flags.FLAGS.candidate})
   shipped = specjax.make_drafter(flags.FLAGS.drafter, model, **{argument: flags.FLAGS.shipped})
   prompts = held_out_prompts(features.FeatureCache.open(flags.FLAGS.held_out), flags.FLAGS.prompts)

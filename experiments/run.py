@@ -55,7 +55,9 @@ tree_nodes=N)`; a drafter that drafts trees): every round with `"adaptive": Fals
 drafting (each call records its `tree_rounds`); `tree_nodes` is in its summary. Costs are measured for chain methods
 only (experiments/costs.py times chain rounds).
 Methods that need a shipped checkpoint name it (`"needs": ("exit_adapter",)`: specjax/checkpoints/<model>/
-exit_adapter.safetensors); while it is not shipped, the method is left out with a warning in the log, and the
+exit_adapter.safetensors); a method may instead draft with a checkpoint file of its own (`"checkpoint":
+"workdirs/budget/parallel/mtp_parallel.safetensors"`, a path from the repository root, passed as the drafter's
+checkpoint option). While a checkpoint is missing, the method is left out with a warning in the log, and the
 results list it under `summary.skipped_methods`. A layer-skip method may name a searched skip set instead of its
 options (`"skip_set": "configs/layer_skip_sets/<model>.json"`, a path from the repository root, written by
 experiments/search_layer_skip.py): it drafts with the set's options, at the gamma the set was searched for unless
@@ -89,7 +91,8 @@ _CONFIG = cli.define_config_flag("Experiment config: configs/<name>.py[:arg].")
 _WORKDIR = cli.define_workdir_flag("Output folder (default: workdirs/<config>-<time>).")
 distributed.define_flags()  # --coordinator_address, --num_processes, --process_id (multi-process runs)
 
-METHOD_KEYS = {"name", "drafter", "peer", "options", "gamma", "adaptive", "needs", "skip_set", "tree_nodes"}
+METHOD_KEYS = {"name", "drafter", "peer", "options", "gamma", "adaptive", "needs", "skip_set", "tree_nodes",
+               "checkpoint"}
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # skip sets' paths start here
 
 
@@ -157,10 +160,9 @@ def check_methods(config: ml_collections.ConfigDict) -> list[dict]:
 def make_methods(config: ml_collections.ConfigDict, model: specjax.Model) -> list[Method]:
   """The methods to run (`check_methods`' specs), the autoregressive baseline first."""
   chosen = check_methods(config)
-  unshipped = unshipped_checkpoints(chosen, model)
+  unshipped = missing_checkpoints(chosen, model)
   for method, missing in unshipped.items():
-    logging.warning("leaving out method %s: its shipped checkpoint(s) %s are not in specjax/checkpoints yet",
-                    method, ", ".join(missing))
+    logging.warning("leaving out method %s: its checkpoint(s) %s are not there yet", method, ", ".join(missing))
   gammas = [int(g) for g in config.get("gammas", ())]
   methods = []
   for spec in chosen:
@@ -196,10 +198,16 @@ def make_methods(config: ml_collections.ConfigDict, model: specjax.Model) -> lis
 
 
 def method_options(spec: dict, model: specjax.Model | None = None) -> tuple[dict, int | None]:
-  """A method's `make_drafter` (or peer) options and its own gamma (None: the config's). A `"skip_set"` gives the
+  """A method's `make_drafter` (or peer) options and its own gamma (None: the config's). A `"checkpoint"` is its
+  drafter's checkpoint option (`path`, or layer skip's `adapter`, the draft model's `draft`). A `"skip_set"` gives the
   options of its record, under the method's own, and the gamma it was searched for unless the method sets one;
   with `model`, the set is checked against it (`layer_skip.load_skip_set`)."""
   options, gamma = dict(spec.get("options", {})), spec.get("gamma")
+  if spec.get("checkpoint"):
+    argument = drafters.checkpoint_option(spec.get("drafter"))
+    if argument in options:
+      raise ValueError(f"method {spec['name']!r}: a 'checkpoint' and the option {argument!r} name the same thing")
+    options[argument] = os.path.join(REPO, spec["checkpoint"])
   if spec.get("skip_set") is not None:
     path = os.path.join(REPO, spec["skip_set"])
     if not os.path.isfile(path):
@@ -227,8 +235,9 @@ def adaptive_drafting(value: Any, method: str) -> bool | specjax.AdaptiveDraftin
   return specjax.AdaptiveDrafting(**value)
 
 
-def unshipped_checkpoints(specs: Sequence[dict], model: specjax.Model) -> dict[str, list[str]]:
-  """{method name: the shipped checkpoints it `needs` that specjax/checkpoints does not hold} (none: absent)."""
+def missing_checkpoints(specs: Sequence[dict], model: specjax.Model) -> dict[str, list[str]]:
+  """{method name: the checkpoints it drafts with that are not there}: the shipped ones it `needs` that
+  specjax/checkpoints does not hold, and its own `checkpoint` file (from the repository root) (none: absent)."""
   missing = {}
   for spec in specs:
     needs = spec.get("needs", ())
@@ -240,6 +249,8 @@ def unshipped_checkpoints(specs: Sequence[dict], model: specjax.Model) -> dict[s
         draft_head.shipped_checkpoint(model, checkpoint)
       except specjax.CheckpointError:
         absent.append(f"{checkpoint}.safetensors")
+    if spec.get("checkpoint") and not os.path.isfile(os.path.join(REPO, spec["checkpoint"])):
+      absent.append(spec["checkpoint"])
     if absent:
       missing[spec["name"]] = absent
   return missing
@@ -366,7 +377,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model: specjax.Model
                                   for failure in s["lossless_failures"]]
   if summary["lossless_failures"]:
     summary["all_lossless"] = False
-  summary["skipped_methods"] = unshipped_checkpoints([dict(m) for m in config.methods], model)
+  summary["skipped_methods"] = missing_checkpoints([dict(m) for m in config.methods], model)
   results = {
       "name": name,
       "config": config.to_dict(),

@@ -25,7 +25,7 @@ import numpy as np
 from absl import app, flags, logging
 
 import specjax
-from specjax import export, sharding, train_drafter
+from specjax import drafters, export, sharding, train_drafter
 from specjax.data import features
 from specjax.drafters import draft_head, draft_model, mtp_parallel
 from specjax.loading import CheckpointError
@@ -33,8 +33,6 @@ from experiments import cli, curves, prepare_data, rank_accuracy, spec_bench
 from experiments.cli import code_commit, environment, parse_flags
 
 _CONFIG = cli.define_config_flag("Training config: configs/train_mtp.py:<variant>.")
-# The make_drafter keyword that takes a trained checkpoint, per drafter (how the model card says to load it).
-CHECKPOINT_ARGUMENT = {"layer_skip": "adapter", "draft_model": "draft"}
 
 
 def open_caches(data_dir: str, held_out_dir: str = "") -> dict[str, features.FeatureCache]:
@@ -91,7 +89,7 @@ def model_card(card: dict[str, Any]) -> str:
       "",
       f"Self-distilled drafter ({card['drafter']}, options {json.dumps(card['options'])}) for the frozen target "
       f"{card['target']}. Load it with `specjax.make_drafter({card['drafter']!r}, specjax.load({card['target']!r}), "
-      f"{CHECKPOINT_ARGUMENT.get(card['drafter'], 'path')}=<this .safetensors file>)`.",
+      f"{drafters.checkpoint_option(card['drafter'])}=<this .safetensors file>)`.",
       "",
       "## Reproduce",
       "",

@@ -20,7 +20,7 @@ from ml_collections import config_flags
 import specjax
 from configs import (adaptive_by_category, adaptive_optimism, adaptive_vs_fixed, batch_sweep,
                      bench_peers, common, compare_drafters, depth_sweep, gamma_sweep, quickstart,
-                     spec_bench as spec_bench_config, trees)
+                     spec_bench as spec_bench_config, train_budget, trees)
 from experiments import costs, report, run, spec_bench
 from specjax import leviathan
 
@@ -114,7 +114,7 @@ def test_config_builds_a_run_that_checks_out_without_running(module, arg, prompt
     (quickstart, "small", "takes no argument"),
     (spec_bench_config, "huge", "'small'"),
     (bench_peers, "huge", "'small'"),
-    (compare_drafters, "small,greedy", "comma-separated subset of small, sampling, both"),
+    (compare_drafters, "small,greedy", "comma-separated subset of small, sampling, both, adaptive, budget"),
     (compare_drafters, "sampling,both", "exclude each other"),
     (adaptive_by_category, "small,full", "exclude each other"),
     (adaptive_by_category, "large", "comma-separated subset of small, full"),
@@ -178,6 +178,29 @@ def test_configs_name_each_method_once_from_the_one_method_list():
           k: v for k, v in base.items() if k != "name"}, (module.__name__, method)
 
 
+def test_a_method_drafts_with_its_own_checkpoint_file_and_is_left_out_without_it(tmp_path, tiny):
+  from specjax.drafters import draft_head
+  spec = {"name": "mine", "drafter": "mtp_parallel", "options": {}, "checkpoint": str(tmp_path / "heads.safetensors")}
+  assert run.missing_checkpoints([spec], tiny) == {"mine": [spec["checkpoint"]]}
+  draft_head.save(specjax.make_drafter("mtp_parallel", tiny, path=None, num_heads=2), spec["checkpoint"], tiny)
+  assert run.missing_checkpoints([spec], tiny) == {}
+  options, _ = run.method_options(spec, tiny)
+  assert options == {"path": spec["checkpoint"]}
+  assert specjax.make_drafter("mtp_parallel", tiny, **options).options.num_heads == 2
+  with pytest.raises(ValueError, match="name the same thing"):
+    run.method_options(dict(spec, options={"path": "elsewhere.safetensors"}), tiny)
+
+
+def test_the_budget_comparison_drafts_with_each_budget_runs_exported_checkpoint():
+  names = [m["name"] for m in compare_drafters.get_config("budget").methods]
+  for run_name, drafter in common.BUDGET_RUNS.items():
+    method = common.METHODS["budget_" + run_name.replace("-", "_")]
+    assert method["name"] in names and method["drafter"] == drafter
+    training = train_budget.get_config(run_name.replace("-", ","))  # "sequential-sharegpt": the variant's run
+    assert (training.drafter, training.export_path) == (drafter, "")  # exported as <workdir>/<drafter>.safetensors
+    assert method["checkpoint"] == f"{training.workdir}/{training.drafter}.safetensors"
+
+
 @pytest.mark.slow
 def test_compare_drafters_leaves_out_exactly_the_unshipped_checkpoints(smollm2):
   config = compare_drafters.get_config("small")
@@ -185,7 +208,7 @@ def test_compare_drafters_leaves_out_exactly_the_unshipped_checkpoints(smollm2):
   expected = {name: [f"{checkpoint}.safetensors"] for name, checkpoint in
               (("layer_skip_trained_exit", "exit_adapter"), ("draft_model", "draft_model"))
               if not os.path.exists(os.path.join(shipped, f"{checkpoint}.safetensors"))}
-  assert run.unshipped_checkpoints([dict(m) for m in config.methods], smollm2) == expected
+  assert run.missing_checkpoints([dict(m) for m in config.methods], smollm2) == expected
   config.only = "prompt_lookup,layer_skip_trained_exit,draft_model,layer_skip_best_set"
   methods = run.make_methods(config, smollm2)
   assert [m.name for m in methods] == ["autoregressive", "prompt_lookup", "layer_skip_best_set"] + [

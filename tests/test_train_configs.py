@@ -53,9 +53,9 @@ def test_training_config_trains_and_exports_a_loadable_drafter(module, arg, opti
   assert card["steps"] == 3 and "eval_top1_1" in card["held_out"]
   path = os.path.join(config.workdir, f"{config.drafter}.safetensors")
   with open(os.path.splitext(path)[0] + ".md") as f:
-    assert f"{train.CHECKPOINT_ARGUMENT.get(config.drafter, 'path')}=<this .safetensors file>" in f.read()
+    assert f"{specjax.drafters.checkpoint_option(config.drafter)}=<this .safetensors file>" in f.read()
   model = specjax.load(model_dir)
-  loaded = specjax.make_drafter(config.drafter, model, **{train.CHECKPOINT_ARGUMENT.get(config.drafter, "path"): path})
+  loaded = specjax.make_drafter(config.drafter, model, **{specjax.drafters.checkpoint_option(config.drafter): path})
   assert loaded.options.draft_vocab == 16
   if config.drafter == "mtp_parallel":  # its rank accuracy on the held-out split, for Medusa's static trees
     assert len(loaded.options.rank_accuracy) == loaded.options.num_heads

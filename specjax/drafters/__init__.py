@@ -316,6 +316,17 @@ def available() -> list[str]:
   return sorted(_FACTORIES)
 
 
+# The option through which each trained drafter takes a checkpoint file (`make_drafter(name, model, <it>=file)`).
+_CHECKPOINT_OPTION = {"draft_model": "draft", "layer_skip": "adapter", "mtp_parallel": "path", "mtp_sequential": "path"}
+
+
+def checkpoint_option(name: str) -> str:
+  """The `make_drafter` option of drafter `name` that loads a trained checkpoint file."""
+  if name not in _CHECKPOINT_OPTION:
+    raise ValueError(f"drafter {name!r} loads no checkpoint; those that do: {', '.join(sorted(_CHECKPOINT_OPTION))}")
+  return _CHECKPOINT_OPTION[name]
+
+
 def tree_drafters() -> list[str]:
   """The drafters whose `make` builds drafters that draft trees (their module's `TREES`)."""
   return [name for name in available() if getattr(importlib.import_module(_FACTORIES[name]), "TREES", False)]
