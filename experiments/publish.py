@@ -491,11 +491,12 @@ def compare_drafters_block(runs: Runs, prefix: str) -> str:
           f"{min(efficiency):.2f}–{max(efficiency):.2f}.")
 
 
-def trees_block(runs: Runs, prefix: str) -> str:
-  """configs/trees.py: each drafter's chain and its trees (`<method>_tree<N>`), fixed rounds: tokens per target
-  forward, acceptance by depth, the paired speedup over autoregressive decoding and over the drafter's own chain
-  (the same prompts and repeat), and the projection from the round's costs compiled for one TPU chip."""
-  run = runs["trees"]
+def trees_block(runs: Runs, prefix: str, folder: str = "trees") -> str:
+  """A run of configs/trees.py (`folder`): each drafter's chain and its trees (`<method>_tree<N>`), fixed rounds:
+  tokens per target forward, acceptance by depth, the paired speedup over autoregressive decoding and over the
+  drafter's own chain (the same prompts and repeat), and the projection from the round's costs compiled for one TPU
+  chip."""
+  run = runs[folder]
   compiled = projection.read(str(runs.root / projection.COSTS_FILE))
   summary = run.results["summary"]["methods"]
   rows = ["| drafter | nodes | tokens per forward | accepted at depth 1 / 2 / 3 / 4 | speedup (paired median, 90% "
