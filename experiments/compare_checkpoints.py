@@ -11,13 +11,15 @@ checked against autoregressive decoding), and is scored by Leviathan et al. (202
 tokens per target forward E in place of E(alpha): E / (gamma c + 1), c the drafter's cost per draft step over a
 target step (`Drafter.cost.step`). For two drafters of one cost that ranks them by tokens per forward; an exit
 adapter after fewer layers drafts more cheaply and is credited for it. The candidate replaces the shipped checkpoint
-only if it scores higher; this command says which, and replaces nothing (copy the file yourself, with its card).
+only if it scores higher; this command says which, and with `--ship` replaces it then (`ship`: the checkpoint, its
+rank accuracy file and a model card that records this comparison).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from typing import Any, Sequence
 
@@ -26,6 +28,8 @@ from absl import app, flags
 
 import specjax
 from specjax.data import features
+from specjax.drafters import draft_head
+from experiments import train
 from experiments.cli import code_commit
 
 
@@ -69,6 +73,37 @@ def compare(model, candidate, shipped, prompts: Sequence[Sequence[int]], *, gamm
           "replace": bool(new["score"] > old["score"])}
 
 
+# The shipped checkpoint a trained drafter replaces (specjax/checkpoints/<model>/<name>.safetensors), by drafter.
+SHIPPED_NAME = {"layer_skip": "exit_adapter"}
+
+
+def ship(model, drafter: str, candidate: str, comparison: dict[str, Any]) -> list[str]:
+  """Replaces the shipped checkpoint of `drafter` with `candidate`: the .safetensors file, the .ranks.json beside it
+  (parallel heads' rank accuracy) where there is one, and the model card, rendered from the run.json that
+  experiments.train wrote beside the candidate with `comparison` added. Each file is written beside its target and
+  renamed over it. Returns the paths written."""
+  card_path = os.path.join(os.path.dirname(os.path.abspath(candidate)), "run.json")
+  if not os.path.isfile(card_path):
+    raise FileNotFoundError(f"no run.json beside {candidate}: the model card is rendered from it")
+  with open(card_path) as f:
+    card = json.load(f)
+  card["shipped_comparison"] = comparison
+  target = draft_head.shipped_checkpoint(model, SHIPPED_NAME.get(drafter, drafter))
+  stem, candidate_stem = os.path.splitext(target)[0], os.path.splitext(candidate)[0]
+  files = [(candidate, target)]
+  if os.path.isfile(candidate_stem + ".ranks.json"):
+    files.append((candidate_stem + ".ranks.json", stem + ".ranks.json"))
+  for source, destination in files:
+    shutil.copyfile(source, destination + ".tmp")
+    os.replace(destination + ".tmp", destination)
+  with open(stem + ".md.tmp", "w") as f:
+    f.write(train.model_card(card))
+  os.replace(stem + ".md.tmp", stem + ".md")
+  written = [d for _, d in files] + [stem + ".md"]
+  print("shipped: " + ", ".join(written))
+  return written
+
+
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -87,6 +122,8 @@ def main(argv: Sequence[str]) -> None:
         f"{result['prompts_shipped_better']}")
   print("REPLACE the shipped checkpoint" if result["replace"] else "KEEP the shipped checkpoint")
   print(json.dumps({k: v for k, v in result.items() if k not in ("candidate", "shipped")}))
+  if flags.FLAGS.ship and result["replace"]:
+    ship(model, flags.FLAGS.drafter, flags.FLAGS.candidate, result)
   if flags.FLAGS.out:  # the comparison behind a checkpoint's replacement, for its model card
     result.update(drafter=flags.FLAGS.drafter, candidate_path=flags.FLAGS.candidate, shipped_path=flags.FLAGS.shipped,
                   held_out=flags.FLAGS.held_out, command="python -m experiments.compare_checkpoints " +
@@ -107,6 +144,8 @@ def _define_flags():
   flags.DEFINE_integer("prompts", 48, "held-out prompts")
   flags.DEFINE_integer("gamma", 4, "draft tokens per round")
   flags.DEFINE_integer("max_new_tokens", 64, "new tokens per prompt")
+  flags.DEFINE_bool("ship", False, "when the candidate scores higher, replace the shipped checkpoint with it (and its "
+                    "rank accuracy and model card)")
   flags.DEFINE_string("out", None, "also write the comparison (both drafters' figures, the verdict) to this JSON file")
 
 

@@ -147,13 +147,21 @@ def model_card(card: dict[str, Any]) -> str:
               f"{sb['max_new_tokens']} new tokens): mean_accepted **{sb['mean_accepted']:.2f}** tokens per target "
               f"forward, alpha {sb['alpha']:.3f}, output identical to autoregressive decoding: {sb['lossless']}.", ""]
   if card["drafter"] == "mtp_parallel":
-    lines += [TREES_NOTE, ""]
+    lines += [TREES_NOTE.format(name=card["drafter"]), ""]
+  c = card.get("shipped_comparison")
+  if c:  # experiments.compare_checkpoints' verdict, added to the card when the checkpoint was shipped
+    lines += ["## Against the checkpoint it replaced", "",
+              f"On {c['prompts']} held-out prompts (the target's own answers; greedy, a chain of gamma {c['gamma']}, "
+              f"{c['max_new_tokens']} new tokens; `python -m experiments.compare_checkpoints`): "
+              f"{c['candidate']['mean_accepted']:.2f} tokens per target forward against "
+              f"{c['shipped']['mean_accepted']:.2f}, better on {c['prompts_candidate_better']} prompts and worse on "
+              f"{c['prompts_shipped_better']}.", ""]
   return "\n".join(lines)
 
 
 # How parallel heads draft trees, in their model card.
 TREES_NOTE = ("## Trees\n\nDraft trees (`generate(..., tree_nodes=N)`) are Medusa's static ones, built from "
-              "<name>.ranks.json beside this file: how often head k's rank-r token is the target's greedy token, "
+              "{name}.ranks.json beside this file: how often head k's rank-r token is the target's greedy token, "
               "measured on held-out answers (`python -m experiments.rank_accuracy --checkpoint=<this file> "
               "--cache=<a feature cache's held_out>`; training writes it on its held-out split).")
 

@@ -128,7 +128,7 @@ def test_budget_config_names_its_families_and_one_budget_for_all():
     assert train_budget.get_config(exit).options.exit_layer - 1 in (2, 15)
 
 
-def test_budget_run_trains_to_its_positions_and_the_card_shows_the_curve(tiny, caches, tmp_path):
+def test_budget_run_trains_to_its_positions_and_the_card_shows_the_curve(tiny, caches, tmp_path, monkeypatch):
   (cache_set, root) = caches
   model_dir = export.save_hf(tiny, str(tmp_path / "model"))
   config = train_budget.get_config("parallel,small")
@@ -150,6 +150,27 @@ def test_budget_run_trains_to_its_positions_and_the_card_shows_the_curve(tiny, c
   with open(os.path.join(config.workdir, "mtp_parallel.md")) as f:
     text = f.read()
   assert f"answer positions seen: {seen[-1]:,}" in text and "## Curve" in text
+  assert "built from mtp_parallel.ranks.json beside this file" in text
+  # Shipping it: the checkpoint, its rank accuracy and a card recording the comparison replace the shipped files.
+  from experiments import compare_checkpoints
+  shipped = tmp_path / "shipped"
+  shipped.mkdir()
+  (shipped / "mtp_parallel.safetensors").write_bytes(b"the checkpoint shipped before")
+  monkeypatch.setattr(compare_checkpoints.draft_head, "shipped_checkpoint",
+                      lambda model, name: str(shipped / f"{name}.safetensors"))
+  comparison = {"prompts": 3, "gamma": 2, "max_new_tokens": 6, "candidate": {"mean_accepted": 1.5},
+                "shipped": {"mean_accepted": 1.25}, "prompts_candidate_better": 2, "prompts_shipped_better": 1,
+                "replace": True}
+  candidate = os.path.join(config.workdir, "mtp_parallel.safetensors")
+  written = compare_checkpoints.ship(tiny, "mtp_parallel", candidate, comparison)
+  assert sorted(os.path.basename(w) for w in written) == ["mtp_parallel.md", "mtp_parallel.ranks.json",
+                                                           "mtp_parallel.safetensors"]
+  with open(candidate, "rb") as a, open(shipped / "mtp_parallel.safetensors", "rb") as b:
+    assert a.read() == b.read()
+  card_text = (shipped / "mtp_parallel.md").read_text()
+  assert card_text.startswith(text.rstrip("\n")) and "1.50 tokens per target forward against 1.25" in card_text
+  assert sorted(p.name for p in shipped.iterdir()) == ["mtp_parallel.md", "mtp_parallel.ranks.json",
+                                                       "mtp_parallel.safetensors"]  # no temporary file left
 
 
 def synthetic_run(workdir, family, positions, top1, accepted, alpha=None, finished=True):
