@@ -82,6 +82,8 @@ CODE_CHANGES = (
                "removed", "adaptive"),
     CodeChange("4a70e46", _utc("2026-12-04 10:20"), "adaptive drafting: drafters follow every plain step (no "
                "catch-up window)", "adaptive"),
+    CodeChange("91454a4", _utc("2026-12-05 00:47"), "the shipped parallel MTP heads replaced by the ones trained on "
+               "one budget (1.5M positions of the target's own answers)", "mtp_parallel"),
 )
 
 
