@@ -785,6 +785,7 @@ BLOCKS: dict[str, tuple[str, Callable[[Runs, str], str]]] = {
     "compare-drafters": ("docs/results.md", compare_drafters_block),
     "compare-drafters-by-category": ("docs/results.md", compare_drafters_by_category_block),
     "trees": ("docs/results.md", trees_block),
+    "trees-mtp": ("docs/results.md", lambda runs, prefix: trees_block(runs, prefix, "trees-mtp")),
     "train-budget": ("docs/results.md", train_budget_block),
     "adaptive-by-category-full": ("docs/results.md", _category_block("adaptive_by_category-full")),
     "adaptive-by-category-trained-all": ("docs/results.md", _category_block("adaptive_by_category-trained-all")),
