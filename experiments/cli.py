@@ -61,6 +61,15 @@ def parse_flags(argv: list[str]) -> list[str]:
   return argv
 
 
+def write_atomic(path: str, data: str | bytes) -> None:
+  """Writes `data` to `path` through a temporary file beside it renamed over it: a reader never sees a half-written
+  file, and a killed write leaves the previous one."""
+  tmp = path + ".tmp"
+  with open(tmp, "wb" if isinstance(data, bytes) else "w") as f:
+    f.write(data)
+  os.replace(tmp, path)
+
+
 @functools.cache
 def code_commit() -> str | None:
   """The checkout's commit (`git describe --always --dirty`), as of the first call: entry points call it when

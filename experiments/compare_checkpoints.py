@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 from typing import Any, Sequence
 
@@ -28,9 +27,9 @@ from absl import app, flags
 
 import specjax
 from specjax.data import features
-from specjax.drafters import draft_head
+from specjax.drafters import draft_head, exit_adapter
 from experiments import train
-from experiments.cli import code_commit
+from experiments.cli import code_commit, write_atomic
 
 
 def held_out_prompts(cache: features.FeatureCache, count: int) -> list[list[int]]:
@@ -74,7 +73,7 @@ def compare(model, candidate, shipped, prompts: Sequence[Sequence[int]], *, gamm
 
 
 # The shipped checkpoint a trained drafter replaces (specjax/checkpoints/<model>/<name>.safetensors), by drafter.
-SHIPPED_NAME = {"layer_skip": "exit_adapter"}
+SHIPPED_NAME = {"layer_skip": exit_adapter.SHIPPED_NAME}
 
 
 def ship(model, drafter: str, candidate: str, comparison: dict[str, Any]) -> list[str]:
@@ -94,11 +93,9 @@ def ship(model, drafter: str, candidate: str, comparison: dict[str, Any]) -> lis
   if os.path.isfile(candidate_stem + ".ranks.json"):
     files.append((candidate_stem + ".ranks.json", stem + ".ranks.json"))
   for source, destination in files:
-    shutil.copyfile(source, destination + ".tmp")
-    os.replace(destination + ".tmp", destination)
-  with open(stem + ".md.tmp", "w") as f:
-    f.write(train.model_card(card))
-  os.replace(stem + ".md.tmp", stem + ".md")
+    with open(source, "rb") as f:
+      write_atomic(destination, f.read())
+  write_atomic(stem + ".md", train.model_card(card))
   written = [d for _, d in files] + [stem + ".md"]
   print("shipped: " + ", ".join(written))
   return written
@@ -128,9 +125,7 @@ def main(argv: Sequence[str]) -> None:
     result.update(drafter=flags.FLAGS.drafter, candidate_path=flags.FLAGS.candidate, shipped_path=flags.FLAGS.shipped,
                   held_out=flags.FLAGS.held_out, command="python -m experiments.compare_checkpoints " +
                   " ".join(sys.argv[1:]), commit=code_commit())
-    with open(flags.FLAGS.out + ".tmp", "w") as f:
-      json.dump(result, f, indent=1)
-    os.replace(flags.FLAGS.out + ".tmp", flags.FLAGS.out)
+    write_atomic(flags.FLAGS.out, json.dumps(result, indent=1))
     print(f"wrote {flags.FLAGS.out}")
 
 

@@ -101,7 +101,7 @@ from specjax.model import KVCache, forward, init_cache
 from specjax.sampling import SamplingParams, argmax
 from specjax.verify import greedy_verify
 from experiments import cli, projection
-from experiments.cli import code_commit, environment, parse_flags
+from experiments.cli import code_commit, environment, parse_flags, write_atomic
 
 _CONFIG = cli.define_config_flag("Compile config: configs/compile_tpu.py[:small].")
 _WORKDIR = cli.define_workdir_flag("Output folder (default: workdirs/<config>-<time>).")
@@ -1025,9 +1025,7 @@ def reproject(workdir: str) -> dict:
   trees = tree_acceptance(config.tree_acceptance)
   results.update(tree_acceptance_found=trees is not None, projected=time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
                  projections=projections(results["records"], config, measured_acceptance(config.acceptance), trees))
-  with open(path + ".tmp", "w") as f:
-    json.dump(results, f, indent=1)
-  os.replace(path + ".tmp", path)
+  write_atomic(path, json.dumps(results, indent=1))
   write_reports(results, workdir)
   return results
 

@@ -36,7 +36,8 @@ import matplotlib.ticker  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from experiments.cli import code_commit, environment  # noqa: E402
+from experiments.cli import code_commit, environment, write_atomic  # noqa: E402
+from specjax.train_drafter import read_metrics  # noqa: E402
 
 
 # The project's targets (Spec-Bench, greedy, gamma 4 chain): family -> (metric of the evaluation points, value).
@@ -96,16 +97,12 @@ def stalled_seconds(records: list[dict[str, Any]]) -> float:
 
 def read_run(workdir: str) -> dict[str, Any]:
   """One run's summary: its evaluation points from metrics.jsonl, its family, data and final figures."""
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    records = [json.loads(line) for line in f if line.strip()]
+  records = read_metrics(os.path.join(workdir, "metrics.jsonl"))
   card = {}
   if os.path.isfile(os.path.join(workdir, "run.json")):
     with open(os.path.join(workdir, "run.json")) as f:
       card = json.load(f)
-  starts = []
-  if os.path.isfile(os.path.join(workdir, "starts.jsonl")):
-    with open(os.path.join(workdir, "starts.jsonl")) as f:
-      starts = [json.loads(line) for line in f if line.strip()]
+  starts = read_metrics(os.path.join(workdir, "starts.jsonl"))  # JSON lines, [] where the run logged none
   name = os.path.basename(os.path.normpath(workdir))
   config = card.get("config") or (starts[-1]["config"] if starts else {})
   records = [r for r in records if "positions" in r]
@@ -271,9 +268,7 @@ def curves(workdirs: Sequence[str], out: str, command: str = "python -m experime
   os.makedirs(out, exist_ok=True)
   for name, text in (("results.json", json.dumps(results, indent=1)), ("results.md", results_markdown(results)),
                      ("RUN.md", run_markdown(results))):
-    with open(os.path.join(out, name + ".tmp"), "w") as f:
-      f.write(text)
-    os.replace(os.path.join(out, name + ".tmp"), os.path.join(out, name))
+    write_atomic(os.path.join(out, name), text)
   plot(runs, os.path.join(out, "curves.png"))
   return results
 
