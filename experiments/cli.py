@@ -8,6 +8,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 from typing import Any
 
 import jax
@@ -62,12 +63,24 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 
 def write_atomic(path: str, data: str | bytes) -> None:
-  """Writes `data` to `path` through a temporary file beside it renamed over it: a reader never sees a half-written
-  file, and a killed write leaves the previous one."""
-  tmp = path + ".tmp"
-  with open(tmp, "wb" if isinstance(data, bytes) else "w") as f:
-    f.write(data)
-  os.replace(tmp, path)
+  """Writes `data` to `path` through a temporary file beside it, flushed to disk and renamed over it: a reader never
+  sees a half-written file, a killed or failed write leaves the previous one (and no temporary file), and the file
+  gets the permissions open() would give it."""
+  folder = os.path.dirname(os.path.abspath(path))
+  fd, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")
+  try:
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)  # mkstemp's 0600 would make the file private
+    with os.fdopen(fd, "wb") as f:
+      f.write(data.encode() if isinstance(data, str) else data)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+    raise
 
 
 @functools.cache

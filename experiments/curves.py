@@ -4,7 +4,10 @@ r"""Acceptance-vs-training curves of drafters trained on one budget (configs/tra
 
 `--workdirs` lists training workdirs, or folders of them (every sub-folder with a metrics.jsonl is a run). Each
 run's evaluation points come from its metrics.jsonl (so a run still going is drawn as far as it got), its family,
-data and cost from the run.json experiments.train writes when it ends. Writes to `--out`:
+data and cost from the run.json experiments.train writes when it ends. A publication keeps what it was drawn from:
+each run's logs (LOG_FILES, a few hundred kB) are copied to `<out>/runs/<run>/`, and a later call with the same
+`--out` reads them back, so the curves of runs whose workdirs are gone (another machine, a wiped disk) are drawn
+again from the publication while new runs join them; a run's own workdir, where it exists, wins. Writes to `--out`:
   curves.png    held-out depth-1 top-1 and Spec-Bench tokens per target forward against answer positions seen (log x)
   results.json  per run: positions, wall and CPU time of training, FLOPs per position, the final held-out top-1 per
                 depth, Spec-Bench tokens per forward and alpha, the curve, and where the project's target for its
@@ -12,6 +15,7 @@ data and cost from the run.json experiments.train writes when it ends. Writes to
   results.md    the table of results.json, rendered from it at the precision shown (with each run's comparison
                 with the shipped checkpoint, where its workdir holds one: SHIPPED_COMPARISON)
   RUN.md        the command, the code of the curves and of each run, the machine
+  runs/<run>/   each run's LOG_FILES
 
 Where the target of a family (TARGETS) is not reached, it is extrapolated: a line fitted by least squares to the
 metric against log10(positions) over the last FIT_POINTS evaluation points, solved for the target. It is an
@@ -53,9 +57,7 @@ def run_dirs(paths: Sequence[str]) -> list[str]:
   for path in paths:
     if os.path.isfile(os.path.join(path, "metrics.jsonl")):
       found.add(os.path.normpath(path))
-    found.update(os.path.dirname(p) for p in glob.glob(os.path.join(path, "*", "metrics.jsonl")))
-  if not found:
-    raise FileNotFoundError(f"no training run (a folder with metrics.jsonl) in {list(paths)}")
+    found.update(os.path.normpath(os.path.dirname(p)) for p in glob.glob(os.path.join(path, "*", "metrics.jsonl")))
   return sorted(found)
 
 
@@ -79,6 +81,9 @@ def extrapolate(points: list[dict[str, Any]], metric: str, target: float) -> dic
 # A run's comparison with the shipped checkpoint of its drafter, where one was made:
 #   python -m experiments.compare_checkpoints ... --out=<run workdir>/shipped_comparison.json
 SHIPPED_COMPARISON = "shipped_comparison.json"
+# What a run is read from (experiments.train writes the first three), kept with the publication under RUNS.
+LOG_FILES = ("metrics.jsonl", "run.json", "starts.jsonl", SHIPPED_COMPARISON)
+RUNS = "runs"
 STALLED = 0.25  # an interval between logged steps whose CPU time per wall second is under this share of the run's median
 
 
@@ -222,13 +227,17 @@ def run_markdown(results: dict[str, Any]) -> str:
            "resumed from their last checkpoint; each start's time and code where the run logged them):"]
   for r in results["runs"]:
     state = (f"finished at commit {r['commit']}" if r["finished"] else "still training when the curves were drawn")
+    if r.get("carried_from"):
+      state += (f"; its summary carried over from the publication of {r['carried_from']['date']} (commit "
+                f"{r['carried_from']['commit']}), drawn before the publication kept its logs")
     if r.get("starts"):
       state += "; started " + ", ".join(f"{st['date']} at {st['commit']}" for st in r["starts"])
     lines.append(f"  - {r['name']}: {state}; {_fmt(r['steps'], ',')} steps, {_fmt(r['positions'], ',')} answer "
                  f"positions of a budget of {_fmt(r['budget_positions'], ',')}.")
   lines += ["", "Files: `results.md` (the table), `results.json` (every run's evaluation points, times and FLOPs, "
             "the targets and their extrapolation), `curves.png` (held-out top-1 and Spec-Bench tokens per forward "
-            "against positions seen, log x).", ""]
+            f"against positions seen, log x), `{RUNS}/<run>/` (the logs each run was read from; "
+            "`python -m experiments.curves --workdirs= --out=<this folder>` draws the curves again from them).", ""]
   return "\n".join(lines)
 
 
@@ -258,9 +267,34 @@ def plot(runs: list[dict[str, Any]], path: str) -> None:
   plt.close(fig)
 
 
+def keep_logs(workdir: str, kept: str) -> None:
+  """Copies a run's LOG_FILES from its workdir to `kept` (each written atomically)."""
+  if os.path.abspath(workdir) == os.path.abspath(kept):
+    return
+  os.makedirs(kept, exist_ok=True)
+  for name in LOG_FILES:
+    if os.path.isfile(os.path.join(workdir, name)):
+      with open(os.path.join(workdir, name), "rb") as f:
+        write_atomic(os.path.join(kept, name), f.read())
+
+
 def curves(workdirs: Sequence[str], out: str, command: str = "python -m experiments.curves") -> dict[str, Any]:
-  """Reads the runs of `workdirs` and writes results.json, results.md, RUN.md and curves.png to `out`."""
-  runs = [read_run(d) for d in run_dirs(workdirs)]
+  """Reads the runs of `workdirs` and those kept with an earlier publication in `out` (a workdir wins over the kept
+  copy of its run), keeps every run's logs in `<out>/runs/`, and writes results.json, results.md, RUN.md and
+  curves.png to `out`. A run the earlier results.json has but no log does is carried over as published."""
+  sources = {os.path.basename(d): d for d in run_dirs([os.path.join(out, RUNS)])}
+  sources.update((os.path.basename(d), d) for d in run_dirs([w for w in workdirs if w]))
+  previous = None
+  if os.path.isfile(os.path.join(out, "results.json")):
+    with open(os.path.join(out, "results.json")) as f:
+      previous = json.load(f)
+  carried = [{**r, "carried_from": r.get("carried_from") or {"date": previous["date"], "commit": previous["commit"]}}
+             for r in (previous or {}).get("runs", []) if r["name"] not in sources]
+  if not sources and not carried:
+    raise FileNotFoundError(f"no training run (a folder with metrics.jsonl) in {list(workdirs)} or {out}/{RUNS}")
+  for name, workdir in sources.items():
+    keep_logs(workdir, os.path.join(out, RUNS, name))
+  runs = sorted([read_run(d) for d in sources.values()] + carried, key=lambda r: r["name"])
   now = time.gmtime()
   results = {"name": "train_budget", "command": command, "date": time.strftime("%Y-%m-%d", now),
              "time": time.strftime("%H:%M", now), "commit": code_commit(), "environment": environment(),

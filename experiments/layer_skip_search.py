@@ -66,13 +66,13 @@ import json
 import math
 import os
 import statistics
-import tempfile
 from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import cli
 import specjax
 from specjax import ops
 from specjax.data import sequences, sharegpt
@@ -613,25 +613,9 @@ def deep_search(model, tokens: np.ndarray, mask: np.ndarray, *, gamma: int, max_
 # --- Saved skip sets ---------------------------------------------------------------------------------------
 
 def save_skip_set(path: str, record: dict) -> None:
-  """Writes `record` as JSON atomically: a temporary file in the same folder, then os.replace.
-
-  A reader never sees a half-written file, and a failed write leaves any previous file untouched.
-  """
+  """Writes `record` as JSON atomically (`experiments.cli.write_atomic`): a reader never sees a half-written file,
+  and a failed write leaves any previous file untouched."""
   if record.get("drafter") != "layer_skip" or not isinstance(record.get("options"), dict):
     raise ValueError("a skip-set record needs drafter='layer_skip' and an options dict")
-  folder = os.path.dirname(os.path.abspath(path))
-  os.makedirs(folder, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")
-  umask = os.umask(0)
-  os.umask(umask)
-  try:
-    os.fchmod(fd, 0o666 & ~umask)  # mkstemp's 0600 would make the saved config private
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-      json.dump(_finite(record), f, indent=2, allow_nan=False)
-      f.write("\n")
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
-  except BaseException:
-    os.unlink(tmp)
-    raise
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  cli.write_atomic(path, json.dumps(_finite(record), indent=2, allow_nan=False) + "\n")

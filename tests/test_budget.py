@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -221,8 +222,29 @@ def test_curves_table_plot_and_extrapolation_from_runs_metrics(tmp_path):
   assert run_md.startswith(f"# train_budget, {saved['date']} {saved['time']} UTC") and "python -m experiments.curves" in run_md
   assert "  - exit: still training when the curves were drawn; 3 steps, 100,000 answer positions" in run_md
   assert seq["stalled_seconds"] == 0.0
+  # The publication keeps the logs it was drawn from: with the workdirs gone, it is drawn again from them alone.
+  assert sorted(p.name for p in (tmp_path / "out" / "runs" / "sequential").iterdir()) == [
+      "metrics.jsonl", "run.json", curves.SHIPPED_COMPARISON]
+  shutil.rmtree(tmp_path / "runs")
+  again = curves.curves([], str(tmp_path / "out"))
+  assert [r["name"] for r in again["runs"]] == ["exit", "parallel", "sequential"]
+  for a, b in zip(again["runs"], sorted(saved["runs"], key=lambda r: r["name"])):
+    assert {k: v for k, v in a.items() if k != "workdir"} == {k: v for k, v in b.items() if k != "workdir"}
+  # A run published before the logs were kept (none under runs/) is carried over from results.json, and says so;
+  # a new run's workdir joins the kept ones.
+  shutil.rmtree(tmp_path / "out" / "runs" / "parallel")
+  synthetic_run(tmp_path / "new" / "draft", "draft", positions, [0.1, 0.2, 0.3], [1.1, 1.2, 1.3])
+  third = curves.curves([str(tmp_path / "new")], str(tmp_path / "out"))
+  runs = {r["name"]: r for r in third["runs"]}
+  assert sorted(runs) == ["draft", "exit", "parallel", "sequential"]
+  assert runs["parallel"]["carried_from"] == {"date": again["date"], "commit": again["commit"]}
+  published = {r["name"]: r for r in saved["runs"]}
+  assert runs["parallel"]["curve"] == published["parallel"]["curve"] and "carried_from" not in runs["draft"]
+  assert "parallel: finished at commit" in (tmp_path / "out" / "RUN.md").read_text()
+  assert "its summary carried over from the publication of" in (tmp_path / "out" / "RUN.md").read_text()
+  assert (tmp_path / "out" / "runs" / "draft" / "metrics.jsonl").exists()
   with pytest.raises(FileNotFoundError, match="no training run"):
-    curves.curves([str(tmp_path / "out")], str(tmp_path / "out2"))
+    curves.curves([str(tmp_path / "nothing")], str(tmp_path / "empty"))
 
 
 def test_a_run_stopped_between_two_logged_steps_counts_the_stop_as_stalled_wall_time():
