@@ -176,7 +176,8 @@ def table(results: dict[str, Any]) -> str:
            "|---|---|---:|---:|---:|---:|" + "---:|" * (len(depths) + 2)]
   for r in runs:
     lines.append(
-        f"| {r['name']}{'' if r['finished'] else ' (running)'} | {r['answers'] or '-'} | {_fmt(r['positions'], ',')} "
+        f"| {r['name']}{'' if r['finished'] else ' (stopped)' if r.get('carried_from') else ' (running)'} "
+        f"| {r['answers'] or '-'} | {_fmt(r['positions'], ',')} "
         f"| {_fmt(r['train_seconds'] and r['train_seconds'] / 3600, '.2f')} "
         f"| {_fmt(r['train_cpu_seconds'] and r['train_cpu_seconds'] / 3600, '.2f')} "
         f"| {_fmt(r['flops_per_position'] and r['flops_per_position'] / 1e9, '.2f')} | "
@@ -226,7 +227,8 @@ def run_markdown(results: dict[str, Any]) -> str:
            "- runs (each trained by `python -m experiments.train --config=configs/train_budget.py:<run>`, killed runs "
            "resumed from their last checkpoint; each start's time and code where the run logged them):"]
   for r in results["runs"]:
-    state = (f"finished at commit {r['commit']}" if r["finished"] else "still training when the curves were drawn")
+    state = (f"finished at commit {r['commit']}" if r["finished"] else "stopped before its budget, its workdir gone"
+             if r.get("carried_from") else "still training when the curves were drawn")
     if r.get("carried_from"):
       state += (f"; its summary carried over from the publication of {r['carried_from']['date']} (commit "
                 f"{r['carried_from']['commit']}), drawn before the publication kept its logs")

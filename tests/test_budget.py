@@ -243,6 +243,11 @@ def test_curves_table_plot_and_extrapolation_from_runs_metrics(tmp_path):
   assert "parallel: finished at commit" in (tmp_path / "out" / "RUN.md").read_text()
   assert "its summary carried over from the publication of" in (tmp_path / "out" / "RUN.md").read_text()
   assert (tmp_path / "out" / "runs" / "draft" / "metrics.jsonl").exists()
+  # A run carried over unfinished is no longer running.
+  shutil.rmtree(tmp_path / "out" / "runs" / "exit")
+  curves.curves([], str(tmp_path / "out"))
+  assert "| exit (stopped) |" in (tmp_path / "out" / "results.md").read_text()
+  assert "exit: stopped before its budget, its workdir gone" in (tmp_path / "out" / "RUN.md").read_text()
   with pytest.raises(FileNotFoundError, match="no training run"):
     curves.curves([str(tmp_path / "nothing")], str(tmp_path / "empty"))
 
