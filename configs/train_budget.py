@@ -20,6 +20,9 @@ The argument is a family, optionally with variants (comma-separated, e.g. `seque
               past the pool, as the regenerated cache's ~7,500 answers are)
   small       the `small` caches of configs/train_data.py and a budget of a few steps: an end-to-end check
 
+The MTP families start from fresh parameters; `--config.options.path=<checkpoint>` starts from a trained one instead
+(continued training, off the budget: give it its own `--config.workdir`).
+
 Every run consumes `positions` answer positions (masked positions of its batches, counted, not steps), drawn from
 the first sequences of its train cache that hold `pool_positions` (so the two caches of the data study offer the
 same positions), and is evaluated where 1/64, 1/32, ..., 1/2 and all of the budget are seen: held-out per-depth
@@ -35,6 +38,7 @@ points per run (~100 CPU-s each): about 10.5 CPU-hours for the set.
 """
 
 import ml_collections
+from ml_collections import config_dict
 
 from configs import common
 
@@ -77,6 +81,8 @@ def get_config(arg=None):
   config.family = family
   config.drafter = FAMILIES[family]["drafter"]
   config.options = ml_collections.ConfigDict(FAMILIES[family]["options"])
+  if "path" in config.options:  # None: fresh parameters; --config.options.path=<checkpoint> continues training it
+    config.options.path = config_dict.placeholder(str)
   config.learning_rate = FAMILIES[family]["learning_rate"]
   config.draft_vocab = 8192  # truncated draft vocabulary (FR-Spec), the same for every family
   config.steps = 0  # unused: the budget is `positions`

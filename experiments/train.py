@@ -119,6 +119,9 @@ def model_card(card: dict[str, Any]) -> str:
          "run's median CPU rate)" if card.get("stalled_seconds", 0) >= 60 else "")
       + f", commit {card['environment']['specjax_commit']}, {card['date']}",
   ]
+  if card["config"].get("options", {}).get("path"):
+    lines.append(f"- started from the trained checkpoint `{card['config']['options']['path']}` as it was at commit "
+                 f"{card['environment']['specjax_commit']} (continued training)")
   if card.get("positions"):
     lines += [
         f"- answer positions seen: {card['positions']:,} (drawn from the first {card['pool_sequences']:,} train "

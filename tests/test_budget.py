@@ -151,7 +151,20 @@ def test_budget_run_trains_to_its_positions_and_the_card_shows_the_curve(tiny, c
   with open(os.path.join(config.workdir, "mtp_parallel.md")) as f:
     text = f.read()
   assert f"answer positions seen: {seen[-1]:,}" in text and "## Curve" in text
-  assert "built from mtp_parallel.ranks.json beside this file" in text
+  assert "built from mtp_parallel.ranks.json beside this file" in text and "started from" not in text
+  # Continued training (--config.options.path): starts from the run's checkpoint, and its card says so.
+  continued = train_budget.get_config("parallel,small")
+  continued.update({k: config[k] for k in ("model", "data_dir", "held_out_dir", "draft_vocab", "batch_size",
+                                           "positions", "pool_positions", "data_answers")})
+  continued.spec_bench.enabled, continued.workdir = False, str(tmp_path / "continued")
+  continued.options.path = os.path.join(config.workdir, "mtp_parallel.safetensors")
+  again = train.run(continued, "python -m experiments.train (continued)")
+  def first_eval_loss(workdir):
+    return next(r["eval_loss"] for r in td.read_metrics(os.path.join(workdir, "metrics.jsonl")) if "eval_loss" in r)
+  assert first_eval_loss(continued.workdir) < first_eval_loss(config.workdir)  # a head start over fresh heads
+  assert again["steps"] == card["steps"]
+  with open(os.path.join(continued.workdir, "mtp_parallel.md")) as f:
+    assert f"started from the trained checkpoint `{continued.options.path}`" in f.read()
   # Shipping it: the checkpoint, its rank accuracy and a card recording the comparison replace the shipped files.
   from experiments import compare_checkpoints
   shipped = tmp_path / "shipped"
