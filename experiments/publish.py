@@ -84,6 +84,8 @@ CODE_CHANGES = (
                "catch-up window)", "adaptive"),
     CodeChange("91454a4", _utc("2026-12-05 00:47"), "the shipped parallel MTP heads replaced by the ones trained on "
                "one budget (1.5M positions of the target's own answers)", "mtp_parallel"),
+    CodeChange("926984a", _utc("2026-12-05 04:37"), "the shipped parallel MTP heads trained on 2M more positions of "
+               "the target's own answers", "mtp_parallel"),
 )
 
 
@@ -786,6 +788,7 @@ BLOCKS: dict[str, tuple[str, Callable[[Runs, str], str]]] = {
     "compare-drafters-by-category": ("docs/results.md", compare_drafters_by_category_block),
     "trees": ("docs/results.md", trees_block),
     "trees-mtp": ("docs/results.md", lambda runs, prefix: trees_block(runs, prefix, "trees-mtp")),
+    "trees-parallel": ("docs/results.md", lambda runs, prefix: trees_block(runs, prefix, "trees-parallel")),
     "train-budget": ("docs/results.md", train_budget_block),
     "adaptive-by-category-full": ("docs/results.md", _category_block("adaptive_by_category-full")),
     "adaptive-by-category-trained-all": ("docs/results.md", _category_block("adaptive_by_category-trained-all")),
