@@ -5,7 +5,8 @@ r"""specjax's programs compiled for TPU topologies on a machine without a TPU (e
   python -m experiments.compile_for --config=configs/compile_tpu.py:small   # one model, one topology, a few minutes
   python -m experiments.compile_for --config=configs/compile_tpu.py:programs  # every program of SmolLM2 on v5e:2x4
   python -m experiments.compile_for --config=configs/compile_tpu.py:gpu   # H100/H200s: pip install "jax[cuda12]"
-  python -m experiments.compile_for --config=configs/compile_tpu.py:cover   # what a user runs, everywhere: hours
+  python -m experiments.compile_for --config=configs/compile_tpu.py:cover --workdir=results/tpu_compile-cover
+                                                                   # what a user runs, everywhere: ~5 CPU-hours
   python -m experiments.compile_for --config=configs/compile_tpu.py:full    # every model too: longer still
 
 The models are SmolLM2-135M and Llama-3.2-1B and Llama-3.1-8B shaped (specjax.config.MODEL_SHAPES; no weights), each
@@ -14,6 +15,8 @@ sequential module, a 4-layer distilled draft, an exit adapter) with a draft voca
 layer skip, and prompt lookup. bf16, batch 8, a KV cache of 4096 positions. Topologies: v5e:2x4, v6e:2x4, v5p:2x2x1,
 v5e:4x4, Colab's v2-8 (v2:2x2) and a single v5e chip (Colab's v5e-1), each with a (data, model) mesh. Compiling is
 CPU work that grows with the layers of every unrolled forward: results/tpu_compile/RUN.md gives the default's time.
+A run appends each program's record to <workdir>/records.jsonl as it is compiled and a rerun keeps them, so a long
+run given its folder under results/ can be carried to another machine by committing that file as it grows.
 """
 
 import ml_collections
