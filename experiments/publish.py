@@ -47,7 +47,8 @@ _CHECK = flags.DEFINE_bool("check", False, "only compare: exit 1 when a generate
 @dataclasses.dataclass(frozen=True)
 class CodeChange:
   """A change to the code after which earlier runs no longer measure what the code does. `concerns`: which runs it
-  touches: "adaptive" (runs with adaptive drafting), "cpu" (runs timed on a CPU), or a drafter name."""
+  touches: "adaptive" (runs with adaptive drafting), "cpu" (runs timed on a CPU), "exit_adapter" (runs drafting with
+  the shipped exit adapter), or a drafter name."""
   commit: str
   committed: datetime.datetime  # UTC
   change: str
@@ -86,6 +87,8 @@ CODE_CHANGES = (
                "one budget (1.5M positions of the target's own answers)", "mtp_parallel"),
     CodeChange("926984a", _utc("2026-12-05 04:37"), "the shipped parallel MTP heads trained on 2M more positions of "
                "the target's own answers", "mtp_parallel"),
+    CodeChange("e8e7cfe", _utc("2026-12-05 05:12"), "the shipped exit adapter replaced by the one trained on one budget "
+               "(after 3 layers, 1.5M positions of the target's own answers)", "exit_adapter"),
 )
 
 
@@ -173,6 +176,9 @@ class Run:
       return bool(self.results) and any(self.adaptive(m) for m in self.methods())
     if change.concerns == "cpu":
       return self.backend == "cpu"
+    if change.concerns == "exit_adapter":  # the shipped adapter: layer skip with adapter="default"
+      return bool(self.results) and any(self.method_spec(m).get("options", {}).get("adapter") == "default"
+                                        for m in self.methods())
     return bool(self.results) and change.concerns in self.drafters()
 
   def date(self) -> str:
