@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import functools
 import glob
+import hashlib
+import json
 import os
 import platform
 import subprocess
 import sys
 import tempfile
-from typing import Any
+import time
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -83,6 +86,9 @@ def write_atomic(path: str, data: str | bytes) -> None:
     raise
 
 
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
+
+
 @functools.cache
 def code_commit() -> str | None:
   """The checkout's commit (`git describe --always --dirty`), as of the first call: entry points call it when
@@ -92,6 +98,79 @@ def code_commit() -> str | None:
                           cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip() or None
   except OSError:
     return None
+
+
+@functools.cache
+def code_digest() -> str | None:
+  """A digest of the code that decides what a run computes: specjax/, experiments/ and configs/ as committed, and
+  every uncommitted change to them (None outside a git checkout). Unlike `code_commit`, it stays the same across
+  commits that change nothing there (results, docs), so a stopped run may resume after them. As of the first call."""
+  paths = ("specjax", "experiments", "configs")
+
+  def git(*args: str) -> bytes:
+    return subprocess.run(["git", *args], capture_output=True, cwd=_ROOT, timeout=60, check=True).stdout
+  try:
+    digest = hashlib.sha256(git("rev-parse", *(f"HEAD:{p}" for p in paths)))
+    digest.update(git("diff", "HEAD", "--binary", "--", *paths))
+    untracked = git("ls-files", "--others", "--exclude-standard", "-z", "--", *paths).split(b"\0")
+    for name in sorted(filter(None, untracked)):
+      with open(os.path.join(_ROOT, name.decode()), "rb") as f:
+        digest.update(name + b"\0" + f.read())
+  except (OSError, subprocess.SubprocessError):
+    return None
+  return digest.hexdigest()[:16]
+
+
+def file_digest(path: str) -> str | None:
+  """sha256 of a file's bytes (None: no such file)."""
+  if not os.path.isfile(path):
+    return None
+  digest = hashlib.sha256()
+  with open(path, "rb") as f:
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+      digest.update(chunk)
+  return digest.hexdigest()
+
+
+class ResumableLog:
+  """A JSON-lines log that a long command appends its finished pieces of work to as it goes (each line on disk before
+  the next piece starts), so that the command, stopped and started again, resumes from what it finds.
+
+  The first line is a header saying what the log's work computes (a config, the code, ...). Opening a log whose header
+  is `header` (or, with `same`, one that `same(old_header)` accepts) keeps its entries (`entries`; a last line cut by
+  a kill is dropped); a log with another header is moved aside to `<path>.<time>.stale` (what it held is not lost)
+  and a new log headed by `header` is started, as it is where there was none.
+  """
+
+  def __init__(self, path: str, header: dict[str, Any], same: Callable[[dict[str, Any]], bool] | None = None):
+    self.path = path
+    header = json.loads(json.dumps(header))  # as it reads back from the file (tuples as lists)
+    lines, cut = [], False
+    if os.path.exists(path):
+      with open(path) as f:
+        for line in f:
+          try:
+            lines.append(json.loads(line))
+          except json.JSONDecodeError:  # only the last line can be cut short (by a kill while writing it)
+            cut = True
+            break
+    old = lines[0].get("header") if lines and isinstance(lines[0], dict) else None
+    if old is not None and (same(old) if same is not None else old == header):
+      self.entries: list[dict[str, Any]] = lines[1:]
+      if cut:  # appending after a cut line would join the two
+        write_atomic(path, "".join(json.dumps(line) + "\n" for line in lines))
+      return
+    if os.path.exists(path):
+      os.replace(path, f"{path}.{time.strftime('%Y%m%d-%H%M%S')}.stale")
+    self.entries = []
+    write_atomic(path, json.dumps({"header": header}) + "\n")
+
+  def append(self, entry: dict[str, Any]) -> None:
+    with open(self.path, "a") as f:
+      f.write(json.dumps(entry) + "\n")
+      f.flush()
+      os.fsync(f.fileno())
+    self.entries.append(json.loads(json.dumps(entry)))
 
 
 def environment() -> dict[str, Any]:

@@ -101,7 +101,7 @@ from specjax.model import KVCache, forward, init_cache
 from specjax.sampling import SamplingParams, argmax
 from specjax.verify import greedy_verify
 from experiments import cli, projection
-from experiments.cli import code_commit, environment, parse_flags, write_atomic
+from experiments.cli import ResumableLog, code_commit, environment, parse_flags, write_atomic
 
 _CONFIG = cli.define_config_flag("Compile config: configs/compile_tpu.py[:small].")
 _WORKDIR = cli.define_workdir_flag("Output folder (default: workdirs/<config>-<time>).")
@@ -664,11 +664,11 @@ def programs_of(s: Shapes, config: ml_collections.ConfigDict, which: str, drafte
 
 
 def compile_all(config: ml_collections.ConfigDict, progress: Callable[[str], None] = print,
-                model_configs: dict[str, ModelConfig] | None = None, log_path: str | None = None,
+                model_configs: dict[str, ModelConfig] | None = None, log: ResumableLog | None = None,
                 done: dict[tuple, dict] | None = None) -> list[dict]:
-  """Every program of the config's blocks, compiled one at a time; their records (each also appended to `log_path`
-  as a JSON line as soon as it is made, so a long run that stops keeps what it compiled; a program whose record is in
-  `done`, by `record_key`, keeps it and is not compiled again). A model is `specjax.config.shaped_config(name)`
+  """Every program of the config's blocks, compiled one at a time; their records (each also appended to `log` as soon
+  as it is made, so a long run that stops keeps what it compiled; a program whose record is in `done`, by
+  `record_key`, keeps it and is not compiled again). A model is `specjax.config.shaped_config(name)`
   unless `model_configs` gives its config."""
   done = done or {}
   acceptance = measured_acceptance(config.acceptance)
@@ -696,9 +696,8 @@ def compile_all(config: ml_collections.ConfigDict, progress: Callable[[str], Non
       record = compile_program(lowering, s.target)
       record.update(model=model, topology=topology, mesh=[data, model_axis], kind=which)
       records.append(record)
-      if log_path:
-        with open(log_path, "a") as f:
-          f.write(json.dumps(record) + "\n")
+      if log is not None:
+        log.append(record)
       progress(f"{model} {topology} {_program_label(record)}: "
                f"{record['status']} in {record['seconds']:.1f} s"
                + (f", {record['bytes_per_device'] / 2**30:.2f} GiB per device ({record['hbm_fraction']:.0%} of HBM)"
@@ -964,21 +963,14 @@ def record_key(r: dict) -> tuple:
   return (r["model"], r["topology"], r["kind"], r["program"], r["drafter"], r["tree_nodes"])
 
 
-def earlier_records(log_path: str, config: ml_collections.ConfigDict) -> dict[tuple, dict]:
-  """The records a stopped run left in `log_path` (by `record_key`), which a rerun keeps instead of compiling again,
-  when its config was this one but for its grid (`runs`: which programs, not how each is built); a log of another
-  config, or none, starts a new log headed by this config."""
+def compile_log(log_path: str, config: ml_collections.ConfigDict) -> ResumableLog:
+  """The log of compiled records at `log_path`, whose entries a stopped run left when its config was this one but for
+  its grid (`runs`: which programs, not how each is built), to be kept instead of compiled again; a log of another
+  config is moved aside and a new one started (cli.ResumableLog)."""
   def how(config_dict):
     return {k: v for k, v in config_dict.items() if k != "runs"}
-  wanted = json.loads(json.dumps(config.to_dict()))
-  if os.path.exists(log_path):
-    with open(log_path) as f:
-      lines = [json.loads(line) for line in f if line.strip().endswith("}")]  # a line cut by a kill is dropped
-    if lines and how(lines[0].get("config", {})) == how(wanted):
-      return {record_key(r): r for r in lines[1:]}
-  with open(log_path, "w") as f:
-    f.write(json.dumps({"config": wanted}) + "\n")
-  return {}
+  header = {"config": json.loads(json.dumps(config.to_dict()))}
+  return ResumableLog(log_path, header, same=lambda old: how(old.get("config", {})) == how(header["config"]))
 
 
 def run(config: ml_collections.ConfigDict, workdir: str, name: str = "compile_tpu", command: str = "") -> dict:
@@ -988,8 +980,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, name: str = "compile_tp
   os.makedirs(workdir, exist_ok=True)
   load_before, start, cpu_start = os.getloadavg(), time.perf_counter(), time.process_time()
   log_path = os.path.join(workdir, "records.jsonl")  # the records so far, while compiling; results.json after
-  earlier = earlier_records(log_path, config)
-  records = compile_all(config, log_path=log_path, done=earlier)
+  log = compile_log(log_path, config)
+  earlier = {record_key(r): r for r in log.entries}
+  records = compile_all(config, log=log, done=earlier)
   wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
   targets = {}
   for topology, data, model_axis in config.topologies:

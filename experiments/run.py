@@ -18,6 +18,13 @@ Timing, so that the comparison is fair on a noisy shared machine:
     per category, the paired speedups (each call against the baseline's call in the same batch and repeat) get
     a distribution-free interval for their median (experiments/report.py), with several prompts a category
     and repeats the only way to resolve a few percent on a shared machine.
+Resuming: each prompt batch's calls (and each warmup) are appended to the workdir's progress.jsonl as they finish.
+The same command started again with the same workdir, after a kill or a stop, skips what the log holds and goes on
+where it stopped, provided the config, the code (experiments/cli.code_digest: specjax/, experiments/ and configs/),
+the checkpoint files the methods name and the machine are the same (`fingerprint`); otherwise the old log is moved
+aside (progress.jsonl.<time>.stale) and the run starts afresh. Calls are paired within a batch, so a resumed run
+pairs as an unbroken one does; results.json says how many batches came from before the restart
+(`resumed_batches`), and the log is removed once results.json is written.
 With temperature 0 every method's tokens are compared with the baseline's, token for token (`lossless`); a
 mismatch is logged as an error, heads results.md and results.json (`summary.lossless_failures`), and the command
 exits with status 1.
@@ -67,6 +74,7 @@ it sets its own. Configs only declare these (configs/common.py); the runner look
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -94,6 +102,7 @@ distributed.define_flags()  # --coordinator_address, --num_processes, --process_
 METHOD_KEYS = {"name", "drafter", "peer", "options", "gamma", "adaptive", "needs", "skip_set", "tree_nodes",
                "checkpoint"}
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # skip sets' paths start here
+PROGRESS = "progress.jsonl"  # a workdir's log of the prompt batches a run finished (see `run`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,6 +313,59 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model: specjax.Model
                            tree_nodes=method.tree_nodes, mesh=mesh)
     return out, time.perf_counter() - start, compilation.count() - compiled_before
 
+  def decode_batch(batch: PromptBatch, temperature: float, batch_size: int) -> dict[str, list[dict]]:
+    """Every method's calls on one prompt batch, interleaved: {"records": their records, "outputs": each prompt's
+    output per method (repeat 0)}, as results.json holds them."""
+    greedy = temperature == 0
+    reference = None  # the baseline's tokens for this batch
+    batch_records, batch_outputs = [], []
+    for repeat in range(config.repeats):
+      # Repeat k starts at the k-th method (the baseline first in repeat 0, so every call has its reference):
+      # each method's time is taken at several places in the order, and a load that drifts over a batch's
+      # calls does not always favour the methods run first.
+      shift = repeat % len(methods)
+      for method in methods[shift:] + methods[:shift]:
+        out, seconds, new_programs = call(method, batch, temperature)
+        compile_call_seconds = None
+        if new_programs:  # this call compiled a new shape: time a second, compiled call instead
+          compile_call_seconds = out.stats["compile_seconds"]
+          out, seconds, _ = call(method, batch, temperature)
+        if reference is None:
+          reference = out.tokens
+        checked = greedy and method.peer is None  # a peer runs other kernels: its agreement is reported instead
+        matches = out.tokens == reference if checked else None
+        agreement = report.agreement(out.tokens, reference) if greedy else None
+        if method.peer is not None:
+          if repeat == 0 and agreement is not None:
+            logging.info("%s agrees with %s on batch %d: %s of the tokens until the first divergence",
+                         method.name, baseline, batch.index, [round(a, 2) for a in agreement])
+        elif greedy and not matches:
+          logging.error("NOT LOSSLESS: %s differs from %s on batch %d (questions %s)", method.name, baseline,
+                        batch.index, [q.question_id for q in batch.questions])
+        batch_records.append(_record(method, batch, repeat, temperature, out, seconds, compile_call_seconds, matches,
+                                     agreement))
+        if repeat == 0:
+          for row, q in enumerate(batch.questions):
+            batch_outputs.append({
+                "method": method.name, "temperature": temperature, "batch_size": batch_size,
+                "question_id": q.question_id,
+                "category": q.category, "prompt_tokens": len(batch.prompts[row]), "new_tokens": len(out.tokens[row]),
+                "matches_baseline": out.tokens[row] == reference[row] if checked else None,
+                "agreement": agreement[row] if greedy else None, "tokens": out.tokens[row], "text": out.texts[row]})
+    # as results.json and the progress log hold them (NaN as None), whether decoded now or before a restart
+    return json.loads(json.dumps(report.json_safe({"records": batch_records, "outputs": batch_outputs})))
+
+  # Each warmup and finished prompt batch goes into the workdir's progress log as it ends: a run stopped and started
+  # again with the same workdir, config, code, checkpoints and machine (`fingerprint`) takes them from there.
+  log = None
+  if jax.process_count() == 1:  # the processes of a multi-process run would have to agree on what to skip
+    os.makedirs(workdir, exist_ok=True)
+    log = cli.ResumableLog(os.path.join(workdir, PROGRESS), {"run": fingerprint(config)})
+  done = {tuple(e["key"]): e for e in (log.entries if log else [])}
+  resumed = sum(1 for key in done if key[0] == "batch")
+  if resumed:
+    logging.info("resuming from %s: %d prompt batches were done", log.path, resumed)
+
   records, outputs, summaries = [], [], {}
   for batch_size, temperature in [(b, t) for b in batch_sizes for t in temperatures]:
     if batch_size != batch_sizes[0] and temperature == temperatures[0]:
@@ -311,55 +373,34 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model: specjax.Model
       # of 65,530 a process may have; see specjax/compilation.py).
       compilation.clear_all()
     batches = make_batches(questions, prompts, batch_size)
-    greedy = temperature == 0
     compile_seconds: dict[str, float | None] = {m.name: None for m in methods}
-    if config.warmup:
+    if ("warmup", batch_size, temperature) in done:  # each method's first call compiles again, and is timed again
+      compile_seconds = done["warmup", batch_size, temperature]["compile_seconds"]
+    elif config.warmup:
       for method in methods:
         out, seconds, _ = call(method, batches[0], temperature)
         compile_seconds[method.name] = out.stats["compile_seconds"]
         logging.info("warmup %s (batch %d, temperature %g): %.1f s, of which compiling %.1f s", method.name,
                      batch_size, temperature, seconds, compile_seconds[method.name])
+      if log is not None:
+        log.append({"key": ["warmup", batch_size, temperature], "compile_seconds": compile_seconds})
 
     run_records = []
-    lossless: dict[str, bool | None] = {m.name: (True if greedy and m.peer is None else None) for m in methods}
+    lossless: dict[str, bool | None] = {m.name: (True if temperature == 0 and m.peer is None else None)
+                                        for m in methods}
     progress = f"prompt batches (batch size {batch_size}, temperature {temperature:g})"
     for batch in tqdm(batches, desc=progress, unit="batch",
                       disable=not distributed.is_main_process()):
-      reference = None  # the baseline's tokens for this batch
-      for repeat in range(config.repeats):
-        # Repeat k starts at the k-th method (the baseline first in repeat 0, so every call has its reference):
-        # each method's time is taken at several places in the order, and a load that drifts over a batch's
-        # calls does not always favour the methods run first.
-        shift = repeat % len(methods)
-        for method in methods[shift:] + methods[:shift]:
-          out, seconds, new_programs = call(method, batch, temperature)
-          compile_call_seconds = None
-          if new_programs:  # this call compiled a new shape: time a second, compiled call instead
-            compile_call_seconds = out.stats["compile_seconds"]
-            out, seconds, _ = call(method, batch, temperature)
-          if reference is None:
-            reference = out.tokens
-          checked = greedy and method.peer is None  # a peer runs other kernels: its agreement is reported instead
-          matches = out.tokens == reference if checked else None
-          agreement = report.agreement(out.tokens, reference) if greedy else None
-          if method.peer is not None:
-            if repeat == 0 and agreement is not None:
-              logging.info("%s agrees with %s on batch %d: %s of the tokens until the first divergence",
-                           method.name, baseline, batch.index, [round(a, 2) for a in agreement])
-          elif greedy and not matches:
-            lossless[method.name] = False
-            logging.error("NOT LOSSLESS: %s differs from %s on batch %d (questions %s)", method.name, baseline,
-                          batch.index, [q.question_id for q in batch.questions])
-          run_records.append(_record(method, batch, repeat, temperature, out, seconds, compile_call_seconds, matches,
-                                     agreement))
-          if repeat == 0:
-            for row, q in enumerate(batch.questions):
-              outputs.append({
-                  "method": method.name, "temperature": temperature, "batch_size": batch_size,
-                  "question_id": q.question_id,
-                  "category": q.category, "prompt_tokens": len(batch.prompts[row]), "new_tokens": len(out.tokens[row]),
-                  "matches_baseline": out.tokens[row] == reference[row] if checked else None,
-                  "agreement": agreement[row] if greedy else None, "tokens": out.tokens[row], "text": out.texts[row]})
+      key = ("batch", batch_size, temperature, batch.index)
+      if key not in done:
+        done[key] = decode_batch(batch, temperature, batch_size)
+        if log is not None:
+          log.append({"key": list(key), **done[key]})
+      run_records += done[key]["records"]
+      outputs += done[key]["outputs"]
+      for r in done[key]["records"]:
+        if r["matches_baseline"] is False:
+          lossless[r["method"]] = False
     records += run_records
     summaries[batch_size, temperature] = report.summarize(run_records, [m.name for m in methods], baseline,
                                                           compile_seconds, lossless, methods_info=_method_info(methods))
@@ -386,6 +427,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model: specjax.Model
                   for q, p in zip(questions, prompts)],
       "summary": summary,
       "costs": measured,
+      "resumed_batches": resumed,  # prompt batches decoded before a restart (their calls' times are in `records`)
       "records": records,
       "outputs": outputs,
   }
@@ -393,8 +435,20 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model: specjax.Model
     logging.error("NOT LOSSLESS: %s", report.lossless_banner(summary))
   if distributed.is_main_process():  # every process computed the same results; one writes them
     table = report.write(workdir, results)
+    if log is not None:
+      os.remove(log.path)  # results.json holds all it held
     print(f"\n{table}\n\nresults in {workdir}")
   return results
+
+
+def fingerprint(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """What a run's timed calls depend on besides its prompts' order: the config, the code (cli.code_digest), the
+  checkpoint files its methods name, and the machine. A stopped run resumes only where all of these are the same."""
+  env = environment()
+  checkpoints = {spec["checkpoint"]: cli.file_digest(os.path.join(REPO, spec["checkpoint"]))
+                 for spec in config.methods if spec.get("checkpoint")}
+  return {"config": config.to_dict(), "code": cli.code_digest(), "checkpoints": checkpoints,
+          "machine": {key: env[key] for key in ("jax", "backend", "devices", "cpu_count", "platform")}}
 
 
 def _record(method: Method, batch: PromptBatch, repeat: int, temperature: float, out: specjax.Output, seconds: float,

@@ -21,7 +21,7 @@ import specjax
 from configs import (adaptive_by_category, adaptive_optimism, adaptive_vs_fixed, batch_sweep,
                      bench_peers, common, compare_drafters, depth_sweep, gamma_sweep, quickstart,
                      spec_bench as spec_bench_config, train_budget, trees)
-from experiments import costs, report, run, spec_bench
+from experiments import cli, costs, report, run, spec_bench
 from specjax import leviathan
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -707,6 +707,51 @@ def test_a_planted_mismatch_is_reported_loudly(tiny_chat, tmp_path, monkeypatch)
   text = (tmp_path / "results.md").read_text()
   assert text.splitlines()[2].startswith("**LOSSLESS CHECK FAILED**: greedy output differs from autoregressive")
   assert "| prompt_lookup |" in text and "| NO |" in text
+
+
+class _Stopped(Exception):
+  """A run killed in the middle."""
+
+
+def test_a_stopped_run_resumes_where_it_stopped_and_only_with_the_same_config(tiny_chat, tmp_path, monkeypatch):
+  config = _tiny_config(only="prompt_lookup")  # two prompt batches (qa, writing), two methods
+  config.costs.enabled = False
+  whole = run.run(config, str(tmp_path / "whole"), model=tiny_chat)
+  assert whole["resumed_batches"] == 0 and not (tmp_path / "whole" / run.PROGRESS).exists()
+  generate, seen, stop = specjax.generate, [], [True]
+
+  def recording(model, prompts, **kwargs):  # stops at the second batch while `stop`
+    seen.append(prompts[0])
+    if stop[0] and prompts[0] != seen[0]:
+      raise _Stopped
+    return generate(model, prompts, **kwargs)
+  monkeypatch.setattr(specjax, "generate", recording)
+  workdir = tmp_path / "stopped"
+  with pytest.raises(_Stopped):
+    run.run(config, str(workdir), model=tiny_chat)
+  log = [json.loads(line) for line in (workdir / run.PROGRESS).read_text().splitlines()]
+  assert log[0]["header"]["run"]["code"] == cli.code_digest() and [e["key"] for e in log[1:]] == [
+      ["batch", 1, 0.0, 0]]  # no warmup in this config
+
+  first, stop[0] = seen[0], False
+  seen.clear()
+  resumed = run.run(config, str(workdir), model=tiny_chat)
+  assert resumed["resumed_batches"] == 1 and first not in seen  # the first batch was not decoded again
+  assert [(o["method"], o["question_id"], o["tokens"]) for o in resumed["outputs"]] == [
+      (o["method"], o["question_id"], o["tokens"]) for o in whole["outputs"]]
+  assert sorted((r["method"], r["batch"]) for r in resumed["records"]) == sorted(
+      (r["method"], r["batch"]) for r in whole["records"])
+  assert resumed["summary"]["all_lossless"] is True and not (workdir / run.PROGRESS).exists()
+
+  # Stopped again, then started with another config: the old log is moved aside and the run starts afresh.
+  seen.clear()
+  stop[0] = True
+  with pytest.raises(_Stopped):
+    run.run(config, str(workdir), model=tiny_chat)
+  stop[0] = False
+  config.max_new_tokens = 8
+  again = run.run(config, str(workdir), model=tiny_chat)
+  assert again["resumed_batches"] == 0 and len(list(workdir.glob(run.PROGRESS + ".*.stale"))) == 1
 
 
 def test_depth_and_gamma_plots_from_a_summary(tmp_path):

@@ -104,7 +104,7 @@ def test_a_program_larger_than_the_chips_memory_is_reported_as_not_fitting(libtp
   records = compile_for.compile_all(config, progress=lambda line: None, model_configs={"huge": huge})
   assert [r["status"] for r in records] == ["does_not_fit"]
   assert "RESOURCE_EXHAUSTED" in records[0]["error"] or "memory" in records[0]["error"]
-  # A rerun keeps the records a stopped run made (compile_for.earlier_records) instead of compiling again.
+  # A rerun keeps the records a stopped run made (compile_for.compile_log) instead of compiling again.
   kept = dict(records[0], status="kept")
   again = compile_for.compile_all(config, progress=lambda line: None, model_configs={"huge": huge},
                                   done={compile_for.record_key(kept): kept})
@@ -113,17 +113,23 @@ def test_a_program_larger_than_the_chips_memory_is_reported_as_not_fitting(libtp
 
 def test_a_rerun_keeps_the_records_of_a_stopped_run_of_the_same_config(tmp_path):
   config, log = compile_tpu.get_config(), str(tmp_path / "records.jsonl")
-  assert compile_for.earlier_records(log, config) == {}  # a new log, headed by the config
+  assert compile_for.compile_log(log, config).entries == []  # a new log, headed by the config
   record = {"model": "m", "topology": "v5e:2x4", "kind": "steps", "program": "decode_step", "drafter": None,
             "tree_nodes": None, "status": "compiled"}
+  compile_for.compile_log(log, config).append(record)
   with open(log, "a") as f:
-    f.write(json.dumps(record) + "\n" + '{"model": "m", "topol')  # the second record cut by a kill
-  assert compile_for.earlier_records(log, config) == {compile_for.record_key(record): record}
+    f.write('{"model": "m", "topol')  # the second record cut by a kill
+  kept = compile_for.compile_log(log, config)
+  assert kept.entries == [record]
+  kept.append(dict(record, program="prefill"))  # after the cut line was dropped, not joined to it
+  assert [r["program"] for r in compile_for.compile_log(log, config).entries] == ["decode_step", "prefill"]
   config.runs = config.runs[:1]  # another grid of programs built alike: the records are kept
-  assert compile_for.earlier_records(log, config) == {compile_for.record_key(record): record}
-  config.batch_size = 4  # programs built otherwise: the log starts again
-  assert compile_for.earlier_records(log, config) == {}
-  assert compile_for.earlier_records(log, config) == {}
+  assert len(compile_for.compile_log(log, config).entries) == 2
+  config.batch_size = 4  # programs built otherwise: the log starts again, the old one moved aside
+  assert compile_for.compile_log(log, config).entries == []
+  assert compile_for.compile_log(log, config).entries == []
+  stale, = tmp_path.glob("records.jsonl.*.stale")
+  assert len(stale.read_text().splitlines()) == 3
 
 
 @pytest.mark.tpu_compile
@@ -275,7 +281,7 @@ def test_a_run_writes_its_results_tables_plot_and_run_record(tmp_path, monkeypat
            for args in (("decode_step", None, 1e9, 819e6), ("verify_5", None, 1e9, 819e6),
                         ("propose_4", "heads", 0, 81.9e6), ("verify_tree_17", None, 1e9, 1638e6, 16),
                         ("propose_tree_16", "heads", 0, 819e6, 16))]
-  monkeypatch.setattr(compile_for, "compile_all", lambda config, log_path=None, done=None: [program, too_big] + steps)
+  monkeypatch.setattr(compile_for, "compile_all", lambda config, log=None, done=None: [program, too_big] + steps)
   v5e = compile_for.CHIPS["v5e"]
   monkeypatch.setattr(compile_for, "target", lambda topology, data, model: compile_for.Target(
       topology, sharding.make_mesh(1, 1), v5e.hbm_bytes, v5e.hbm_bytes_per_second, v5e.bf16_flops_per_second))
