@@ -28,6 +28,7 @@ import glob
 import json
 import math
 import os
+import pathlib
 import sys
 import time
 from typing import Any, Sequence
@@ -270,14 +271,17 @@ def plot(runs: list[dict[str, Any]], path: str) -> None:
 
 
 def keep_logs(workdir: str, kept: str) -> None:
-  """Copies a run's LOG_FILES from its workdir to `kept` (each written atomically)."""
+  """Copies a run's LOG_FILES from its workdir to `kept` (each written atomically, where it changed)."""
   if os.path.abspath(workdir) == os.path.abspath(kept):
     return
   os.makedirs(kept, exist_ok=True)
   for name in LOG_FILES:
     if os.path.isfile(os.path.join(workdir, name)):
       with open(os.path.join(workdir, name), "rb") as f:
-        write_atomic(os.path.join(kept, name), f.read())
+        data = f.read()
+      copy = pathlib.Path(kept, name)
+      if not copy.is_file() or copy.read_bytes() != data:
+        write_atomic(str(copy), data)
 
 
 def curves(workdirs: Sequence[str], out: str, command: str = "python -m experiments.curves") -> dict[str, Any]:

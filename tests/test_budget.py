@@ -255,7 +255,10 @@ def test_curves_table_plot_and_extrapolation_from_runs_metrics(tmp_path):
   assert runs["parallel"]["curve"] == published["parallel"]["curve"] and "carried_from" not in runs["draft"]
   assert "parallel: finished at commit" in (tmp_path / "out" / "RUN.md").read_text()
   assert "its summary carried over from the publication of" in (tmp_path / "out" / "RUN.md").read_text()
-  assert (tmp_path / "out" / "runs" / "draft" / "metrics.jsonl").exists()
+  kept = tmp_path / "out" / "runs" / "draft" / "metrics.jsonl"
+  written = kept.stat().st_mtime_ns
+  curves.curves([str(tmp_path / "new")], str(tmp_path / "out"))
+  assert kept.stat().st_mtime_ns == written  # a log that did not change is not written again
   # A run carried over unfinished is no longer running.
   shutil.rmtree(tmp_path / "out" / "runs" / "exit")
   curves.curves([], str(tmp_path / "out"))
