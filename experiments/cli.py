@@ -7,6 +7,7 @@ import glob
 import hashlib
 import json
 import os
+import pathlib
 import platform
 import subprocess
 import sys
@@ -100,24 +101,20 @@ def code_commit() -> str | None:
     return None
 
 
-@functools.cache
-def code_digest() -> str | None:
-  """A digest of the code that decides what a run computes: specjax/, experiments/ and configs/ as committed, and
-  every uncommitted change to them (None outside a git checkout). Unlike `code_commit`, it stays the same across
-  commits that change nothing there (results, docs), so a stopped run may resume after them. As of the first call."""
-  paths = ("specjax", "experiments", "configs")
-
-  def git(*args: str) -> bytes:
-    return subprocess.run(["git", *args], capture_output=True, cwd=_ROOT, timeout=60, check=True).stdout
-  try:
-    digest = hashlib.sha256(git("rev-parse", *(f"HEAD:{p}" for p in paths)))
-    digest.update(git("diff", "HEAD", "--binary", "--", *paths))
-    untracked = git("ls-files", "--others", "--exclude-standard", "-z", "--", *paths).split(b"\0")
-    for name in sorted(filter(None, untracked)):
-      with open(os.path.join(_ROOT, name.decode()), "rb") as f:
-        digest.update(name + b"\0" + f.read())
-  except (OSError, subprocess.SubprocessError):
-    return None
+def code_digest() -> str:
+  """A digest of the code a run computes with: every file of the specjax package (its source and the checkpoints it
+  ships) and the source of every module of experiments/ the process has imported. Unlike `code_commit`, edits to
+  anything else (docs, results, configs, whose values a run compares itself, modules the run does not import) leave
+  it as it is, so a stopped run may resume after them."""
+  import specjax  # the package as imported, wherever it is installed
+  package = pathlib.Path(specjax.__file__).parent
+  files = {p.relative_to(package.parent).as_posix(): p for p in package.rglob("*")
+           if p.is_file() and "__pycache__" not in p.parts}
+  files.update((name, pathlib.Path(module.__file__)) for name, module in list(sys.modules.items())
+               if name.startswith("experiments.") and getattr(module, "__file__", None))
+  digest = hashlib.sha256()
+  for key in sorted(files):
+    digest.update(key.encode() + b"\0" + files[key].read_bytes() + b"\0")
   return digest.hexdigest()[:16]
 
 

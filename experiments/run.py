@@ -20,11 +20,11 @@ Timing, so that the comparison is fair on a noisy shared machine:
     and repeats the only way to resolve a few percent on a shared machine.
 Resuming: each prompt batch's calls (and each warmup) are appended to the workdir's progress.jsonl as they finish.
 The same command started again with the same workdir, after a kill or a stop, skips what the log holds and goes on
-where it stopped, provided the config, the code (experiments/cli.code_digest: specjax/, experiments/ and configs/),
-the checkpoint files the methods name and the machine are the same (`fingerprint`); otherwise the old log is moved
-aside (progress.jsonl.<time>.stale) and the run starts afresh. Calls are paired within a batch, so a resumed run
-pairs as an unbroken one does; results.json says how many batches came from before the restart
-(`resumed_batches`), and the log is removed once results.json is written.
+where it stopped, provided the config, the code (experiments/cli.code_digest: the specjax package with its shipped
+checkpoints, and the experiments modules the run imports), the checkpoint files the methods name and the machine are
+the same (`fingerprint`); otherwise the old log is moved aside (progress.jsonl.<time>.stale) and the run starts
+afresh. Calls are paired within a batch, so a resumed run pairs as an unbroken one does; results.json says how many
+batches came from before the restart (`resumed_batches`), and the log is removed once results.json is written.
 With temperature 0 every method's tokens are compared with the baseline's, token for token (`lossless`); a
 mismatch is logged as an error, heads results.md and results.json (`summary.lossless_failures`), and the command
 exits with status 1.

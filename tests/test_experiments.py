@@ -709,6 +709,19 @@ def test_a_planted_mismatch_is_reported_loudly(tiny_chat, tmp_path, monkeypatch)
   assert "| prompt_lookup |" in text and "| NO |" in text
 
 
+def test_the_code_digest_follows_the_experiments_modules_a_run_imports(tmp_path, monkeypatch):
+  before = cli.code_digest()
+  assert cli.code_digest() == before
+  module = tmp_path / "extra.py"
+  module.write_text("X = 1\n")
+  monkeypatch.setitem(sys.modules, "experiments.extra", type(sys)("experiments.extra"))
+  sys.modules["experiments.extra"].__file__ = str(module)
+  with_extra = cli.code_digest()
+  assert with_extra != before
+  module.write_text("X = 2\n")
+  assert cli.code_digest() not in (before, with_extra)
+
+
 class _Stopped(Exception):
   """A run killed in the middle."""
 
