@@ -58,14 +58,16 @@ def get_config(arg=None):
   config.tree_nodes = (16, 32)
   config.temperature = 0.0
   config.stop_ids = (2,)
-  # Where each drafter's tau (tokens per target forward) comes from: a fixed-gamma run of experiments/run.py.
+  # Where each drafter's tau (tokens per target forward) comes from: fixed-gamma runs of experiments/run.py (one
+  # results.json or several; a method in several is taken from the first).
   config.acceptance = "results/compare_drafters/results.json"
   # Where each tree's tau comes from: a run of configs/trees.py (its `<method>_tree<N>`); absent, trees are projected
   # by their round's cost alone (the tau at which they break even).
   config.tree_acceptance = "results/trees/results.json"
   # name; drafter and options for `specjax.make_drafter` (fresh parameters: no checkpoint is read); layers as fractions
   # of the model's (`exit_layer_fraction`, `skip_layer_fraction`); draft_vocab: a truncated head of the model's
-  # `draft_vocab` tokens; acceptance_of: the method of `acceptance` whose tau (and gamma) the projection takes.
+  # `draft_vocab` tokens; acceptance_of: the method of `acceptance` whose tau (and gamma) the projection takes, or a
+  # tuple of methods drafting with this round at one gamma (a row each; trees at the first's).
   config.drafters = (
       {"name": "prompt_lookup", "drafter": "prompt_lookup", "acceptance_of": "prompt_lookup"},
       {"name": "layer_skip", "drafter": "layer_skip", "exit_layer_fraction": 0.8, "acceptance_of": "layer_skip_exit24"},

@@ -294,7 +294,7 @@ def model_shapes(model_config: ModelConfig, draft_vocab: int, target: Target, co
                                        model_config, params)
     drafters[recipe["name"]] = drafter
     draft_params[recipe["name"]] = sharding.abstract_tree(shapes, drafter.param_specs, target.mesh)
-  gammas = {recipe["name"]: int(acceptance[recipe["acceptance_of"]]["gamma"]) for recipe in config.drafters}
+  gammas = {recipe["name"]: int(acceptance[methods_of(recipe)[0]]["gamma"]) for recipe in config.drafters}
   return Shapes(model_config, params, drafters, draft_params, gammas, config.batch_size, config.prompt_len,
                 config.cache_len, target)
 
@@ -672,10 +672,15 @@ def compile_all(config: ml_collections.ConfigDict, progress: Callable[[str], Non
   unless `model_configs` gives its config."""
   done = done or {}
   acceptance = measured_acceptance(config.acceptance)
-  unknown = sorted({r["acceptance_of"] for r in config.drafters} - set(acceptance))
+  unknown = sorted({m for r in config.drafters for m in methods_of(r)} - set(acceptance))
   if unknown:
-    raise ValueError(f"drafters take their acceptance from methods {unknown}, which {config.acceptance} lacks; "
-                     f"it has {sorted(acceptance)}")
+    raise ValueError(f"drafters take their acceptance from methods {unknown}, which {projection.files_of(config.acceptance)} "
+                     f"lack; they have {sorted(acceptance)}")
+  for recipe in config.drafters:
+    gammas = {m: acceptance[m]["gamma"] for m in methods_of(recipe)}
+    if len(set(gammas.values())) != 1:
+      raise ValueError(f"drafter {recipe['name']}: the methods it takes its acceptance from draft at different gammas "
+                       f"{gammas}; its step programs are compiled at one")
   records, shapes = [], {}
   model_configs = model_configs or {}
   models = {m["name"]: m for m in config.models}
@@ -708,15 +713,25 @@ def compile_all(config: ml_collections.ConfigDict, progress: Callable[[str], Non
 # -------------------------------------------------------------------------------------------- projection
 
 
-def measured_acceptance(path: str) -> dict[str, dict[str, Any]]:
-  """{method: {"gamma", "tau", "tree_nodes"}} from an experiments/run.py results.json: tau = tokens per target forward
-  (the round's accepted drafts and the target's own token), at the method's gamma (a tree's depth) and tree size
-  (None: a chain)."""
-  with open(path) as f:
-    results = json.load(f)
-  methods = results["summary"]["methods"]
-  return {name: {"gamma": int(m["gamma"]), "tau": float(m["mean_accepted"]), "tree_nodes": m.get("tree_nodes")}
-          for name, m in methods.items() if m.get("gamma") and m.get("mean_accepted") is not None}
+def measured_acceptance(paths: str | Sequence[str]) -> dict[str, dict[str, Any]]:
+  """{method: {"gamma", "tau", "tree_nodes"}} from experiments/run.py results.json files (one path or several; a
+  method in several files is taken from the first): tau = tokens per target forward (the round's accepted drafts and
+  the target's own token), at the method's gamma (a tree's depth) and tree size (None: a chain)."""
+  found = {}
+  for path in reversed(projection.files_of(paths)):
+    with open(path) as f:
+      methods = json.load(f)["summary"]["methods"]
+    found.update((name, {"gamma": int(m["gamma"]), "tau": float(m["mean_accepted"]), "tree_nodes": m.get("tree_nodes")})
+                 for name, m in methods.items() if m.get("gamma") and m.get("mean_accepted") is not None)
+  return found
+
+
+def methods_of(recipe: dict) -> tuple[str, ...]:
+  """The methods whose acceptance a drafter's round is projected at (its `acceptance_of`: one name or several, each
+  a method of the acceptance files drafting with this drafter's round: e.g. a shipped checkpoint and one trained on
+  the budget)."""
+  names = recipe["acceptance_of"]
+  return (names,) if isinstance(names, str) else tuple(names)
 
 
 def tree_acceptance(path: str) -> dict[str, dict[str, Any]] | None:
@@ -760,8 +775,8 @@ def projections(records: list[dict], config: ml_collections.ConfigDict, acceptan
     decode = steps.get((model, topology, "decode_step", None))
     if decode is None:
       continue
-    for recipe in config.drafters:
-      name, method = recipe["name"], recipe["acceptance_of"]
+    for recipe, method in [(r, m) for r in config.drafters for m in methods_of(r)]:
+      name = recipe["name"]
       if method not in acceptance:
         continue
       gamma, tau = acceptance[method]["gamma"], acceptance[method]["tau"]
@@ -775,6 +790,8 @@ def projections(records: list[dict], config: ml_collections.ConfigDict, acceptan
       draft = whole["projected_seconds"] if counted_whole else gamma * single["projected_seconds"]
       row(model, topology, decode, name, method, gamma, tau, draft,
           "propose(gamma)" if counted_whole else "gamma x propose(1)", verify, update)
+      if method != methods_of(recipe)[0]:
+        continue  # trees: at the tau of the drafter's first method (configs/trees.py runs measure those)
       # Its trees, config.gamma deep: after a tree round its update reads the accepted path, config.gamma + 1 wide.
       depth = config.gamma
       tree_update = steps.get((model, topology, f"update_{depth + 1}", name)) or (update if gamma == depth else None)
@@ -860,7 +877,7 @@ def markdown(results: dict) -> str:
           "between memory spaces differently in the two programs, and the projected speedups there inherit it."]
   if results["projections"]:
     config = results["config"]
-    lines += ["", f"## Projected speedups (tau from {config['acceptance']}"
+    lines += ["", f"## Projected speedups (tau from {', '.join(projection.files_of(config['acceptance']))}"
               + (f"; trees' from {config['tree_acceptance']}" if config.get("tree_acceptance") else "") + ")", "",
               "Break-even tau: the round's cost in decode steps (draft + verify + update over a decode step), the "
               "tokens per target forward from which it pays.", "",

@@ -20,8 +20,9 @@ commits, measured by a run of configs/trees.py (`<method>_tree<N>`). Without suc
 its tau is not: `speedup` projects it at a tau the caller supplies.
 
 The costs file is a compile_for results.json; its `projections` give each drafter's costs at the gamma of the
-fixed-gamma run its acceptance comes from (`acceptance_of`: the method name in that run; a tree's: the name of its
-tree method, `<method>_tree<N>`), for each model shape and topology compiled. The experiments report and the
+fixed-gamma runs its acceptance comes from (`acceptance_of`: a method name in those runs, one row per method drafting
+with the drafter's round, e.g. a shipped checkpoint's and one trained on the budget; a tree's: the name of its tree
+method, `<method>_tree<N>`), for each model shape and topology compiled. The experiments report and the
 published tables project the methods of a run with the same name, gamma and tree size, at fixed gamma (an adaptive
 round's length varies, so fixed-gamma costs do not describe it).
 """
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Sequence
 
 COSTS_FILE = "results/tpu_compile/results.json"  # relative to the checkout's root
 MODEL = "smollm2-135m"  # the model the CPU runs decode, as shaped for the TPU (bf16)
@@ -72,6 +73,11 @@ def read(path: str = COSTS_FILE, model: str = MODEL, topology: str = TOPOLOGY) -
     raise ValueError(f"{path} projects no drafter of {model} on {topology}; it has "
                      f"{sorted({(p['model'], p['topology']) for p in compiled['projections']})}")
   return found
+
+
+def files_of(paths: str | Sequence[str]) -> list[str]:
+  """A config's acceptance file or files (configs/compile_tpu.py's `acceptance`) as a list."""
+  return [paths] if isinstance(paths, str) else list(paths)
 
 
 def project(method: dict[str, Any], costs: dict[str, dict[str, Any]], name: str) -> float | None:

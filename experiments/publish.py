@@ -635,8 +635,12 @@ def tpu_compile_block(runs: Runs, prefix: str) -> str:
   projected = [p for p in results["projections"] if p["model"] == projection.MODEL]
   topologies = list(dict.fromkeys(p["topology"] for p in projected))
 
-  def label(p):  # a drafter's chain, or its tree of N nodes
-    return p["drafter"] + (f" tree {p['tree_nodes']}" if p.get("tree_nodes") else "")
+  several = {d for d in {p["drafter"] for p in projected}
+             if len({p["acceptance_of"] for p in projected if p["drafter"] == d and not p.get("tree_nodes")}) > 1}
+
+  def label(p):  # a drafter's chain, or its tree of N nodes; at the acceptance of which method, where it has several
+    return (p["drafter"] + (f" tree {p['tree_nodes']}" if p.get("tree_nodes") else "")
+            + (f" at `{p['acceptance_of']}`" if p["drafter"] in several and not p.get("tree_nodes") else ""))
 
   def value(p):  # the speedup, or where tau is unmeasured (a tree without a run of configs/trees.py) its break-even
     return "–" if p is None else (f"{p['projected_speedup']:.2f}x" if p["projected_speedup"] is not None
@@ -650,8 +654,9 @@ def tpu_compile_block(runs: Runs, prefix: str) -> str:
     rows.append(f"| {d} ({tau}, {first['gamma']}) | " + " | ".join(value(cell.get((d, t))) for t in topologies)
                 + " |")
   trees = " and trees' from `" + config["tree_acceptance"] + "`" if any(p.get("tree_nodes") for p in projected) else ""
-  lines.append(f"Projected speedups of {projection.MODEL} (τ measured on this CPU, from "
-               f"`{config['acceptance']}`{trees}; batch {config['batch_size']}, cache {config['cache_len']}):\n\n"
+  sources = ", ".join(f"`{f}`" for f in projection.files_of(config["acceptance"]))
+  lines.append(f"Projected speedups of {projection.MODEL} (τ measured on this CPU, from {sources}{trees}; batch "
+               f"{config['batch_size']}, cache {config['cache_len']}):\n\n"
                + "\n".join(rows))
   lines.append(f"The accelerator projection of the experiments report and of [results](results.md) takes its round "
                f"costs from [`{projection.COSTS_FILE.removeprefix('results/')}`]"

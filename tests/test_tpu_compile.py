@@ -229,6 +229,33 @@ def test_the_projection_is_tau_decode_steps_over_a_round_of_draft_verify_and_upd
   assert by_drafter["loop"]["projected_speedup"] == pytest.approx(2 * 1e-3 / (4e-3 + 2.0))
 
 
+def test_a_round_is_projected_at_each_method_drafting_with_it_from_several_acceptance_files(tmp_path):
+  """A drafter's round with the acceptance of a shipped checkpoint's method and of a method trained on the budget,
+  from two runs' results.json (the first file wins where both have a method)."""
+  def run_file(name, methods):
+    path = tmp_path / name
+    path.write_text(json.dumps({"summary": {"methods": {m: {"gamma": 4, "mean_accepted": tau}
+                                                        for m, tau in methods.items()}}}))
+    return str(path)
+  files = (run_file("budget.json", {"budget_heads": 2.5, "heads": 9.0}), run_file("shipped.json", {"heads": 2.0}))
+  acceptance = compile_for.measured_acceptance(files)
+  assert (acceptance["heads"]["tau"], acceptance["budget_heads"]["tau"]) == (9.0, 2.5)
+  assert compile_for.measured_acceptance(files[1])["heads"]["tau"] == 2.0
+  config = compile_tpu.get_config()
+  config.drafters = ({"name": "heads", "acceptance_of": ("heads", "budget_heads")},)
+  records = [step_record("decode_step", None, 0, 819e6), step_record("verify_5", None, 0, 1638e6),
+             step_record("propose_4", "heads", 0, 819e6), step_record("update", "heads", 0, 819e6)]
+  rows = compile_for.projections(records, config, {"heads": {"gamma": 4, "tau": 2.0},
+                                                   "budget_heads": {"gamma": 4, "tau": 2.5}})
+  assert [(p["drafter"], p["acceptance_of"], p["projected_speedup"]) for p in rows] == [
+      ("heads", "heads", pytest.approx(2.0 / 4)), ("heads", "budget_heads", pytest.approx(2.5 / 4))]
+  costs = {p["acceptance_of"]: {**projection.round_costs(4, p["decode_step_seconds"], p["draft_seconds"],
+                                                         p["verify_seconds"], p["update_seconds"]), "tree_nodes": None}
+           for p in rows}
+  method = {"gamma": 4, "tree_nodes": None, "mean_accepted": 2.5, "adaptive": False}
+  assert projection.project(method, costs, "budget_heads") == pytest.approx(2.5 / 4)
+
+
 def test_a_trees_projection_takes_its_tau_from_a_run_of_trees_and_without_one_gives_its_break_even_tau():
   config = compile_tpu.get_config()
   config.drafters = ({"name": "heads", "acceptance_of": "heads"},)
