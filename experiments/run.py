@@ -24,7 +24,8 @@ where it stopped, provided the config, the code (experiments/cli.code_digest: th
 checkpoints, and the experiments modules the run imports), the checkpoint files the methods name and the machine are
 the same (`fingerprint`); otherwise the old log is moved aside (progress.jsonl.<time>.stale) and the run starts
 afresh. Calls are paired within a batch, so a resumed run pairs as an unbroken one does; results.json says how many
-batches came from before the restart (`resumed_batches`), and the log is removed once results.json is written.
+batches came from before the restart (`resumed_batches`) and when each start was (`starts`: its time, commit and
+the batches done before it), and the log is removed once results.json is written.
 With temperature 0 every method's tokens are compared with the baseline's, token for token (`lossless`); a
 mismatch is logged as an error, heads results.md and results.json (`summary.lossless_failures`), and the command
 exits with status 1.
@@ -365,6 +366,12 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model: specjax.Model
   resumed = sum(1 for key in done if key[0] == "batch")
   if resumed:
     logging.info("resuming from %s: %d prompt batches were done", log.path, resumed)
+  starts = [e for key, e in done.items() if key[0] == "start"]
+  start = {"key": ["start", len(starts)], "started": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+           "commit": code_commit(), "batches_done": resumed}
+  starts.append(start)
+  if log is not None:
+    log.append(start)
 
   records, outputs, summaries = [], [], {}
   for batch_size, temperature in [(b, t) for b in batch_sizes for t in temperatures]:
@@ -428,6 +435,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model: specjax.Model
       "summary": summary,
       "costs": measured,
       "resumed_batches": resumed,  # prompt batches decoded before a restart (their calls' times are in `records`)
+      "starts": [{k: v for k, v in e.items() if k != "key"} for e in starts],  # UTC; one for a run never stopped
       "records": records,
       "outputs": outputs,
   }

@@ -744,12 +744,13 @@ def test_a_stopped_run_resumes_where_it_stopped_and_only_with_the_same_config(ti
     run.run(config, str(workdir), model=tiny_chat)
   log = [json.loads(line) for line in (workdir / run.PROGRESS).read_text().splitlines()]
   assert log[0]["header"]["run"]["code"] == cli.code_digest() and [e["key"] for e in log[1:]] == [
-      ["batch", 1, 0.0, 0]]  # no warmup in this config
+      ["start", 0], ["batch", 1, 0.0, 0]]  # no warmup in this config
 
   first, stop[0] = seen[0], False
   seen.clear()
   resumed = run.run(config, str(workdir), model=tiny_chat)
   assert resumed["resumed_batches"] == 1 and first not in seen  # the first batch was not decoded again
+  assert [s["batches_done"] for s in resumed["starts"]] == [0, 1] and whole["starts"][0]["batches_done"] == 0
   assert [(o["method"], o["question_id"], o["tokens"]) for o in resumed["outputs"]] == [
       (o["method"], o["question_id"], o["tokens"]) for o in whole["outputs"]]
   assert sorted((r["method"], r["batch"]) for r in resumed["records"]) == sorted(
