@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 
-from specjax.loading import Model
+from specjax.loading import Model, save_safetensors
 
 _DTYPES = {"float32": np.float32, "float16": np.float16}
 
@@ -86,19 +86,12 @@ def save_hf(model: Model, path: str, dtype: str = "float32") -> str:
 
   A model without a tokenizer gets no tokenizer files (HF and specjax then load weights only).
   """
-  from safetensors.numpy import save_file
   if dtype not in _DTYPES:
     raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
   os.makedirs(path, exist_ok=True)
   with open(os.path.join(path, "config.json"), "w") as f:
     json.dump(hf_config(model, dtype), f, indent=2)
-  tmp = os.path.join(path, f"model.safetensors.tmp-{os.getpid()}")
-  try:
-    save_file(hf_weights(model, dtype), tmp, metadata={"format": "pt"})
-    os.replace(tmp, os.path.join(path, "model.safetensors"))
-  finally:
-    if os.path.exists(tmp):
-      os.remove(tmp)
+  save_safetensors(os.path.join(path, "model.safetensors"), hf_weights(model, dtype), {"format": "pt"})
   if model.tokenizer is not None:
     save_tokenizer(model.tokenizer, path)
   return path

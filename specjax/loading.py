@@ -97,6 +97,23 @@ def load(name_or_path: str, dtype: str | Any = "float32") -> Model:
   return Model(config=config, params=params, tokenizer=tokenizer, name=str(name_or_path))
 
 
+def save_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> str:
+  """Writes a .safetensors file atomically (a temporary file beside `path`, renamed over it once complete; none left
+  on failure), with the permissions open() gives a new file: safetensors' writer would make it private (0600)."""
+  from safetensors.numpy import save_file
+  tmp = f"{path}.tmp-{os.getpid()}"
+  try:
+    save_file(tensors, tmp, metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+    os.replace(tmp, path)
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+  return path
+
+
 def _check_shapes(config: ModelConfig, params: Params, path: str) -> None:
   specs = jax.tree_util.tree_leaves_with_path(param_shapes(config), is_leaf=is_spec)
   arrays = dict(jax.tree_util.tree_leaves_with_path(params))

@@ -52,6 +52,9 @@ def test_training_config_trains_and_exports_a_loadable_drafter(module, arg, opti
   card = train.run(config, "python -m experiments.train (test)")
   assert card["steps"] == 3 and "eval_top1_1" in card["held_out"]
   path = os.path.join(config.workdir, f"{config.drafter}.safetensors")
+  umask = os.umask(0)
+  os.umask(umask)
+  assert os.stat(path).st_mode & 0o777 == 0o666 & ~umask  # as open() makes a file, not private
   with open(os.path.splitext(path)[0] + ".md") as f:
     assert f"{specjax.drafters.checkpoint_option(config.drafter)}=<this .safetensors file>" in f.read()
   model = specjax.load(model_dir)
@@ -64,6 +67,7 @@ def test_training_config_trains_and_exports_a_loadable_drafter(module, arg, opti
           == specjax.generate(model, prompt, max_new_tokens=8, stop_ids=[]).tokens)
   if config.get("export_hf"):
     assert specjax.load(config.export_hf).config.num_layers == 2
+    assert os.stat(os.path.join(config.export_hf, "model.safetensors")).st_mode & 0o777 == 0o666 & ~umask
 
 
 def test_exit_config_reads_the_cache_that_holds_its_layer():

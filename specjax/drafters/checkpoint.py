@@ -25,7 +25,7 @@ import ml_dtypes
 import numpy as np
 
 from specjax.config import ModelConfig
-from specjax.loading import CheckpointError
+from specjax.loading import CheckpointError, save_safetensors
 from specjax.model import is_spec
 
 FORMAT = "specjax-drafter/1"
@@ -48,7 +48,6 @@ def flatten(tree: Any) -> dict[str, Any]:
 def save(path: str, *, drafter: str, params: Any, options: dict, target: dict, card: dict | None = None,
          dtype: str = "bfloat16") -> str:
   """Writes params (floating arrays cast to `dtype`; integer arrays kept) atomically to `path`."""
-  from safetensors.numpy import save_file
   tensors = {}
   for key, value in flatten(params).items():
     value = np.asarray(value)
@@ -56,14 +55,7 @@ def save(path: str, *, drafter: str, params: Any, options: dict, target: dict, c
   metadata = {"format": FORMAT, "drafter": drafter, "options": json.dumps(options, sort_keys=True),
               "target": json.dumps(target, sort_keys=True), "card": json.dumps(card or {}, sort_keys=True)}
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  tmp = f"{path}.tmp-{os.getpid()}"
-  try:
-    save_file(tensors, tmp, metadata=metadata)
-    os.replace(tmp, path)
-  finally:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-  return path
+  return save_safetensors(path, tensors, metadata)
 
 
 def read_header(path: str) -> dict:
