@@ -95,6 +95,11 @@ def test_shipped_draft_names_the_model_it_was_made_for(random_target):
     specjax.make_drafter("draft_model", random_target, draft="smollm2-135m-draft")
   with pytest.raises(CheckpointError, match="no shipped draft model 'nosuchmodel-draft'.*configs/train_draft.py"):
     specjax.make_drafter("draft_model", random_target, draft="nosuchmodel-draft")
+  # "default": the draft shipped for the target, as for the other trained drafters
+  with pytest.raises(CheckpointError, match="no shipped 'draft_model' checkpoint for model 'tiny'.*draft='fresh'"):
+    specjax.make_drafter("draft_model", random_target, draft="default")
+  assert draft_head.shipped_checkpoint("smollm2-135m", "draft_model") == draft_model.shipped_path(
+      random_target, "smollm2-135m-draft")
 
 
 # --------------------------------------------------------------------------------------------- end to end

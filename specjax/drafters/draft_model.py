@@ -227,7 +227,8 @@ def as_model(target: Model, drafter: Drafter, name: str | None = None) -> Model:
 def make(model, draft=None, num_layers: int | None = None, init_layers=None, token_map=None,
          prompt_window: int | None = None) -> Drafter:
   """draft: a `Model` or a name/path for `specjax.load` (an independent model with the same tokenizer); a
-  distilled draft's checkpoint (`.safetensors`) or shipped name ("smollm2-135m-draft"); or "fresh", a new
+  distilled draft's checkpoint (`.safetensors`) or shipped name ("smollm2-135m-draft", or "default": the one shipped
+  for this target, as the other trained drafters' "default" is); or "fresh", a new
   distilled draft to train, from `init_layers` (default: `num_layers`, default 4, evenly spaced target layers),
   optionally over the draft vocabulary `token_map`. `prompt_window`: the draft reads only the prompt's last
   tokens, at most this many (None: all; `init`)."""
@@ -253,8 +254,13 @@ def _make(model, draft, num_layers, init_layers, token_map) -> Drafter:
     token_map = None if token_map is None else draft_head.as_token_map(token_map, config.vocab_size)
     options = _distilled_options(config, init_layers, None if token_map is None else token_map.size)
     params = fresh_params(model, options, token_map)
-  elif isinstance(draft, str) and (draft.endswith(".safetensors") or draft.lower().endswith(SHIPPED_SUFFIX)):
-    path = shipped_path(model, draft) if draft.lower().endswith(SHIPPED_SUFFIX) else draft
+  elif isinstance(draft, str) and (draft == "default" or draft.endswith(".safetensors")
+                                   or draft.lower().endswith(SHIPPED_SUFFIX)):
+    if draft == "default":
+      path = draft_head.shipped_checkpoint(model, NAME, hint="pass draft=<a distilled draft's .safetensors>, or "
+                                           "draft='fresh' for one to train")
+    else:
+      path = shipped_path(model, draft) if draft.lower().endswith(SHIPPED_SUFFIX) else draft
     options, params = draft_head.load(model, NAME, path, saved_specs, lambda saved: _distilled_options(
         config, saved["init_layers"], saved["draft_vocab"]))
   else:
