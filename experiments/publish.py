@@ -89,6 +89,8 @@ CODE_CHANGES = (
                "the target's own answers", "mtp_parallel"),
     CodeChange("e8e7cfe", _utc("2026-12-05 05:12"), "the shipped exit adapter replaced by the one trained on one budget "
                "(after 3 layers, 1.5M positions of the target's own answers)", "exit_adapter"),
+    CodeChange("5602652", _utc("2026-12-05 08:10"), "the shipped distilled draft replaced by the one trained on one "
+               "budget (4 layers, 1.5M positions of the target's own answers)", "draft_model"),
 )
 
 
