@@ -674,8 +674,8 @@ def compile_all(config: ml_collections.ConfigDict, progress: Callable[[str], Non
   acceptance = measured_acceptance(config.acceptance)
   unknown = sorted({m for r in config.drafters for m in methods_of(r)} - set(acceptance))
   if unknown:
-    raise ValueError(f"drafters take their acceptance from methods {unknown}, which {projection.files_of(config.acceptance)} "
-                     f"lack; they have {sorted(acceptance)}")
+    raise ValueError(f"drafters take their acceptance from methods {unknown}, which "
+                     f"{projection.files_of(config.acceptance)} lack; they have {sorted(acceptance)}")
   for recipe in config.drafters:
     gammas = {m: acceptance[m]["gamma"] for m in methods_of(recipe)}
     if len(set(gammas.values())) != 1:
