@@ -43,6 +43,17 @@ TASK_CONFIG = TINY_CONFIG.replace(num_layers=3, tie_embeddings=True)
 SLOW_FIXTURES = frozenset({"smollm2", "smollm2_path", "hf_smollm2", "tiny_hf_llama_dir", "tiny_hf_llama3_dir"})
 
 
+def pytest_configure(config):
+  """The fast tier (`-m "not slow"`) runs only tiny models, whose programs take far longer to compile than to run:
+  there XLA compiles at optimization level 0 (a third less time for the tier; the programs compute the same
+  functions). Set before any test touches a backend, and inherited by pytest-xdist's workers; an XLA_FLAGS that
+  already sets the level wins."""
+  if (config.getoption("markexpr") or "").strip() == "not slow":
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_backend_optimization_level" not in flags:
+      os.environ["XLA_FLAGS"] = (flags + " --xla_backend_optimization_level=0").strip()
+
+
 def pytest_collection_modifyitems(config, items):
   """Keeps the fast tier fast: a test that needs SmolLM2 or HF transformers through a fixture and is not marked
   slow is a collection error, not a minute added to every `-m "not slow"` run. Deselects the `tpu_compile` tests
