@@ -8,7 +8,8 @@ r"""Every drafter family trained on one budget: the same answer positions seen, 
 The argument is a family, optionally with variants (comma-separated, e.g. `sequential,sharegpt`):
   parallel    4 parallel residual heads on the last hidden state (Medusa / Gloeckle et al.)
   sequential  one sequential module applied recurrently on EAGLE-3 features (layers 2, 15, 27), 4 depths
-  deepseek    3 distinct sequential modules on the last hidden state (DeepSeek-V3 MTP), chained
+  deepseek    4 distinct sequential modules on the last hidden state (DeepSeek-V3 MTP), chained: a chain of gamma 4
+              as every family drafts (3 modules could not draft the evaluation's fourth token)
   exit        a trained exit adapter after k = 3 target layers (Kangaroo-style; see EXIT_LAYER)
   exit16      the same after k = 16 layers (layer 15's output, the deepest exit the cache holds short of the MTP
               features): the trained exit's acceptance at its most expensive
@@ -30,7 +31,7 @@ top-1 (the first `eval_sequences` held-out sequences) and Spec-Bench tokens per 
 set (one prompt per category, greedy, a chain of gamma 4, 64 new tokens; evaluation only).
 
 The budget, from one training step's CPU time (batch 8 x 256 of the `small` regenerated cache, SmolLM2, median of 3
-steps on 2 cores shared with other work, 2026-12-04): parallel 2.84 s, sequential 6.95 s, deepseek 5.09 s, exit
+steps on 2 cores shared with other work, 2026-12-04): parallel 2.84 s, sequential 6.95 s, deepseek 5.09 s (at 3 modules), exit
 1.55 s, draft 4.05 s; ~1,280 answer positions per step on the regenerated cache (~160 per answer), ~1,170 on
 ShareGPT's (~146). 1.5M positions are ~1,170 steps per run (~1,280 for the ShareGPT control): 1,170 x (2.84 + 6.95
 + 5.09 + 1.55 + 4.05) + 1,280 x 6.95 = 32,900 CPU-s = 9.1 CPU-hours of training, and ~1.2 more for 7 evaluation
@@ -54,7 +55,7 @@ FAMILIES = {
     "sequential": {"drafter": "mtp_sequential", "learning_rate": 1e-3,
                    "options": {"path": None, "depth": 4, "recurrent": True, "eagle3": True}},
     "deepseek": {"drafter": "mtp_sequential", "learning_rate": 5e-4,
-                 "options": {"path": None, "depth": 3, "recurrent": False, "eagle3": False}},
+                 "options": {"path": None, "depth": 4, "recurrent": False, "eagle3": False}},
     "exit": {"drafter": "layer_skip", "options": {"adapter": "fresh", "exit_layer": EXIT_LAYER, "mlp": True},
              "learning_rate": 1e-3},
     # The deep exit the cache allows (layer 15's output): the most a trained exit can accept at this budget, at

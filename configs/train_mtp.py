@@ -8,7 +8,7 @@ Variants (the argument after the colon):
   parallel    4 parallel residual heads on the last hidden state (Medusa / Gloeckle et al.)
   sequential  one sequential module applied recurrently (EAGLE) on EAGLE-3 features (layers 2, 15, 27),
               trained with the training-time test over 4 drafting depths
-  deepseek    3 distinct sequential modules on the last hidden state (DeepSeek-V3 MTP), chained in training
+  deepseek    4 distinct sequential modules on the last hidden state (DeepSeek-V3 MTP), chained in training
   small       appended with a comma (e.g. `parallel,small`): a few steps, for a quick end-to-end check
 
 `parallel` (600 steps) took 53 min and `sequential` (3000 steps) 208 min on 2 CPU cores, each beside other jobs
@@ -50,7 +50,7 @@ def get_config(arg=None):
     config.steps = 3000  # the shipped module: on the 10k cache (prepare_data --config.num_train=10000)
   else:
     config.drafter = "mtp_sequential"
-    config.options = ml_collections.ConfigDict({"path": None, "depth": 3, "recurrent": False, "eagle3": False})
+    config.options = ml_collections.ConfigDict({"path": None, "depth": 4, "recurrent": False, "eagle3": False})
     config.learning_rate = 5e-4
     config.steps = 400
   config.draft_vocab = 8192  # truncated draft vocabulary (FR-Spec); 0 scores the full vocabulary

@@ -205,6 +205,11 @@ def run(config: ml_collections.ConfigDict, command: str) -> dict[str, Any]:
     token_map = features.top_token_map(counts, config.draft_vocab, caches["train"].meta.get("stop_ids", ()))
     coverage = features.token_map_coverage(counts, token_map)
   fresh = specjax.make_drafter(config.drafter, model, token_map=token_map, **config.options.to_dict())
+  if config.spec_bench.enabled and fresh.max_gamma is not None and fresh.max_gamma < config.spec_bench.gamma:
+    # Said before the first step, not at the first evaluation point after minutes of training.
+    raise ValueError(f"{config.drafter} with options {config.options.to_dict()} proposes at most {fresh.max_gamma} "
+                     f"tokens a round; the Spec-Bench evaluation drafts spec_bench.gamma={config.spec_bench.gamma}: "
+                     "lower it or give the drafter more heads or modules")
   mesh = sharding.make_mesh(*config.mesh_shape) if config.mesh_shape else None
   plan = budget(config, caches["train"])
   along_the_way = config.spec_bench.enabled and config.spec_bench.get("along_the_way", False)

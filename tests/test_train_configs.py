@@ -90,3 +90,16 @@ def test_model_cards_name_the_data_command_that_rebuilds_their_cache(tmp_path):
   overrides = dict(arg.removeprefix("--config.").split("=", 1) for arg in shlex.split(command)[4:])
   assert {k: ast.literal_eval(v) for k, v in overrides.items()} == {"num_train": 1200, "feature_layers": (2, 3, 5)}
   assert "not recorded" in prepare_data.reproduce_command(str(tmp_path / "absent"))
+
+
+def test_a_drafter_that_cannot_draft_the_evaluations_chain_is_refused_before_training(tiny_run):
+  """3 heads cannot draft Spec-Bench's chain of 4: said at the start, with no step taken and nothing written."""
+  model_dir, data_dir, root = tiny_run
+  config = train_mtp.get_config("parallel,small")
+  config.model, config.data_dir, config.draft_vocab = model_dir, data_dir, 16
+  config.workdir = str(root / "runs" / "three-heads")
+  config.options.num_heads, config.spec_bench.enabled, config.spec_bench.gamma = 3, True, 4
+  with pytest.raises(ValueError, match=r"proposes at most 3 tokens a round; the Spec-Bench evaluation drafts "
+                                       r"spec_bench.gamma=4"):
+    train.run(config, "python -m experiments.train (test)")
+  assert not os.path.exists(os.path.join(config.workdir, "checkpoints"))
