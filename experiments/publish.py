@@ -786,6 +786,73 @@ def readme_results_block(runs: Runs, prefix: str) -> str:
           + "; and ".join(groups) + ".")
 
 
+# The answer at one training budget: the drafters of configs/compare_drafters.py:budget (methods budget_<run>, each
+# from its run of configs/train_budget.py), adaptive on this CPU and at fixed gamma for the accelerator projection.
+BUDGET_LABELS = {"budget_sequential": "the sequential MTP module", "budget_parallel": "the parallel MTP heads",
+                 "budget_deepseek": "DeepSeek-style chained MTP modules",
+                 "budget_exit": "the trained exit adapter (after 3 layers)",
+                 "budget_exit16": "the trained exit adapter after 16 layers",
+                 "budget_draft": "the distilled draft model",
+                 "budget_sequential_sharegpt": "the sequential MTP module trained on ShareGPT's answers"}
+ANSWER_CONFIGS = ("compare_drafters-budget,adaptive", "compare_drafters-budget")  # (CPU speedups, projection)
+
+
+def _newest(runs: Runs, config: str) -> Run:
+  found = [r for r in runs.values() if r.config == config and not r.folder.startswith(ARCHIVE + "/")]
+  if not found:
+    raise ValueError(f"no run of {config} in results/")
+  return max(found, key=lambda r: r.started)
+
+
+def _millions(values: Sequence[float]) -> str:
+  low, high = f"{min(values) / 1e6:.2f}", f"{max(values) / 1e6:.2f}"
+  return f"{low}M" if low == high else f"{low}–{high}M"
+
+
+def readme_answer_block(runs: Runs, prefix: str) -> str:
+  """Two sentences: the family that wins at one training budget with adaptive drafting on this CPU (its median
+  paired speedup over autoregressive decoding and over the runner-up, with 90% intervals), and the families ranked
+  by the accelerator projection (experiments/projection.py) at the tokens per forward of the fixed-gamma run."""
+  adaptive, fixed = (_newest(runs, config) for config in ANSWER_CONFIGS)
+  trained = {r["name"]: r for r in runs["train_budget"].results["runs"]}
+  families = [m for m in adaptive.methods() if m in BUDGET_LABELS]
+  if len(families) < 2:
+    raise ValueError(f"{adaptive.name} compares {families}: the answer needs two families trained on the budget")
+  ranked = sorted(families, key=lambda m: -float(np.median(_paired(adaptive, m))))
+  first, second = ranked[:2]
+  positions = _millions([trained[m[len("budget_"):].replace("_", "-")]["positions"] for m in families])
+  pairs = "/".join(map(str, sorted({len(_paired(adaptive, m)) for m in families})))
+  head_to_head = speedup_cell(report.paired_speedups(adaptive.records, first, second))
+  notes = [f"{pairs} pairs each", f"{_link(adaptive, prefix)} at commit {adaptive.commit}"]
+  changed = [c.commit for c in CODE_CHANGES if adaptive.concerned_by(c)]
+  if changed:
+    notes.append(f"code changed since: {', '.join(changed)}")
+  if adaptive.results["summary"].get("all_lossless") is not True:
+    notes.append("NOT every output equal to autoregressive decoding's")
+  cpu = (f"Trained on one budget ({positions} training positions each), {BUDGET_LABELS[first]} is the fastest of "
+         f"{len(families)} drafter families with adaptive drafting on "
+         f"{adaptive.results['environment']['cpu_count']} CPU cores: its median paired speedup, with its 90% "
+         f"interval, is {speedup_cell(_paired(adaptive, first))} over autoregressive decoding and {head_to_head} over "
+         f"the runner-up, {BUDGET_LABELS[second]} at {speedup_cell(_paired(adaptive, second))} "
+         f"({'; '.join(notes)}).")
+  costs = projection.read()
+  summary = fixed.results["summary"]["methods"]
+  projected = {m: projection.project(summary[m], costs, m) for m in families if m in summary}
+  projected = {m: p for m, p in projected.items() if p is not None}
+  if not projected:
+    return cpu
+  order = sorted(projected, key=lambda m: -projected[m])
+  shown = order[:2] if first in order[:2] else [order[0], first]
+  missing = [BUDGET_LABELS[m] for m in families if m not in projected]
+  source = next(iter(costs.values()))["source"]
+  ordinals = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh")
+  accelerator = (f"Projected for a memory-bound accelerator (round costs compiled by XLA, {source}, at the tokens per "
+                 f"target forward of the fixed-γ run {_link(fixed, prefix)}), the ranking puts "
+                 + _join([f"{BUDGET_LABELS[m]} {ordinals[order.index(m)]} at {projected[m]:.2f}x" for m in shown])
+                 + (f" ({_join(missing)} not projected)" if missing else "") + ".")
+  return f"{cpu} {accelerator}"
+
+
 def _join(parts: Sequence[str]) -> str:
   return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
 

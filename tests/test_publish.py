@@ -172,3 +172,49 @@ def test_the_accelerator_projection_of_the_results_is_the_compile_runs_own():
     assert projection.speedup(p["tau"], cost) == pytest.approx(p["projected_speedup"])
     row = next(line for line in table.splitlines() if line.startswith(f"| `{p['acceptance_of']}` |"))
     assert row.endswith(f"| {p['projected_speedup']:.2f} |")
+
+
+def _timed_run(name: str, config: str, speeds: dict[str, list[float]], adaptive: bool,
+               summary: dict[str, dict] | None = None) -> publish.Run:
+  """A run of `config` whose records give each method the tokens/s of `speeds` in batches 0, 1, ... (one repeat)."""
+  records = [{"method": m, "batch": b, "repeat": 0, "tokens_per_second": v, "question_ids": [b],
+              "category": "qa"} for m, vs in speeds.items() for b, v in enumerate(vs)]
+  results = {"name": config, "environment": {"cpu_count": 2},
+             "config": {"adaptive": adaptive, "methods": [{"name": m, "drafter": m} for m in speeds if m != "ar"]
+                        + [{"name": "ar"}]},
+             "summary": {"baseline": "ar", "all_lossless": True,
+                         "methods": {m: (summary or {}).get(m, {}) for m in speeds}},
+             "prompts": [{"question_id": b, "category": "qa"} for b in range(len(speeds["ar"]))], "records": records}
+  return publish.Run(folder=name, path=pathlib.Path(name), heading=name, started=publish._utc("2026-12-06 10:00"),
+                     commit="abc1234", results=results, backend="cpu")
+
+
+def test_the_answer_names_the_winner_at_one_budget_by_paired_speedups_and_ranks_the_projection(monkeypatch):
+  ar = [10.0] * 7
+  adaptive = _timed_run("budget-adaptive", "compare_drafters-budget,adaptive",
+                        {"ar": ar, "budget_parallel": [12.0, 12, 12, 12, 12, 12, 11],
+                         "budget_sequential": [13.0, 14, 13, 14, 13, 14, 13], "prompt_lookup": [20.0] * 7}, True)
+  fixed = _timed_run("budget", "compare_drafters-budget", {"ar": ar, "budget_parallel": ar, "budget_sequential": ar},
+                     False, summary={"budget_parallel": {"gamma": 4, "mean_accepted": 2.0},
+                                     "budget_sequential": {"gamma": 4, "mean_accepted": 2.1}})
+  train_budget = publish.Run(folder="train_budget", path=pathlib.Path("t"), heading="t",
+                             started=publish._utc("2026-12-05 10:00"), commit="abc1234", backend=None,
+                             results={"name": "train_budget", "runs": [{"name": "parallel", "positions": 1500822},
+                                               {"name": "sequential", "positions": 1500822}]})
+  costs = {m: {"gamma": 4, "draft_cost": d, "verify_cost": 1.0, "update_cost": 0.0, "tree_nodes": None,
+               "source": "f (m, t)"} for m, d in [("budget_parallel", 0.01), ("budget_sequential", 0.2)]}
+  monkeypatch.setattr(publish.projection, "read", lambda: costs)
+  text = publish.readme_answer_block(_runs(adaptive, fixed, train_budget), "results/")
+  # Prompt lookup is faster but not a family trained on the budget; the sequential module wins, paired 13/12 .. 14/12.
+  assert text.startswith("Trained on one budget (1.50M training positions each), the sequential MTP module is the "
+                         "fastest of 2 drafter families with adaptive drafting on 2 CPU cores: its median paired "
+                         "speedup, with its 90% interval, is 1.30x (1.30–1.40) over autoregressive decoding and 1.17x "
+                         "(1.08–1.18) over the runner-up, the parallel MTP heads at 1.20x (1.10–1.20) (7 pairs each; "
+                         "[`budget-adaptive`](results/budget-adaptive/RUN.md) at commit abc1234).")
+  # Projected: 2.0 / (4 x 0.01 + 1) = 1.92 for the heads, 2.1 / (4 x 0.2 + 1) = 1.17 for the module.
+  assert text.endswith("the ranking puts the parallel MTP heads first at 1.92x and the sequential MTP module second "
+                       "at 1.17x.")
+  assert "of the fixed-γ run [`budget`](results/budget/RUN.md)" in text
+  with pytest.raises(ValueError, match="needs two families"):
+    publish.readme_answer_block(_runs(_timed_run("budget-adaptive", "compare_drafters-budget,adaptive",
+                                                 {"ar": ar, "budget_parallel": ar}, True), fixed, train_budget), "")
