@@ -47,8 +47,8 @@ _CHECK = flags.DEFINE_bool("check", False, "only compare: exit 1 when a generate
 @dataclasses.dataclass(frozen=True)
 class CodeChange:
   """A change to the code after which earlier runs no longer measure what the code does. `concerns`: which runs it
-  touches: "adaptive" (runs with adaptive drafting), "cpu" (runs timed on a CPU), "exit_adapter" (runs drafting with
-  the shipped exit adapter), or a drafter name."""
+  touches: "adaptive" (runs with adaptive drafting), "cpu" (runs timed on a CPU), or a shipped checkpoint (runs with
+  a method that drafts with it, `drafts_with_shipped`)."""
   commit: str
   committed: datetime.datetime  # UTC
   change: str
@@ -152,9 +152,6 @@ class Run:
     own = spec.get("adaptive")
     return bool(spec.get("drafter")) and bool(self.results["config"]["adaptive"] if own is None else own)
 
-  def drafters(self) -> set[str]:
-    return {self.method_spec(m).get("drafter") for m in self.methods()} - {None}
-
   def cells(self) -> set[tuple[str, int]]:
     """(method, question id) of every timed call but the baseline's."""
     return {(r["method"], q) for r in self.records if r["method"] != self.baseline for q in r["question_ids"]}
@@ -178,13 +175,26 @@ class Run:
       return bool(self.results) and any(self.adaptive(m) for m in self.methods())
     if change.concerns == "cpu":
       return self.backend == "cpu"
-    if change.concerns == "exit_adapter":  # the shipped adapter: layer skip with adapter="default"
-      return bool(self.results) and any(self.method_spec(m).get("options", {}).get("adapter") == "default"
-                                        for m in self.methods())
-    return bool(self.results) and change.concerns in self.drafters()
+    return bool(self.results) and any(drafts_with_shipped(self.method_spec(m), change.concerns)
+                                      for m in self.methods())
 
   def date(self) -> str:
     return self.started.strftime("%Y-%m-%d %H:%M" if self.started.time() != datetime.time() else "%Y-%m-%d")
+
+
+# Drafters that draft with their shipped checkpoint unless a method gives them another (configs/common.py's methods
+# declare no `needs` for them); the other shipped checkpoints are a method's `needs`.
+SHIPPED_BY_DEFAULT = ("mtp_parallel", "mtp_sequential")
+
+
+def drafts_with_shipped(spec: dict, checkpoint: str) -> bool:
+  """Whether a run's method (its spec in results.json) drafts with the shipped checkpoint `checkpoint` ("exit_adapter",
+  "draft_model", "mtp_parallel", "mtp_sequential"): it `needs` it, or it is an MTP drafter given no checkpoint of its
+  own (a budget run's `checkpoint`, an options `path`)."""
+  if checkpoint in (spec.get("needs") or ()):
+    return True
+  return (checkpoint in SHIPPED_BY_DEFAULT and spec.get("drafter") == checkpoint and "checkpoint" not in spec
+          and spec.get("options", {}).get("path") in (None, "default"))
 
 
 def _started(run_md: str) -> datetime.datetime:

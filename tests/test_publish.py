@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 
+from configs import common
 from experiments import projection, publish
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -218,3 +219,21 @@ def test_the_answer_names_the_winner_at_one_budget_by_paired_speedups_and_ranks_
   with pytest.raises(ValueError, match="needs two families"):
     publish.readme_answer_block(_runs(_timed_run("budget-adaptive", "compare_drafters-budget,adaptive",
                                                  {"ar": ar, "budget_parallel": ar}, True), fixed, train_budget), "")
+
+
+def test_a_shipped_checkpoints_replacement_concerns_the_runs_that_drafted_with_it():
+  """The methods of configs/common.py: the shipped draft concerns its drafter and HF's assisted generation with it
+  (a peer), not the target drafting for itself nor a draft trained on the budget; the MTP heads' concerns the heads
+  loaded by default, not a budget run's."""
+  methods = {m["name"]: m for m in common.METHODS.values()}
+  draft = next(c for c in publish.CODE_CHANGES if c.commit == "5602652")
+  heads = next(c for c in publish.CODE_CHANGES if c.commit == "926984a")
+  assert publish.drafts_with_shipped(methods["draft_model"], draft.concerns)
+  assert publish.drafts_with_shipped(methods["hf_assisted"], draft.concerns)
+  assert not publish.drafts_with_shipped(methods["self_draft"], draft.concerns)
+  assert not publish.drafts_with_shipped(methods["budget_draft"], draft.concerns)
+  assert publish.drafts_with_shipped(methods["mtp_parallel"], heads.concerns)
+  assert not publish.drafts_with_shipped(methods["budget_parallel"], heads.concerns)
+  assert not publish.drafts_with_shipped(methods["mtp_sequential"], heads.concerns)
+  assert publish.drafts_with_shipped(methods["layer_skip_trained_exit"], "exit_adapter")
+  assert not publish.drafts_with_shipped(methods["budget_exit"], "exit_adapter")
