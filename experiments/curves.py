@@ -163,7 +163,8 @@ def target_sentence(run: dict[str, Any]) -> str:
     return f"{what} reached at {t['positions']:,.0f} positions (measured)."
   if t["positions"] is None:
     return f"{what} not reached, and the curve does not rise over its last points: no extrapolation."
-  hours = f", ~{t['cpu_hours']:.0f} CPU-hours of training at this run's rate" if t.get("cpu_hours") else ""
+  shown = f"{t['cpu_hours']:.0f}" if t.get("cpu_hours") else ""
+  hours = f", ~{shown} CPU-hour{'' if shown == '1' else 's'} of training at this run's rate" if shown else ""
   return (f"{what} not reached; extrapolated ({t['method']}, {t['slope_per_decade']:+.3f} per decade): "
           f"~{t['positions']:.2g} positions{hours}.")
 
