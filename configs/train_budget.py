@@ -31,9 +31,9 @@ top-1 (the first `eval_sequences` held-out sequences) and Spec-Bench tokens per 
 set (one prompt per category, greedy, a chain of gamma 4, 64 new tokens; evaluation only).
 
 The budget, from one training step's CPU time (batch 8 x 256 of the `small` regenerated cache, SmolLM2, median of 3
-steps on 2 cores shared with other work, 2026-12-04): parallel 2.84 s, sequential 6.95 s, deepseek 5.09 s (at 3 modules), exit
-1.55 s, draft 4.05 s; ~1,280 answer positions per step on the regenerated cache (~160 per answer), ~1,170 on
-ShareGPT's (~146). 1.5M positions are ~1,170 steps per run (~1,280 for the ShareGPT control): 1,170 x (2.84 + 6.95
+steps on 2 cores shared with other work, 2026-12-04): parallel 2.84 s, sequential 6.95 s, deepseek 5.09 s (with 3
+modules; its run with 4 took 5.6 CPU-s a step), exit 1.55 s, draft 4.05 s; ~1,280 answer positions per step on
+the regenerated cache (~160 per answer), ~1,170 on ShareGPT's (~146). 1.5M positions are ~1,170 steps per run (~1,280 for the ShareGPT control): 1,170 x (2.84 + 6.95
 + 5.09 + 1.55 + 4.05) + 1,280 x 6.95 = 32,900 CPU-s = 9.1 CPU-hours of training, and ~1.2 more for 7 evaluation
 points per run (~100 CPU-s each): about 10.5 CPU-hours for the set.
 """

@@ -45,7 +45,7 @@ SLOW_FIXTURES = frozenset({"smollm2", "smollm2_path", "hf_smollm2", "tiny_hf_lla
 
 def pytest_configure(config):
   """The fast tier (`-m "not slow"`) runs only tiny models, whose programs take far longer to compile than to run:
-  there XLA compiles at optimization level 0 (a third less time for the tier; the programs compute the same
+  there XLA compiles at optimization level 0 (a quarter less time for the tier; the programs compute the same
   functions). Set before any test touches a backend, and inherited by pytest-xdist's workers; an XLA_FLAGS that
   already sets the level wins."""
   if (config.getoption("markexpr") or "").strip() == "not slow":
