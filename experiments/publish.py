@@ -275,12 +275,16 @@ def current_name(method: str) -> str:
   return method
 
 
+def newest_first(runs: Runs, config: str) -> list[Run]:
+  """The runs of `config`, newest first."""
+  return sorted((r for r in runs.values() if r.config == config), key=lambda r: r.started, reverse=True)
+
+
 def status(run: Run, runs: Runs) -> Status:
   """Newer runs of the run's config, newest first, each taking the cells it measured again (a renamed method's
   cells under either name)."""
   remaining = run.cells()
-  newer = sorted((r for r in runs.values() if r.config == run.config and r.started > run.started),
-                 key=lambda r: r.started, reverse=True)
+  newer = [r for r in newest_first(runs, run.config) if r.started > run.started]
   replaced_by = []
   for other in newer:
     measured = {(current_name(m), q) for m, q in other.cells()}
@@ -757,7 +761,7 @@ def readme_results_block(runs: Runs, prefix: str) -> str:
   """One paragraph: every drafter of `LABELS` with adaptive drafting over all of Spec-Bench's categories, each from
   the newest run of `HEADLINE_CONFIG` that measured it on every category, with that run's pairs, commit and the
   code changes since."""
-  candidates = sorted((r for r in runs.values() if r.config == HEADLINE_CONFIG), key=lambda r: r.started, reverse=True)
+  candidates = newest_first(runs, HEADLINE_CONFIG)
   if not candidates:
     raise ValueError(f"no run of {HEADLINE_CONFIG} in results/")
   widest = max(len(r.categories()) for r in candidates)
@@ -808,10 +812,10 @@ ANSWER_CONFIGS = ("compare_drafters-budget,adaptive", "compare_drafters-budget")
 
 
 def _newest(runs: Runs, config: str) -> Run:
-  found = [r for r in runs.values() if r.config == config and not r.folder.startswith(ARCHIVE + "/")]
+  found = [r for r in newest_first(runs, config) if not r.folder.startswith(ARCHIVE + "/")]
   if not found:
     raise ValueError(f"no run of {config} in results/")
-  return max(found, key=lambda r: r.started)
+  return found[0]
 
 
 def _millions(values: Sequence[float]) -> str:

@@ -89,8 +89,9 @@ def model_card(card: dict[str, Any]) -> str:
       "",
       f"Self-distilled drafter ({card['drafter']}, options {json.dumps(card['options'])}) for the frozen target "
       f"{card['target']}. Load it with `specjax.make_drafter({card['drafter']!r}, specjax.load({card['target']!r}), "
-      f"{drafters.checkpoint_option(card['drafter'])}=<this .safetensors file>)`.",
+      f"{drafters.checkpoint_option(card['drafter'])}=<this .safetensors file>)`" + _shipped_load(card) + ".",
       "",
+      *_export_note(card),
       "## Reproduce",
       "",
       "```bash",
@@ -160,6 +161,26 @@ def model_card(card: dict[str, Any]) -> str:
               f"{c['shipped']['mean_accepted']:.2f}, better on {c['prompts_candidate_better']} prompts and worse on "
               f"{c['prompts_shipped_better']}.", ""]
   return "\n".join(lines)
+
+
+def _shipped_load(card: dict[str, Any]) -> str:
+  """How a shipped checkpoint (one with experiments.compare_checkpoints' verdict) loads without its path."""
+  if not card.get("shipped_comparison"):
+    return ""
+  option = drafters.checkpoint_option(card["drafter"])
+  names = ["default"] + ([card["target"] + draft_model.SHIPPED_SUFFIX] if card["drafter"] == draft_model.NAME else [])
+  return ", or " + " or ".join(f'`{option}="{n}"`' for n in names) + " for the copy shipped inside specjax"
+
+
+def _export_note(card: dict[str, Any]) -> list[str]:
+  """A distilled draft is a standalone Llama too: how HF transformers gets it as an assistant model."""
+  if card["drafter"] != draft_model.NAME:
+    return []
+  return ["It is a standalone Llama with the target's embedding and tokenizer: `specjax.export.save_hf("
+          "draft_model.as_model(target, drafter), directory)` writes it as an HF Llama directory (the full "
+          "vocabulary's head), which is what `experiments/peers.py`'s `hf_assisted` gives HF assisted generation "
+          "for draft=<this file>" + (f" (training also wrote one: `{card['config']['export_hf']}`)"
+                                     if card["config"].get("export_hf") else "") + ".", ""]
 
 
 # How parallel heads draft trees, in their model card.

@@ -96,11 +96,24 @@ def test_shipped_draft_names_the_model_it_was_made_for(random_target):
   with pytest.raises(CheckpointError, match="no shipped draft model 'nosuchmodel-draft'.*configs/train_draft.py"):
     specjax.make_drafter("draft_model", random_target, draft="nosuchmodel-draft")
   # "default": the draft shipped for the target, as for the other trained drafters
-  with pytest.raises(CheckpointError, match="no shipped 'draft_model' checkpoint for model 'tiny'.*draft='fresh'"):
+  with pytest.raises(CheckpointError, match="no shipped draft model 'tiny-draft'.*configs/train_draft.py"):
     specjax.make_drafter("draft_model", random_target, draft="default")
   assert draft_head.shipped_checkpoint("smollm2-135m", "draft_model") == draft_model.shipped_path(
       random_target, "smollm2-135m-draft")
 
+
+
+def test_the_shipped_drafts_card_says_how_to_load_it_by_name_and_give_it_to_hf():
+  """The card rendered from the shipped checkpoint's own training record, as shipping renders it."""
+  from experiments import train
+  from specjax.drafters import checkpoint
+  card = checkpoint.read_header(draft_head.shipped_checkpoint("smollm2-135m", "draft_model"))["card"]
+  trained = train.model_card(card)
+  assert "hf_assisted" in trained and "smollm2-135m-draft" not in trained  # a candidate is loaded by its file
+  card["shipped_comparison"] = {"prompts": 3, "gamma": 4, "max_new_tokens": 8, "candidate": {"mean_accepted": 1.5},
+                                "shipped": {"mean_accepted": 1.25}, "prompts_candidate_better": 2,
+                                "prompts_shipped_better": 1}
+  assert 'or `draft="default"` or `draft="smollm2-135m-draft"` for the copy shipped inside specjax' in train.model_card(card)
 
 # --------------------------------------------------------------------------------------------- end to end
 

@@ -256,11 +256,9 @@ def _make(model, draft, num_layers, init_layers, token_map) -> Drafter:
     params = fresh_params(model, options, token_map)
   elif isinstance(draft, str) and (draft == "default" or draft.endswith(".safetensors")
                                    or draft.lower().endswith(SHIPPED_SUFFIX)):
-    if draft == "default":
-      path = draft_head.shipped_checkpoint(model, NAME, hint="pass draft=<a distilled draft's .safetensors>, or "
-                                           "draft='fresh' for one to train")
-    else:
-      path = shipped_path(model, draft) if draft.lower().endswith(SHIPPED_SUFFIX) else draft
+    if draft == "default":  # the one shipped for this target: "<target>-draft"
+      draft = f"{draft_head.canonical_model_name(model) or model.name}{SHIPPED_SUFFIX}"
+    path = shipped_path(model, draft) if draft.lower().endswith(SHIPPED_SUFFIX) else draft
     options, params = draft_head.load(model, NAME, path, saved_specs, lambda saved: _distilled_options(
         config, saved["init_layers"], saved["draft_vocab"]))
   else:
