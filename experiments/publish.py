@@ -495,20 +495,23 @@ def category_block(run: Run, prefix: str, methods: Sequence[str] | None = None) 
   return run_line(run, prefix) + "\n\n" + "\n".join(rows)
 
 
-def compare_drafters_block(runs: Runs, prefix: str) -> str:
-  """The fixed-γ comparison, each method with Leviathan's prediction from its costs on this CPU and its projection
-  from its round's costs compiled for one TPU chip (experiments/projection.py: the costs file of results/)."""
-  run = runs["compare_drafters"]
+def compare_drafters_block(runs: Runs, prefix: str, folder: str = "compare_drafters") -> str:
+  """A fixed-γ comparison (`folder`), each method with Leviathan's prediction from its costs on this CPU and its
+  projection from its round's costs compiled for one TPU chip (experiments/projection.py: the costs file of
+  results/), and the share of its tokens that came from drafts."""
+  run = runs[folder]
   compiled = projection.read(str(runs.root / projection.COSTS_FILE))
-  rows = ["| method | γ | speedup (paired median, 90% interval) | mean accepted | alpha | "
+  rows = ["| method | γ | speedup (paired median, 90% interval) | mean accepted | alpha | from drafts | "
           f"accepted at k = 1 / 2 / 3 / 4 | c | r | predicted | projected on TPU {projection.TOPOLOGY} |",
-          "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+          "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
   for m in run.methods():
     s = run.results["summary"]["methods"][m]
     per_position = " / ".join(f"{a:.2f}" for a in s["acceptance_per_position"] or [])
     projected = projection.project(dict(s, adaptive=run.adaptive(m)), compiled, m)
+    from_drafts = report.draft_share([r for r in run.records if r["method"] == m])
     rows.append(f"| `{m}` | {s['gamma']} | {speedup_cell(_paired(run, m))} | {s['mean_accepted']:.2f} | "
-                f"{_num(s['alpha'], '.2f')} | {per_position} | {_num(s.get('draft_cost'), '.3f')} | "
+                f"{_num(s['alpha'], '.2f')} | {_num(from_drafts, '.0%')} | {per_position} | "
+                f"{_num(s.get('draft_cost'), '.3f')} | "
                 f"{_num(s.get('verify_cost'), '.2f')} | {_num(s.get('predicted_speedup'), '.2f')} | "
                 f"{_num(projected, '.2f')} |")
   efficiency = [s["efficiency"] for m, s in run.results["summary"]["methods"].items() if s.get("efficiency")]
@@ -543,8 +546,8 @@ def trees_block(runs: Runs, prefix: str, folder: str = "trees") -> str:
           "chain on the same prompt.\n\n" + "\n".join(rows))
 
 
-def compare_drafters_by_category_block(runs: Runs, prefix: str) -> str:
-  return category_block(runs["compare_drafters"], prefix)
+def compare_drafters_by_category_block(runs: Runs, prefix: str, folder: str = "compare_drafters") -> str:
+  return category_block(runs[folder], prefix)
 
 
 def adaptive_vs_fixed_block(runs: Runs, prefix: str) -> str:
@@ -879,6 +882,8 @@ def _category_block(folder: str, methods: Sequence[str] | None = None):
 BLOCKS: dict[str, tuple[str, Callable[[Runs, str], str]]] = {
     "readme-results": ("README.md", readme_results_block),
     "compare-drafters": ("docs/results.md", compare_drafters_block),
+    "compare-drafters-budget": ("docs/results.md",
+                                lambda runs, prefix: compare_drafters_block(runs, prefix, "compare_drafters-budget")),
     "compare-drafters-by-category": ("docs/results.md", compare_drafters_by_category_block),
     "trees": ("docs/results.md", trees_block),
     "trees-mtp": ("docs/results.md", lambda runs, prefix: trees_block(runs, prefix, "trees-mtp")),
