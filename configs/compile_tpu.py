@@ -60,7 +60,9 @@ def get_config(arg=None):
   config.stop_ids = (2,)
   # Where each drafter's tau (tokens per target forward) comes from: fixed-gamma runs of experiments/run.py (one
   # results.json or several; a method in several is taken from the first).
-  config.acceptance = "results/compare_drafters/results.json"
+  # The comparison at one training budget first (configs/compare_drafters.py:budget): its budget_<run> methods draft
+  # with the rounds below, beside the shipped checkpoints' methods of the full comparison.
+  config.acceptance = ("results/compare_drafters-budget/results.json", "results/compare_drafters/results.json")
   # Where each tree's tau comes from: a run of configs/trees.py (its `<method>_tree<N>`); absent, trees are projected
   # by their round's cost alone (the tau at which they break even).
   config.tree_acceptance = "results/trees/results.json"
@@ -74,14 +76,21 @@ def get_config(arg=None):
       {"name": "layer_skip_set", "drafter": "layer_skip", "skip_layer_fraction": 0.4,
        "acceptance_of": "layer_skip_best_set"},
       {"name": "exit_adapter", "drafter": "layer_skip", "options": {"adapter": "fresh", "mlp": True},
-       "exit_layer_fraction": 4 / 30, "draft_vocab": True, "acceptance_of": "layer_skip_trained_exit"},
+       "exit_layer_fraction": 3 / 30, "draft_vocab": True,
+       "acceptance_of": ("layer_skip_trained_exit", "budget_exit")},
+      {"name": "exit16", "drafter": "layer_skip", "options": {"adapter": "fresh", "mlp": True},
+       "exit_layer_fraction": 16 / 30, "draft_vocab": True, "acceptance_of": "budget_exit16"},
       {"name": "draft_model", "drafter": "draft_model", "options": {"draft": "fresh", "num_layers": 4},
-       "draft_vocab": True, "acceptance_of": "draft_model"},
+       "draft_vocab": True, "acceptance_of": ("draft_model", "budget_draft")},
       {"name": "mtp_parallel", "drafter": "mtp_parallel", "options": {"path": None, "num_heads": 4},
-       "draft_vocab": True, "acceptance_of": "mtp_parallel"},
+       "draft_vocab": True, "acceptance_of": ("mtp_parallel", "budget_parallel")},
       {"name": "mtp_sequential", "drafter": "mtp_sequential",
        "options": {"path": None, "depth": 4, "recurrent": True, "eagle3": True}, "draft_vocab": True,
-       "acceptance_of": "mtp_sequential"},
+       "acceptance_of": ("mtp_sequential", "budget_sequential")},
+      # DeepSeek-V3's MTP: distinct modules chained on the last hidden state (configs/train_budget.py's deepseek).
+      {"name": "deepseek", "drafter": "mtp_sequential",
+       "options": {"path": None, "depth": 4, "recurrent": False, "eagle3": False}, "draft_vocab": True,
+       "acceptance_of": "budget_deepseek"},
   )
   config.train_drafters = ("mtp_sequential",)  # whose training step is compiled
   config.train = ml_collections.ConfigDict({"batch_size": 8, "seq_len": 1024, "top_k": 32})

@@ -847,7 +847,7 @@ def readme_answer_block(runs: Runs, prefix: str) -> str:
   if adaptive.results["summary"].get("all_lossless") is not True:
     notes.append("NOT every output equal to autoregressive decoding's")
   cpu = (f"Trained on one budget ({positions} training positions each), {BUDGET_LABELS[first]} is the fastest of "
-         f"{len(families)} drafter families with adaptive drafting on "
+         f"the {len(families)} drafters trained on it with adaptive drafting on "
          f"{adaptive.results['environment']['cpu_count']} CPU cores: its median paired speedup, with its 90% "
          f"interval, is {speedup_cell(_paired(adaptive, first))} over autoregressive decoding and {head_to_head} over "
          f"the runner-up, {BUDGET_LABELS[second]} at {speedup_cell(_paired(adaptive, second))} "
@@ -880,10 +880,12 @@ def _category_block(folder: str, methods: Sequence[str] | None = None):
 
 # name -> (file, renderer(runs, link prefix from that file to results/))
 BLOCKS: dict[str, tuple[str, Callable[[Runs, str], str]]] = {
+    "readme-answer": ("README.md", readme_answer_block),
     "readme-results": ("README.md", readme_results_block),
     "compare-drafters": ("docs/results.md", compare_drafters_block),
     "compare-drafters-budget": ("docs/results.md",
                                 lambda runs, prefix: compare_drafters_block(runs, prefix, "compare_drafters-budget")),
+    "compare-drafters-budget-adaptive": ("docs/results.md", _category_block("compare_drafters-budget-adaptive")),
     "compare-drafters-by-category": ("docs/results.md", compare_drafters_by_category_block),
     "trees": ("docs/results.md", trees_block),
     "trees-mtp": ("docs/results.md", lambda runs, prefix: trees_block(runs, prefix, "trees-mtp")),

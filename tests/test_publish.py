@@ -155,7 +155,10 @@ def test_the_accelerator_projection_of_the_results_is_the_compile_runs_own():
   runs = publish.load_runs(ROOT)
   compiled = runs["tpu_compile"].results
   costs = projection.read()
-  table, trees = publish.compare_drafters_block(runs, ""), publish.trees_block(runs, "").splitlines()
+  # the fixed-γ comparisons the compile run took τ from: the shipped checkpoints' and the one training budget's
+  table = "\n".join(publish.compare_drafters_block(runs, "", folder)
+                    for folder in ("compare_drafters", "compare_drafters-budget"))
+  trees = publish.trees_block(runs, "").splitlines()
   mine = [p for p in compiled["projections"]
           if p["model"] == projection.MODEL and p["topology"] == projection.TOPOLOGY]
   assert mine
@@ -207,11 +210,12 @@ def test_the_answer_names_the_winner_at_one_budget_by_paired_speedups_and_ranks_
   monkeypatch.setattr(publish.projection, "read", lambda: costs)
   text = publish.readme_answer_block(_runs(adaptive, fixed, train_budget), "results/")
   # Prompt lookup is faster but not a family trained on the budget; the sequential module wins, paired 13/12 .. 14/12.
-  assert text.startswith("Trained on one budget (1.50M training positions each), the sequential MTP module is the "
-                         "fastest of 2 drafter families with adaptive drafting on 2 CPU cores: its median paired "
-                         "speedup, with its 90% interval, is 1.30x (1.30–1.40) over autoregressive decoding and 1.17x "
-                         "(1.08–1.18) over the runner-up, the parallel MTP heads at 1.20x (1.10–1.20) (7 pairs each; "
-                         "[`budget-adaptive`](results/budget-adaptive/RUN.md) at commit abc1234).")
+  assert text.startswith(
+      "Trained on one budget (1.50M training positions each), the sequential MTP module is the fastest of the 2 "
+      "drafters trained on it with adaptive drafting on 2 CPU cores: its median paired speedup, with its 90% interval, "
+      "is 1.30x (1.30–1.40) over autoregressive decoding and 1.17x (1.08–1.18) over the runner-up, the parallel MTP "
+      "heads at 1.20x (1.10–1.20) (7 pairs each; [`budget-adaptive`](results/budget-adaptive/RUN.md) at commit "
+      "abc1234).")
   # Projected: 2.0 / (4 x 0.01 + 1) = 1.92 for the heads, 2.1 / (4 x 0.2 + 1) = 1.17 for the module.
   assert text.endswith("the ranking puts the parallel MTP heads first at 1.92x and the sequential MTP module second "
                        "at 1.17x.")
