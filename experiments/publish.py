@@ -546,8 +546,8 @@ def trees_block(runs: Runs, prefix: str, folder: str = "trees") -> str:
           "chain on the same prompt.\n\n" + "\n".join(rows))
 
 
-def compare_drafters_by_category_block(runs: Runs, prefix: str, folder: str = "compare_drafters") -> str:
-  return category_block(runs[folder], prefix)
+def compare_drafters_by_category_block(runs: Runs, prefix: str) -> str:
+  return category_block(runs["compare_drafters"], prefix)
 
 
 def adaptive_vs_fixed_block(runs: Runs, prefix: str) -> str:

@@ -102,7 +102,6 @@ def test_shipped_draft_names_the_model_it_was_made_for(random_target):
       random_target, "smollm2-135m-draft")
 
 
-
 def test_the_shipped_drafts_card_says_how_to_load_it_by_name_and_give_it_to_hf():
   """The card rendered from the shipped checkpoint's own training record, as shipping renders it."""
   from experiments import train
@@ -113,7 +112,9 @@ def test_the_shipped_drafts_card_says_how_to_load_it_by_name_and_give_it_to_hf()
   card["shipped_comparison"] = {"prompts": 3, "gamma": 4, "max_new_tokens": 8, "candidate": {"mean_accepted": 1.5},
                                 "shipped": {"mean_accepted": 1.25}, "prompts_candidate_better": 2,
                                 "prompts_shipped_better": 1}
-  assert 'or `draft="default"` or `draft="smollm2-135m-draft"` for the copy shipped inside specjax' in train.model_card(card)
+  shipped = train.model_card(card)
+  assert 'or `draft="default"` or `draft="smollm2-135m-draft"` for the copy shipped inside specjax' in shipped
+
 
 # --------------------------------------------------------------------------------------------- end to end
 
