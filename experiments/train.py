@@ -168,7 +168,7 @@ def _shipped_load(card: dict[str, Any]) -> str:
   if not card.get("shipped_comparison"):
     return ""
   option = drafters.checkpoint_option(card["drafter"])
-  names = ["default"] + ([card["target"] + draft_model.SHIPPED_SUFFIX] if card["drafter"] == draft_model.NAME else [])
+  names = drafters.shipped_names(card["drafter"], card["target"])
   return ", or " + " or ".join(f'`{option}="{n}"`' for n in names) + " for the copy shipped inside specjax"
 
 

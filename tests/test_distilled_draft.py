@@ -95,9 +95,15 @@ def test_shipped_draft_names_the_model_it_was_made_for(random_target):
     specjax.make_drafter("draft_model", random_target, draft="smollm2-135m-draft")
   with pytest.raises(CheckpointError, match="no shipped draft model 'nosuchmodel-draft'.*configs/train_draft.py"):
     specjax.make_drafter("draft_model", random_target, draft="nosuchmodel-draft")
-  # "default": the draft shipped for the target, as for the other trained drafters
-  with pytest.raises(CheckpointError, match="no shipped draft model 'tiny-draft'.*configs/train_draft.py"):
-    specjax.make_drafter("draft_model", random_target, draft="default")
+  # "default": the draft shipped for the target, as for the other trained drafters; every shipped name is one file
+  names = specjax.drafters.shipped_names("draft_model", random_target.name)
+  assert names == ["default", "tiny-draft"]
+  for name in names:
+    with pytest.raises(CheckpointError, match="no shipped draft model 'tiny-draft'.*configs/train_draft.py"):
+      specjax.make_drafter("draft_model", random_target, draft=name)
+  assert specjax.drafters.shipped_names("mtp_parallel", "smollm2-135m") == ["default"]
+  with pytest.raises(ValueError, match="loads no checkpoint"):
+    specjax.drafters.shipped_names("prompt_lookup", "smollm2-135m")
   assert draft_head.shipped_checkpoint("smollm2-135m", "draft_model") == draft_model.shipped_path(
       random_target, "smollm2-135m-draft")
 

@@ -327,6 +327,14 @@ def checkpoint_option(name: str) -> str:
   return _CHECKPOINT_OPTION[name]
 
 
+def shipped_names(name: str, target: str) -> list[str]:
+  """The names by which drafter `name` loads the checkpoint shipped for `target` (a `specjax.config.MODEL_SHAPES`
+  name) through its `checkpoint_option`: "default", and those its module's `SHIPPED_NAMES` spell for the target."""
+  checkpoint_option(name)
+  extra = getattr(importlib.import_module(_FACTORIES[name]), "SHIPPED_NAMES", ())
+  return ["default"] + [n.format(target=target) for n in extra]
+
+
 def tree_drafters() -> list[str]:
   """The drafters whose `make` builds drafters that draft trees (their module's `TREES`)."""
   return [name for name in available() if getattr(importlib.import_module(_FACTORIES[name]), "TREES", False)]

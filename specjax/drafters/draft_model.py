@@ -40,6 +40,7 @@ from specjax.sampling import SamplingParams
 NAME = "draft_model"
 TREES = True  # drafts EAGLE-2's trees (`propose` with `DraftInputs.tree_nodes`)
 SHIPPED_SUFFIX = "-draft"  # draft="smollm2-135m-draft": the distilled draft shipped for smollm2-135m
+SHIPPED_NAMES = ("{target}" + SHIPPED_SUFFIX,)  # besides draft="default" (`specjax.drafters.shipped_names`)
 
 
 @dataclasses.dataclass(frozen=True)
