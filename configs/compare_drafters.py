@@ -22,17 +22,21 @@ them), `adaptive` (adaptive drafting, specjax/adaptive.py: per-row confidence st
 the running acceptance and the costs, `gamma` the most per round; by default every round drafts `gamma` tokens, so
 that acceptance per position is measured at a fixed chain length), `budget` (prompt lookup and the searched skip set
 beside every drafter trained on one budget, `budget_<run>`, from its run's checkpoint in workdirs/budget/: the
-comparison at equal training; a run not trained yet is left out, as a missing checkpoint is).
+comparison at equal training; a run not trained yet is left out, as a missing checkpoint is), `data` (the data
+control: the sequential module trained on the target's own answers against the same module trained on ShareGPT's
+answers at equal positions, `budget_sequential` and `budget_sequential_sharegpt`, paired in one run).
 """
 
 from configs import common
 
-VARIANTS = ("small", "sampling", "both", "adaptive", "budget")
+VARIANTS = ("small", "sampling", "both", "adaptive", "budget", "data")
 METHODS = ("autoregressive", "prompt_lookup", "layer_skip_exit24", "layer_skip_best_set", "layer_skip_deep_set",
            "layer_skip_trained_exit", "draft_model", "mtp_parallel", "mtp_sequential")
 # `budget`: the drafters trained on one budget (configs/train_budget.py), beside the untrained ones at their best.
 BUDGET_METHODS = ("autoregressive", "prompt_lookup", "layer_skip_best_set",
                   *(common.budget_method(run)["name"] for run in common.BUDGET_RUNS))
+# `data`: does training on the target's own answers matter? The same family, budget and held-out split.
+DATA_METHODS = ("autoregressive", "budget_sequential", "budget_sequential_sharegpt")
 
 
 def get_config(arg=None):
@@ -42,5 +46,9 @@ def get_config(arg=None):
   config = common.drafter_comparison(small="small" in variants, adaptive="adaptive" in variants)
   config.temperature = 0.7 if "sampling" in variants else 0.0
   config.temperatures = (0.0, 0.7) if "both" in variants else ()
-  config.methods = common.methods(*(BUDGET_METHODS if "budget" in variants else METHODS))
+  if {"budget", "data"} <= variants:
+    raise ValueError("configs/compare_drafters.py: 'budget' and 'data' exclude each other ('budget' has both "
+                     "methods of 'data')")
+  config.methods = common.methods(*(BUDGET_METHODS if "budget" in variants else
+                                    DATA_METHODS if "data" in variants else METHODS))
   return config

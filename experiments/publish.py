@@ -520,6 +520,25 @@ def compare_drafters_block(runs: Runs, prefix: str, folder: str = "compare_draft
           f"{min(efficiency):.2f}–{max(efficiency):.2f}.")
 
 
+def data_block(runs: Runs, prefix: str, folder: str = "compare_drafters-data") -> str:
+  """The data control (configs/compare_drafters.py:data): the fixed-γ table of `folder` and, paired in the same run,
+  the module trained on the target's own answers over the one trained on ShareGPT's, with the held-out top-1 of
+  both training runs (results/train_budget) at their equal positions."""
+  run = runs[folder]
+  own, other = "budget_sequential", "budget_sequential_sharegpt"
+  trained = {r["name"]: r for r in runs["train_budget"].results["runs"]}
+  own_run, other_run = trained["sequential"], trained["sequential-sharegpt"]
+  top1 = {name: " / ".join(f"{r['final_top1'][d]:.3f}" for d in sorted(r["final_top1"], key=int))
+          for name, r in (("own", own_run), ("other", other_run))}
+  head_to_head = speedup_cell(report.paired_speedups(run.records, own, other))
+  return (compare_drafters_block(runs, prefix, folder) + "\n\n" +
+          f"Paired in this run, `{own}` over `{other}` (median of {len(report.paired_speedups(run.records, own, other))} "
+          f"pairs, 90% interval): {head_to_head}. Held-out top-1 by depth on the target's own answers "
+          f"({_link(runs['train_budget'], prefix)}), at {own_run['positions']:,} and {other_run['positions']:,} "
+          f"training positions: {top1['own']} ({own_run['answers']} answers) against {top1['other']} "
+          f"({other_run['answers']} answers).")
+
+
 def trees_block(runs: Runs, prefix: str, folder: str = "trees") -> str:
   """A run of configs/trees.py (`folder`): each drafter's chain and its trees (`<method>_tree<N>`), fixed rounds:
   tokens per target forward, acceptance by depth, the paired speedup over autoregressive decoding and over the

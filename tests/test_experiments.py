@@ -114,8 +114,9 @@ def test_config_builds_a_run_that_checks_out_without_running(module, arg, prompt
     (quickstart, "small", "takes no argument"),
     (spec_bench_config, "huge", "'small'"),
     (bench_peers, "huge", "'small'"),
-    (compare_drafters, "small,greedy", "comma-separated subset of small, sampling, both, adaptive, budget"),
+    (compare_drafters, "small,greedy", "comma-separated subset of small, sampling, both, adaptive, budget, data"),
     (compare_drafters, "sampling,both", "exclude each other"),
+    (compare_drafters, "budget,data", "exclude each other"),
     (adaptive_by_category, "small,full", "exclude each other"),
     (adaptive_by_category, "large", "comma-separated subset of small, full"),
     (adaptive_by_category, "g2", "subset of small"),
@@ -199,6 +200,12 @@ def test_the_budget_comparison_drafts_with_each_budget_runs_exported_checkpoint(
     training = train_budget.get_config(run_name.replace("-", ","))  # "sequential-sharegpt": the variant's run
     assert (training.drafter, training.export_path) == (drafter, "")  # exported as <workdir>/<drafter>.safetensors
     assert method["checkpoint"] == f"{training.workdir}/{training.drafter}.safetensors"
+  # the data control: the sequential module on either answers, both in the budget comparison too
+  data = [m["name"] for m in compare_drafters.get_config("data,adaptive").methods]
+  assert data == ["autoregressive", "budget_sequential", "budget_sequential_sharegpt"] and set(data) <= set(names)
+  assert (train_budget.get_config("sequential,sharegpt").positions, train_budget.get_config("sequential,sharegpt")
+          .held_out_dir) == (train_budget.get_config("sequential").positions,
+                             train_budget.get_config("sequential").held_out_dir)
 
 
 @pytest.mark.slow
