@@ -62,7 +62,9 @@ def get_config(arg=None):
   # results.json or several; a method in several is taken from the first).
   # The comparison at one training budget first (configs/compare_drafters.py:budget): its budget_<run> methods draft
   # with the rounds below, beside the shipped checkpoints' methods of the full comparison.
-  config.acceptance = ("results/compare_drafters-budget/results.json", "results/compare_drafters/results.json")
+  # And the data control (configs/compare_drafters.py:data): the sequential module trained on ShareGPT's answers.
+  config.acceptance = ("results/compare_drafters-budget/results.json", "results/compare_drafters/results.json",
+                       "results/compare_drafters-data/results.json")
   # Where each tree's tau comes from: a run of configs/trees.py (its `<method>_tree<N>`); absent, trees are projected
   # by their round's cost alone (the tau at which they break even).
   config.tree_acceptance = "results/trees/results.json"
@@ -86,7 +88,7 @@ def get_config(arg=None):
        "draft_vocab": True, "acceptance_of": ("mtp_parallel", "budget_parallel")},
       {"name": "mtp_sequential", "drafter": "mtp_sequential",
        "options": {"path": None, "depth": 4, "recurrent": True, "eagle3": True}, "draft_vocab": True,
-       "acceptance_of": ("mtp_sequential", "budget_sequential")},
+       "acceptance_of": ("mtp_sequential", "budget_sequential", "budget_sequential_sharegpt")},
       # DeepSeek-V3's MTP: distinct modules chained on the last hidden state (configs/train_budget.py's deepseek).
       {"name": "deepseek", "drafter": "mtp_sequential",
        "options": {"path": None, "depth": 4, "recurrent": False, "eagle3": False}, "draft_vocab": True,

@@ -106,7 +106,8 @@ from experiments.cli import ResumableLog, code_commit, environment, parse_flags,
 _CONFIG = cli.define_config_flag("Compile config: configs/compile_tpu.py[:small].")
 _WORKDIR = cli.define_workdir_flag("Output folder (default: workdirs/<config>-<time>).")
 _RENDER = flags.DEFINE_string("render", None, "A run's folder: project its compiled costs again at the acceptance "
-                              "files its config names (as they are now), and write its results.json, tables, plot and "
+                              "files its config names (as they are now; with --config, at those that config names, "
+                              "which must compile the same programs), and write its results.json, tables, plot and "
                               "RUN.md again, compiling nothing.")
 
 PROGRAMS = ("prefill", "autoregressive", "speculative", "train_drafter", "train", "steps")
@@ -1025,12 +1026,32 @@ def run(config: ml_collections.ConfigDict, workdir: str, name: str = "compile_tp
   return results
 
 
-def reproject(workdir: str) -> dict:
+# What a projection reads besides the compiled costs: which fixed-gamma runs give each drafter's tau. A config that
+# differs from a run's in these alone projects that run's programs again without compiling them.
+ACCEPTANCE_KEYS = ("acceptance", "tree_acceptance")
+
+
+def _without_acceptance(config: dict) -> dict:
+  return {**{k: v for k, v in config.items() if k not in ACCEPTANCE_KEYS},
+          "drafters": [{k: v for k, v in d.items() if k != "acceptance_of"} for d in config["drafters"]]}
+
+
+def reproject(workdir: str, config: ml_collections.ConfigDict | None = None) -> dict:
   """A run's projections again from its compiled records, at the acceptance files its config names as they are now
-  (a run of configs/trees.py measured after the compile, say); results.json and the reports rewritten."""
+  (a run of configs/trees.py measured after the compile, say), or at those `config` names (its `acceptance`,
+  `tree_acceptance` and drafters' `acceptance_of`: a newly measured method, say; `config` must build the same
+  programs); results.json and the reports rewritten."""
   path = os.path.join(workdir, "results.json")
   with open(path) as f:
     results = json.load(f)
+  if config is not None:
+    new = json.loads(json.dumps(config.to_dict()))
+    old = json.loads(json.dumps(results["config"]))
+    if _without_acceptance(new) != _without_acceptance(old):
+      differ = sorted(k for k in set(new) | set(old) if k not in ACCEPTANCE_KEYS and new.get(k) != old.get(k))
+      raise ValueError(f"{workdir} was compiled with another config (it differs in {differ}, besides where "
+                       "acceptance comes from): compile it again")
+    results["config"] = new
   config = ml_collections.ConfigDict(results["config"])
   trees = tree_acceptance(config.tree_acceptance)
   results.update(tree_acceptance_found=trees is not None, projected=time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
@@ -1070,7 +1091,8 @@ def run_md(results: dict) -> str:
          "time above)." if results.get("resumed_records") else "."),
       coverage_line(results)]
       + ([f"- projections derived again on {results['projected']} UTC from the compiled costs, at the acceptance "
-          f"files as they were then (`python -m experiments.compile_for --render=<this folder>`)."]
+          f"files as they were then (`python -m experiments.compile_for --render=<this folder>`; with `--config=`, at "
+          "those that config names)."]
          if results.get("projected") else []) + ["",
       "Files: `results.md` (the tables), `results.json` (every program's record, the projections, the chips' figures "
       "and their sources), `compile_tpu.png` (memory per device, projected speedups).", ""])
@@ -1088,8 +1110,8 @@ def coverage_line(results: dict) -> str:
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if _RENDER.value:
-    reproject(_RENDER.value)
+  if _RENDER.value:  # with --config: at the acceptance that config names
+    reproject(_RENDER.value, _CONFIG.value)
     return
   name = os.path.basename(config_flags.get_config_filename(flags.FLAGS["config"])).replace(".py", "").replace(":", "-")
   workdir = _WORKDIR.value or os.path.join("workdirs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")

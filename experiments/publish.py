@@ -905,6 +905,7 @@ BLOCKS: dict[str, tuple[str, Callable[[Runs, str], str]]] = {
     "compare-drafters-budget": ("docs/results.md",
                                 lambda runs, prefix: compare_drafters_block(runs, prefix, "compare_drafters-budget")),
     "compare-drafters-budget-adaptive": ("docs/results.md", _category_block("compare_drafters-budget-adaptive")),
+    "compare-drafters-data": ("docs/results.md", data_block),
     "compare-drafters-by-category": ("docs/results.md", compare_drafters_by_category_block),
     "trees": ("docs/results.md", trees_block),
     "trees-mtp": ("docs/results.md", lambda runs, prefix: trees_block(runs, prefix, "trees-mtp")),

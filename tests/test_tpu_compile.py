@@ -9,6 +9,7 @@ command. The rest check the grid, the projection's arithmetic, the model shapes 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib.util
 import json
@@ -334,6 +335,17 @@ def test_a_run_writes_its_results_tables_plot_and_run_record(tmp_path, monkeypat
   assert len(tree) == 1 and tree[0]["projected_speedup"] == pytest.approx(3.0 / tree[0]["break_even_tau"])
   assert again["records"] == results["records"] and "projections derived again" in (tmp_path / "RUN.md").read_text()
   assert json.loads((tmp_path / "results.json").read_text())["projections"] == again["projections"]
+  # A newly measured method drafting with the heads' round: projected from the same costs, at its own tau.
+  measured = copy.deepcopy(config)
+  measured.drafters = (dict(config.drafters[0], acceptance_of=("mtp_parallel", "mtp_sequential")),)
+  chains = [p for p in compile_for.reproject(str(tmp_path), measured)["projections"] if not p["tree_nodes"]]
+  assert [p["acceptance_of"] for p in chains] == ["mtp_parallel", "mtp_sequential"]
+  assert chains[1]["projected_speedup"] == pytest.approx(
+      compile_for.measured_acceptance(config.acceptance)["mtp_sequential"]["tau"] / chains[0]["break_even_tau"])
+  other = copy.deepcopy(measured)
+  other.batch_size = 16
+  with pytest.raises(ValueError, match=r"compiled with another config \(it differs in \['batch_size'\]"):
+    compile_for.reproject(str(tmp_path), other)
 
 
 def test_the_acceptance_comes_from_a_fixed_gamma_run():
