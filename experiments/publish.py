@@ -530,10 +530,10 @@ def data_block(runs: Runs, prefix: str, folder: str = "compare_drafters-data") -
   own_run, other_run = trained["sequential"], trained["sequential-sharegpt"]
   top1 = {name: " / ".join(f"{r['final_top1'][d]:.3f}" for d in sorted(r["final_top1"], key=int))
           for name, r in (("own", own_run), ("other", other_run))}
-  head_to_head = speedup_cell(report.paired_speedups(run.records, own, other))
+  ratios = report.paired_speedups(run.records, own, other)
   return (compare_drafters_block(runs, prefix, folder) + "\n\n" +
-          f"Paired in this run, `{own}` over `{other}` (median of {len(report.paired_speedups(run.records, own, other))} "
-          f"pairs, 90% interval): {head_to_head}. Held-out top-1 by depth on the target's own answers "
+          f"Paired in this run, `{own}` over `{other}` (median of {len(ratios)} pairs, 90% interval): "
+          f"{speedup_cell(ratios)}. Held-out top-1 by depth on the target's own answers "
           f"({_link(runs['train_budget'], prefix)}), at {own_run['positions']:,} and {other_run['positions']:,} "
           f"training positions: {top1['own']} ({own_run['answers']} answers) against {top1['other']} "
           f"({other_run['answers']} answers).")
