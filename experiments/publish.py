@@ -146,6 +146,17 @@ class Run:
   def method_spec(self, method: str) -> dict:
     return next(m for m in self.results["config"]["methods"] if m["name"] == method)
 
+  def training_run(self, method: str, runs: Runs) -> dict:
+    """The results/train_budget entry whose export `method` drafted with: the run whose workdir holds the checkpoint
+    the method's config names (configs/common.budget_method)."""
+    checkpoint = self.method_spec(method).get("checkpoint")
+    found = [r for r in runs["train_budget"].results["runs"]
+             if checkpoint and pathlib.PurePath(checkpoint).parent.name == pathlib.PurePath(r["workdir"]).name]
+    if len(found) != 1:
+      raise ValueError(f"{self.folder}: {method} drafts with {checkpoint!r}, which {len(found)} runs of "
+                       "results/train_budget trained")
+    return found[0]
+
   def adaptive(self, method: str) -> bool:
     """Whether the method drafted adaptively: its own `adaptive`, else the config's (experiments.run's rule)."""
     spec = self.method_spec(method)
@@ -525,9 +536,11 @@ def data_block(runs: Runs, prefix: str, folder: str = "compare_drafters-data") -
   the module trained on the target's own answers over the one trained on ShareGPT's, with the held-out top-1 of
   both training runs (results/train_budget) at their equal positions."""
   run = runs[folder]
-  own, other = "budget_sequential", "budget_sequential_sharegpt"
-  trained = {r["name"]: r for r in runs["train_budget"].results["runs"]}
-  own_run, other_run = trained["sequential"], trained["sequential-sharegpt"]
+  modules = [(m, run.training_run(m, runs)) for m in run.methods() if run.method_spec(m).get("checkpoint")]
+  trained = {r["answers"]: (m, r) for m, r in modules}
+  if sorted(trained) != ["regenerated", "sharegpt"]:
+    raise ValueError(f"{folder}: the data control pairs a module trained on each kind of answers, not {sorted(trained)}")
+  (own, own_run), (other, other_run) = trained["regenerated"], trained["sharegpt"]
   top1 = {name: " / ".join(f"{r['final_top1'][d]:.3f}" for d in sorted(r["final_top1"], key=int))
           for name, r in (("own", own_run), ("other", other_run))}
   ratios = report.paired_speedups(run.records, own, other)
@@ -850,13 +863,12 @@ def readme_answer_block(runs: Runs, prefix: str) -> str:
   paired speedup over autoregressive decoding and over the runner-up, with 90% intervals), and the families ranked
   by the accelerator projection (experiments/projection.py) at the tokens per forward of the fixed-gamma run."""
   adaptive, fixed = (_newest(runs, config) for config in ANSWER_CONFIGS)
-  trained = {r["name"]: r for r in runs["train_budget"].results["runs"]}
   families = [m for m in adaptive.methods() if m in BUDGET_LABELS]
   if len(families) < 2:
     raise ValueError(f"{adaptive.name} compares {families}: the answer needs two families trained on the budget")
   ranked = sorted(families, key=lambda m: -float(np.median(_paired(adaptive, m))))
   first, second = ranked[:2]
-  positions = _millions([trained[m[len("budget_"):].replace("_", "-")]["positions"] for m in families])
+  positions = _millions([adaptive.training_run(m, runs)["positions"] for m in families])
   pairs = "/".join(map(str, sorted({len(_paired(adaptive, m)) for m in families})))
   head_to_head = speedup_cell(report.paired_speedups(adaptive.records, first, second))
   notes = [f"{pairs} pairs each", f"{_link(adaptive, prefix)} at commit {adaptive.commit}"]

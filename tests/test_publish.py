@@ -180,14 +180,27 @@ def test_the_accelerator_projection_of_the_results_is_the_compile_runs_own():
     assert row.endswith(f"| {p['projected_speedup']:.2f} |")
 
 
+def _spec(method: str) -> dict:
+  """A method's config: a budget_<run> method drafts with its training run's export (configs/common.budget_method)."""
+  run = method.removeprefix("budget_").replace("_", "-")
+  return {"name": method, "drafter": method,
+          **({"checkpoint": f"workdirs/budget/{run}/d.safetensors"} if method.startswith("budget_") else {})}
+
+
+def _train_budget(*runs: dict) -> publish.Run:
+  """results/train_budget with `runs` (name, and what else the test reads), each in its own workdir."""
+  return publish.Run(folder="train_budget", path=pathlib.Path("t"), heading="t",
+                     started=publish._utc("2026-12-05 10:00"), commit="abc1234", backend=None,
+                     results={"name": "train_budget", "runs": [dict(r, workdir=f"/w/budget/{r['name']}") for r in runs]})
+
+
 def _timed_run(name: str, config: str, speeds: dict[str, list[float]], adaptive: bool,
                summary: dict[str, dict] | None = None) -> publish.Run:
   """A run of `config` whose records give each method the tokens/s of `speeds` in batches 0, 1, ... (one repeat)."""
   records = [{"method": m, "batch": b, "repeat": 0, "tokens_per_second": v, "question_ids": [b],
               "category": "qa"} for m, vs in speeds.items() for b, v in enumerate(vs)]
   results = {"name": config, "environment": {"cpu_count": 2},
-             "config": {"adaptive": adaptive, "methods": [{"name": m, "drafter": m} for m in speeds if m != "ar"]
-                        + [{"name": "ar"}]},
+             "config": {"adaptive": adaptive, "methods": [_spec(m) for m in speeds if m != "ar"] + [{"name": "ar"}]},
              "summary": {"baseline": "ar", "all_lossless": True,
                          "methods": {m: (summary or {}).get(m, {}) for m in speeds}},
              "prompts": [{"question_id": b, "category": "qa"} for b in range(len(speeds["ar"]))], "records": records}
@@ -203,10 +216,7 @@ def test_the_answer_names_the_winner_at_one_budget_by_paired_speedups_and_ranks_
   fixed = _timed_run("budget", "compare_drafters-budget", {"ar": ar, "budget_parallel": ar, "budget_sequential": ar},
                      False, summary={"budget_parallel": {"gamma": 4, "mean_accepted": 2.0},
                                      "budget_sequential": {"gamma": 4, "mean_accepted": 2.1}})
-  train_budget = publish.Run(folder="train_budget", path=pathlib.Path("t"), heading="t",
-                             started=publish._utc("2026-12-05 10:00"), commit="abc1234", backend=None,
-                             results={"name": "train_budget", "runs": [{"name": "parallel", "positions": 1500822},
-                                               {"name": "sequential", "positions": 1500822}]})
+  train_budget = _train_budget({"name": "parallel", "positions": 1500822}, {"name": "sequential", "positions": 1500822})
   costs = {m: {"gamma": 4, "draft_cost": d, "verify_cost": 1.0, "update_cost": 0.0, "tree_nodes": None,
                "source": "f (m, t)"} for m, d in [("budget_parallel", 0.01), ("budget_sequential", 0.2)]}
   monkeypatch.setattr(publish.projection, "read", lambda: costs)
@@ -225,6 +235,26 @@ def test_the_answer_names_the_winner_at_one_budget_by_paired_speedups_and_ranks_
   with pytest.raises(ValueError, match="needs two families"):
     publish.readme_answer_block(_runs(_timed_run("budget-adaptive", "compare_drafters-budget,adaptive",
                                                  {"ar": ar, "budget_parallel": ar}, True), fixed, train_budget), "")
+
+
+def test_a_method_is_matched_to_the_training_run_whose_export_it_drafted_with():
+  """By the checkpoint its config names, not by its name: the data control's two modules are told apart by the
+  answers their runs trained on, and a control pairing two runs on the same answers is refused."""
+  train_budget = _train_budget({"name": "sequential", "answers": "regenerated"},
+                               {"name": "sequential-sharegpt", "answers": "sharegpt"},
+                               {"name": "parallel", "answers": "regenerated"})
+  data = _timed_run("data", "compare_drafters,data", {"ar": [1.0], "budget_sequential_sharegpt": [1.0],
+                                                     "budget_sequential": [1.0]}, False)
+  runs = _runs(data, train_budget)
+  assert data.training_run("budget_sequential_sharegpt", runs)["name"] == "sequential-sharegpt"
+  assert data.training_run("budget_sequential", runs)["name"] == "sequential"
+  with pytest.raises(ValueError, match="0 runs of results/train_budget"):
+    untrained = _timed_run("data", "c", {"ar": [1.0], "budget_deepseek": [1.0]}, False)
+    untrained.training_run("budget_deepseek", _runs(untrained, train_budget))
+  same = _timed_run("data", "compare_drafters,data", {"ar": [1.0], "budget_parallel": [1.0],
+                                                     "budget_sequential": [1.0]}, False)
+  with pytest.raises(ValueError, match="each kind of answers, not \\['regenerated'\\]"):
+    publish.data_block(_runs(same, train_budget), "", folder="data")
 
 
 def test_a_shipped_checkpoints_replacement_concerns_the_runs_that_drafted_with_it():
