@@ -1047,8 +1047,11 @@ def reproject(workdir: str, config: ml_collections.ConfigDict | None = None) -> 
   if config is not None:
     new = json.loads(json.dumps(config.to_dict()))
     old = json.loads(json.dumps(results["config"]))
-    if _without_acceptance(new) != _without_acceptance(old):
-      differ = sorted(k for k in set(new) | set(old) if k not in ACCEPTANCE_KEYS and new.get(k) != old.get(k))
+    a, b = _without_acceptance(new), _without_acceptance(old)
+    if a != b:
+      differ = sorted(k for k in set(a) | set(b) if k != "drafters" and a.get(k) != b.get(k))
+      da, db = ({d["name"]: d for d in c["drafters"]} for c in (a, b))
+      differ += [f"drafters.{n}" for n in sorted(set(da) | set(db)) if da.get(n) != db.get(n)]
       raise ValueError(f"{workdir} was compiled with another config (it differs in {differ}, besides where "
                        "acceptance comes from): compile it again")
     results["config"] = new

@@ -346,6 +346,10 @@ def test_a_run_writes_its_results_tables_plot_and_run_record(tmp_path, monkeypat
   other.batch_size = 16
   with pytest.raises(ValueError, match=r"compiled with another config \(it differs in \['batch_size'\]"):
     compile_for.reproject(str(tmp_path), other)
+  other = copy.deepcopy(measured)
+  other.drafters = (dict(measured.drafters[0], options={"num_heads": 2}),)
+  with pytest.raises(ValueError, match=r"it differs in \['drafters.heads'\]"):
+    compile_for.reproject(str(tmp_path), other)
 
 
 def test_the_acceptance_comes_from_a_fixed_gamma_run():
