@@ -380,6 +380,28 @@ def describe_compiled(results: dict[str, Any]) -> str:
           f"{counts['compiled']} compiled, {counts['does_not_fit']} do not fit, {counts['failed']} failed")
 
 
+def largest_programs_table(results: dict[str, Any]) -> str | None:
+  """Per model and topology, the compiled program a user runs (not the loop-free steps) that takes the most HBM per
+  chip; None where a run built such programs for one model and topology or none."""
+  user = [r for r in results["records"] if r["kind"] != "steps"]
+  targets = list(dict.fromkeys((r["model"], r["topology"]) for r in user))
+  if len(targets) < 2:
+    return None
+  rows = ["| model | topology | mesh (data, model) | programs compiled | largest per chip | GiB per chip | of HBM |",
+          "|---|---|---|---:|---|---:|---:|"]
+  for model, topology in targets:
+    here = [r for r in user if (r["model"], r["topology"]) == (model, topology)]
+    compiled = [r for r in here if r["status"] == "compiled"]
+    mesh = " x ".join(map(str, here[0]["mesh"]))
+    if not compiled:
+      rows.append(f"| {model} | {topology} | {mesh} | 0 of {len(here)} | – | – | – |")
+      continue
+    big = max(compiled, key=lambda r: r["bytes_per_device"])
+    rows.append(f"| {model} | {topology} | {mesh} | {len(compiled)} of {len(here)} | {_program_label(big)} | "
+                f"{big['bytes_per_device'] / 2**30:.2f} | {big['hbm_fraction']:.0%} |")
+  return "\n".join(rows)
+
+
 def describe_trained(results: dict[str, Any]) -> str:
   """What a run of experiments.curves drew: its training runs, finished or not, and their budget."""
   runs = results["runs"]
@@ -670,6 +692,9 @@ def tpu_compile_block(runs: Runs, prefix: str) -> str:
     lines.append(f"{_link(run, prefix)} (commit {run.commit}, {run.date()} UTC, {r['cpu_seconds'] / 60:.0f} min of CPU "
                  f"time and {r['wall_seconds'] / 60:.0f} min wall on {r['machine']['cores']} shared cores"
                  + (f", libtpu {r['libtpu']}" if r.get("libtpu") else "") + f"): {describe_compiled(r)}.")
+    table = largest_programs_table(r)
+    if table:
+      lines.append(f"The programs a user runs in `{run.folder}`, the largest of each model and topology:\n\n{table}")
   default = runs.get("tpu_compile")
   if default is None:
     return "\n\n".join(lines)

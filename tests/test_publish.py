@@ -273,3 +273,17 @@ def test_a_shipped_checkpoints_replacement_concerns_the_runs_that_drafted_with_i
   assert not publish.drafts_with_shipped(methods["mtp_sequential"], heads.concerns)
   assert publish.drafts_with_shipped(methods["layer_skip_trained_exit"], "exit_adapter")
   assert not publish.drafts_with_shipped(methods["budget_exit"], "exit_adapter")
+
+
+def test_the_largest_program_a_user_runs_is_named_per_model_and_topology():
+  def record(model, topology, program, gib, status="compiled", kind=None):
+    return {"model": model, "topology": topology, "mesh": [2, 4], "program": program, "drafter": None,
+            "kind": kind or program, "status": status, "bytes_per_device": gib * 2**30, "hbm_fraction": gib / 16}
+  one = [record("m", "v5e:2x4", "prefill", 1.0), record("m", "v5e:2x4", "decode_step", 9.0, kind="steps")]
+  assert publish.largest_programs_table({"records": one}) is None  # one model and topology: the run's line says it
+  records = one + [record("m", "v6e:2x4", "autoregressive", 3.0), record("m", "v6e:2x4", "train", 20.0, "does_not_fit"),
+                   record("m", "v6e:2x4", "prefill", 2.0)]
+  rows = publish.largest_programs_table({"records": records}).splitlines()[2:]
+  # The loop-free steps are not a user's program; a program that does not fit is counted, never the largest.
+  assert rows == ["| m | v5e:2x4 | 2 x 4 | 1 of 1 | prefill | 1.00 | 6% |",
+                  "| m | v6e:2x4 | 2 x 4 | 2 of 3 | autoregressive | 3.00 | 19% |"]
