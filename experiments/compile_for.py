@@ -985,12 +985,11 @@ def record_key(r: dict) -> tuple:
 
 def compile_log(log_path: str, config: ml_collections.ConfigDict) -> ResumableLog:
   """The log of compiled records at `log_path`, whose entries a stopped run left when its config was this one but for
-  its grid (`runs`: which programs, not how each is built), to be kept instead of compiled again; a log of another
-  config is moved aside and a new one started (cli.ResumableLog)."""
-  def how(config_dict):
-    return {k: v for k, v in config_dict.items() if k != "runs"}
+  its grid (GRID_KEYS), to be kept instead of compiled again; a log of another config is moved aside and a new one
+  started (cli.ResumableLog)."""
   header = {"config": json.loads(json.dumps(config.to_dict()))}
-  return ResumableLog(log_path, header, same=lambda old: how(old.get("config", {})) == how(header["config"]))
+  return ResumableLog(log_path, header, same=lambda old: not config_differences(
+      old.get("config", {}), header["config"], besides=GRID_KEYS))
 
 
 def run(config: ml_collections.ConfigDict, workdir: str, name: str = "compile_tpu", command: str = "") -> dict:
@@ -1028,14 +1027,24 @@ def run(config: ml_collections.ConfigDict, workdir: str, name: str = "compile_tp
   return results
 
 
-# What a projection reads besides the compiled costs: which fixed-gamma runs give each drafter's tau. A config that
-# differs from a run's in these alone projects that run's programs again without compiling them.
+# The keys of a config that may change between runs of the same programs. The grid: which programs a run builds, not
+# how; a stopped run resumes under a config that differs from its own in these alone (compile_log). Where each
+# drafter's tau is read (the top-level keys and a drafter's `acceptance_of`): a projection reads it besides the
+# compiled costs, and a config that differs from a run's in these alone projects that run's programs again without
+# compiling them (reproject). A resume keeps the acceptance keys: a drafter's gamma, so its programs, come from them.
+GRID_KEYS = ("runs",)
 ACCEPTANCE_KEYS = ("acceptance", "tree_acceptance")
+DRAFTER_ACCEPTANCE_KEYS = ("acceptance_of",)
 
 
-def _without_acceptance(config: dict) -> dict:
-  return {**{k: v for k, v in config.items() if k not in ACCEPTANCE_KEYS},
-          "drafters": [{k: v for k, v in d.items() if k != "acceptance_of"} for d in config["drafters"]]}
+def config_differences(a: dict, b: dict, besides: Sequence[str] = (), drafter_besides: Sequence[str] = ()) -> list[str]:
+  """The keys in which two configs (dicts, as read back from JSON) differ, leaving out the top-level keys `besides`
+  and the drafters' keys `drafter_besides`; a drafter that differs is named `drafters.<its name>`."""
+  a, b = ({k: v for k, v in c.items() if k not in besides} for c in (a, b))
+  differ = sorted(k for k in set(a) | set(b) if k != "drafters" and a.get(k) != b.get(k))
+  da, db = ({d["name"]: {k: v for k, v in d.items() if k not in drafter_besides} for d in c.get("drafters", [])}
+            for c in (a, b))
+  return differ + [f"drafters.{n}" for n in sorted(set(da) | set(db)) if da.get(n) != db.get(n)]
 
 
 def reproject(workdir: str, config: ml_collections.ConfigDict | None = None) -> dict:
@@ -1049,11 +1058,8 @@ def reproject(workdir: str, config: ml_collections.ConfigDict | None = None) -> 
   if config is not None:
     new = json.loads(json.dumps(config.to_dict()))
     old = json.loads(json.dumps(results["config"]))
-    a, b = _without_acceptance(new), _without_acceptance(old)
-    if a != b:
-      differ = sorted(k for k in set(a) | set(b) if k != "drafters" and a.get(k) != b.get(k))
-      da, db = ({d["name"]: d for d in c["drafters"]} for c in (a, b))
-      differ += [f"drafters.{n}" for n in sorted(set(da) | set(db)) if da.get(n) != db.get(n)]
+    differ = config_differences(new, old, ACCEPTANCE_KEYS, DRAFTER_ACCEPTANCE_KEYS)
+    if differ:
       raise ValueError(f"{workdir} was compiled with another config (it differs in {differ}, besides where "
                        "acceptance comes from): compile it again")
     results["config"] = new

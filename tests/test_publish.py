@@ -181,10 +181,10 @@ def test_the_accelerator_projection_of_the_results_is_the_compile_runs_own():
 
 
 def _spec(method: str) -> dict:
-  """A method's config: a budget_<run> method drafts with its training run's export (configs/common.budget_method)."""
-  run = method.removeprefix("budget_").replace("_", "-")
-  return {"name": method, "drafter": method,
-          **({"checkpoint": f"workdirs/budget/{run}/d.safetensors"} if method.startswith("budget_") else {})}
+  """A method's config: a budget method as the configs write it (drafting with its training run's export), any other
+  drafting with the drafter of its name."""
+  budget = {m["name"]: m for m in map(common.budget_method, common.BUDGET_RUNS)}
+  return budget.get(method, {"name": method, "drafter": method})
 
 
 def _train_budget(*runs: dict) -> publish.Run:

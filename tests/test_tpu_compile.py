@@ -133,6 +133,20 @@ def test_a_rerun_keeps_the_records_of_a_stopped_run_of_the_same_config(tmp_path)
   assert len(stale.read_text().splitlines()) == 3
 
 
+def test_a_resume_ignores_the_grid_and_a_projection_again_ignores_where_acceptance_is_read():
+  old = json.loads(json.dumps(compile_tpu.get_config().to_dict()))
+  new = copy.deepcopy(old)
+  new["runs"] = new["runs"][:1]
+  new["acceptance"] = "elsewhere/results.json"
+  new["drafters"][0]["acceptance_of"] = "another_method"
+  name = new["drafters"][0]["name"]
+  assert compile_for.config_differences(old, new) == ["acceptance", "runs", f"drafters.{name}"]
+  # a resume keeps the acceptance (a drafter's gamma, so its programs, come from it); a reprojection keeps the grid
+  assert compile_for.config_differences(old, new, compile_for.GRID_KEYS) == ["acceptance", f"drafters.{name}"]
+  assert compile_for.config_differences(old, new, compile_for.ACCEPTANCE_KEYS,
+                                        compile_for.DRAFTER_ACCEPTANCE_KEYS) == ["runs"]
+
+
 @pytest.mark.tpu_compile
 def test_a_topology_gives_its_devices_and_the_chips_published_figures(libtpu):
   target = compile_for.tpu_target("v2:2x2", 2, 4)  # Colab's v2-8: 4 chips of 2 TensorCores, one device each
