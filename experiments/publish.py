@@ -380,6 +380,20 @@ def describe_compiled(results: dict[str, Any]) -> str:
           f"{counts['compiled']} compiled, {counts['does_not_fit']} do not fit, {counts['failed']} failed")
 
 
+def compile_run_line(run: Run, prefix: str) -> str:
+  """A compile_for run: its commit, time and what it compiled. A run resumed from the records of stopped sittings
+  (compile_for.compile_log) measured wall and CPU time in its last sitting only: its line gives the compile time
+  summed over all its programs instead."""
+  r = run.results
+  cores = r["machine"]["cores"]
+  took = (f"{r['compile_seconds'] / 3600:.1f} h of compiling summed over its programs, in sittings resumed from its "
+          f"records, on {cores} shared cores" if r.get("resumed_records") else
+          f"{r['cpu_seconds'] / 60:.0f} min of CPU time and {r['wall_seconds'] / 60:.0f} min wall on {cores} shared "
+          "cores")
+  return (f"{_link(run, prefix)} (commit {run.commit}, {run.date()} UTC, {took}"
+          + (f", libtpu {r['libtpu']}" if r.get("libtpu") else "") + f"): {describe_compiled(r)}.")
+
+
 def largest_programs_table(results: dict[str, Any]) -> str | None:
   """Per model and topology, the compiled program a user runs (not the loop-free steps) that takes the most HBM per
   chip; None where a run built such programs for one model and topology or none."""
@@ -688,11 +702,8 @@ def tpu_compile_block(runs: Runs, prefix: str) -> str:
                     key=lambda r: r.started)
   lines = []
   for run in compiled:
-    r = run.results
-    lines.append(f"{_link(run, prefix)} (commit {run.commit}, {run.date()} UTC, {r['cpu_seconds'] / 60:.0f} min of CPU "
-                 f"time and {r['wall_seconds'] / 60:.0f} min wall on {r['machine']['cores']} shared cores"
-                 + (f", libtpu {r['libtpu']}" if r.get("libtpu") else "") + f"): {describe_compiled(r)}.")
-    table = largest_programs_table(r)
+    lines.append(compile_run_line(run, prefix))
+    table = largest_programs_table(run.results)
     if table:
       lines.append(f"The programs a user runs in `{run.folder}`, the largest of each model and topology:\n\n{table}")
   default = runs.get("tpu_compile")

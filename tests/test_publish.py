@@ -287,3 +287,18 @@ def test_the_largest_program_a_user_runs_is_named_per_model_and_topology():
   # The loop-free steps are not a user's program; a program that does not fit is counted, never the largest.
   assert rows == ["| m | v5e:2x4 | 2 x 4 | 1 of 1 | prefill | 1.00 | 6% |",
                   "| m | v6e:2x4 | 2 x 4 | 2 of 3 | autoregressive | 3.00 | 19% |"]
+
+
+def test_a_compile_run_resumed_from_its_records_gives_its_programs_compile_time_not_its_last_sittings():
+  records = [{"model": "m", "topology": "v5e:2x4", "status": "compiled", "seconds": 1800.0}] * 3
+  results = {"name": "c", "records": records, "compile_seconds": 5400.0, "cpu_seconds": 600.0, "wall_seconds": 1200.0,
+             "machine": {"cores": 2}, "libtpu": "0.1", "resumed_records": 0}
+  run = publish.Run(folder="c", path=pathlib.Path("c"), heading="c", started=publish._utc("2026-12-05 10:00"),
+                    commit="abc1234", backend=None, results=results)
+  assert publish.compile_run_line(run, "../results/") == (
+      "[`c`](../results/c/RUN.md) (commit abc1234, 2026-12-05 10:00 UTC, 10 min of CPU time and 20 min wall on 2 "
+      "shared cores, libtpu 0.1): 3 programs of m for v5e:2x4, compiled without the devices: 3 compiled, 0 do not "
+      "fit, 0 failed.")
+  results["resumed_records"] = 2
+  assert "(commit abc1234, 2026-12-05 10:00 UTC, 1.5 h of compiling summed over its programs, in sittings resumed " \
+         "from its records, on 2 shared cores, libtpu 0.1)" in publish.compile_run_line(run, "../results/")
