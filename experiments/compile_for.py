@@ -1099,7 +1099,8 @@ def run_md(results: dict) -> str:
       f"- {len(results['records'])} programs: {counts['compiled']} compiled, {counts['does_not_fit']} do not fit in "
       f"HBM, {counts['failed']} failed"
       + (f" ({results['resumed_records']} of them compiled before a restart: their time is not in the wall and CPU "
-         "time above)." if results.get("resumed_records") else "."),
+         f"time above; the compile times of all {len(results['records'])} sum to "
+         f"{results['compile_seconds'] / 60:.1f} min)." if results.get("resumed_records") else "."),
       coverage_line(results)]
       + ([f"- projections derived again on {results['projected']} UTC from the compiled costs, at the acceptance "
           f"files as they were then (`python -m experiments.compile_for --render=<this folder>`; with `--config=`, at "

@@ -386,7 +386,7 @@ def compile_run_line(run: Run, prefix: str) -> str:
   summed over all its programs instead."""
   r = run.results
   cores = r["machine"]["cores"]
-  took = (f"{r['compile_seconds'] / 3600:.1f} h of compiling summed over its programs, in sittings resumed from its "
+  took = (f"{r['compile_seconds'] / 60:.0f} min of compiling summed over its programs, in sittings resumed from its "
           f"records, on {cores} shared cores" if r.get("resumed_records") else
           f"{r['cpu_seconds'] / 60:.0f} min of CPU time and {r['wall_seconds'] / 60:.0f} min wall on {cores} shared "
           "cores")

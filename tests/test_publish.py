@@ -300,5 +300,5 @@ def test_a_compile_run_resumed_from_its_records_gives_its_programs_compile_time_
       "shared cores, libtpu 0.1): 3 programs of m for v5e:2x4, compiled without the devices: 3 compiled, 0 do not "
       "fit, 0 failed.")
   results["resumed_records"] = 2
-  assert "(commit abc1234, 2026-12-05 10:00 UTC, 1.5 h of compiling summed over its programs, in sittings resumed " \
+  assert "(commit abc1234, 2026-12-05 10:00 UTC, 90 min of compiling summed over its programs, in sittings resumed " \
          "from its records, on 2 shared cores, libtpu 0.1)" in publish.compile_run_line(run, "../results/")

@@ -337,7 +337,11 @@ def test_a_run_writes_its_results_tables_plot_and_run_record(tmp_path, monkeypat
   tau = compile_for.measured_acceptance(config.acceptance)["mtp_parallel"]["tau"]
   assert results["projections"][0]["projected_speedup"] == pytest.approx(tau * 1e-3 / (0.1e-3 + 1e-3))
   assert "python -m experiments.compile_for --config=x" in run_md
-  assert "7 programs: 6 compiled, 1 do not fit in HBM, 0 failed" in run_md
+  assert "7 programs: 6 compiled, 1 do not fit in HBM, 0 failed." in run_md
+  # a run resumed from a stopped run's records: wall and CPU time are its last sitting's; the compile times are all
+  assert ("7 programs: 6 compiled, 1 do not fit in HBM, 0 failed (2 of them compiled before a restart: their time is "
+          "not in the wall and CPU time above; the compile times of all 7 sum to 1.1 min).") in compile_for.run_md(
+              dict(results, resumed_records=2))
   assert ("- coverage: 2 programs a user runs that the grid asks for were not built: m v5e:2x4 speculative heads "
           "tree 16, m v5e:2x4 speculative heads tree 32.") in run_md
   # A run of configs/trees.py measured afterwards: --render projects the tree from the compiled costs again.
