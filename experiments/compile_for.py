@@ -613,7 +613,7 @@ def blocks(config: ml_collections.ConfigDict) -> list[tuple[str, tuple[str, int,
       unknown = sorted(set(block.get(field, ())) - set(known))
       if unknown:
         raise ValueError(f"runs: unknown {field} {unknown}; known: {known}")
-    sizes = tuple(block.get("tree_nodes", config.tree_nodes))
+    sizes = tuple(block.get("tree_nodes", config.get("tree_nodes", ())))  # a config from before trees: none
     if not all(isinstance(n, int) and n >= 1 for n in sizes):
       raise ValueError(f"runs: tree_nodes are positive integers (a tree's nodes), got {sizes}")
     for m in block["models"]:
@@ -912,12 +912,12 @@ def markdown(results: dict) -> str:
 
 
 def plot(results: dict, path: str) -> None:
-  """HBM per device of every compiled whole program (left) and the projected speedups, drafter by model and topology
-  (right)."""
+  """HBM per chip of every whole program, program by model and topology (left), and where the run projects any, the
+  projected speedups, drafter by model and topology (right)."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  records = [r for r in results["records"] if r["kind"] != "steps" and r["status"] == "compiled"]
+  user = [r for r in results["records"] if r["kind"] != "steps"]
   projected = results["projections"]
 
   def label(p):  # a drafter's chain, or its tree of N nodes
@@ -926,16 +926,33 @@ def plot(results: dict, path: str) -> None:
   drafters = sorted(dict.fromkeys(label(p) for p in projected),
                     key=lambda name: (order.get(name.split(" ")[0], len(order)), name))
   columns = list(dict.fromkeys(f"{p['model']}\n{p['topology']}" for p in projected))
-  rows = max(len(records), len(drafters), 2)
-  fig, (left, right) = plt.subplots(1, 2, figsize=(15, 1.5 + 0.45 * rows), gridspec_kw={"width_ratios": [2, 3]})
-  left.barh(range(len(records)), [r["hbm_fraction"] for r in records], color="tab:blue")
-  left.axvline(1.0, color="black", linewidth=0.8)
-  left.set_xlim(0, max([1.05] + [r["hbm_fraction"] * 1.05 for r in records]))
-  left.set_yticks(range(len(records)), [f"{r['model']} {r['topology']}\n{_program_label(r)}" for r in records],
-                  fontsize=7)
-  left.invert_yaxis()
-  left.set_xlabel("bytes per device / HBM per device")
-  left.set_title("memory of each compiled program")
+  programs = list(dict.fromkeys(_program_label(r) for r in user))
+  targets = list(dict.fromkeys(f"{r['model']}\n{r['topology']}" for r in user))
+  rows = max(len(programs), len(drafters), 2)
+  widths = [1.2 * len(targets) + 4] + ([1.2 * len(columns) + 4] if projected else [])
+  fig, axes = plt.subplots(1, len(widths), figsize=(sum(widths), 1.5 + 0.35 * rows), squeeze=False,
+                           gridspec_kw={"width_ratios": widths})
+  left = axes[0][0]
+  memory = np.full((len(programs), len(targets)), np.nan)
+  for r in user:
+    i, j = programs.index(_program_label(r)), targets.index(f"{r['model']}\n{r['topology']}")
+    if r["status"] == "compiled":
+      memory[i, j] = r["hbm_fraction"]
+      text = f"{r['bytes_per_device'] / 2**30:.2f} GiB\n{r['hbm_fraction']:.0%}"
+    else:
+      text = "does not fit" if r["status"] == "does_not_fit" else "failed"
+    left.text(j, i, text, ha="center", va="center", fontsize=6, color="black" if r["status"] == "compiled" else "red")
+  image = left.imshow(memory, cmap="Blues", vmin=0.0, vmax=1.0, aspect="auto")
+  left.set_xticks(range(len(targets)), targets, fontsize=7)
+  left.set_yticks(range(len(programs)), programs, fontsize=7)
+  fig.colorbar(image, ax=left, label="bytes per chip / HBM per chip")
+  left.set_title("memory per chip of each program a user runs", fontsize=9)
+  if not projected:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return
+  right = axes[0][1]
   grid = np.full((len(drafters), len(columns)), np.nan)
   unmeasured = {}  # (row, column): break-even tau of a round whose tau is not measured (a tree without a run)
   for p in projected:

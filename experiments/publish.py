@@ -401,18 +401,18 @@ def largest_programs_table(results: dict[str, Any]) -> str | None:
   targets = list(dict.fromkeys((r["model"], r["topology"]) for r in user))
   if len(targets) < 2:
     return None
-  rows = ["| model | topology | mesh (data, model) | programs compiled | largest per chip | GiB per chip | of HBM |",
-          "|---|---|---|---:|---|---:|---:|"]
+  rows = ["| model | topology | mesh (data, model) | programs compiled | largest per chip | GiB per chip | of HBM | "
+          "not compiled |", "|---|---|---|---:|---|---:|---:|---|"]
   for model, topology in targets:
     here = [r for r in user if (r["model"], r["topology"]) == (model, topology)]
     compiled = [r for r in here if r["status"] == "compiled"]
     mesh = " x ".join(map(str, here[0]["mesh"]))
-    if not compiled:
-      rows.append(f"| {model} | {topology} | {mesh} | 0 of {len(here)} | – | – | – |")
-      continue
-    big = max(compiled, key=lambda r: r["bytes_per_device"])
-    rows.append(f"| {model} | {topology} | {mesh} | {len(compiled)} of {len(here)} | {_program_label(big)} | "
-                f"{big['bytes_per_device'] / 2**30:.2f} | {big['hbm_fraction']:.0%} |")
+    missed = ", ".join(f"{_program_label(r)} ({r['status'].replace('_', ' ')})" for r in here
+                       if r["status"] != "compiled") or "–"
+    big = max(compiled, key=lambda r: r["bytes_per_device"], default=None)
+    largest = ("– | – | –" if big is None else
+               f"{_program_label(big)} | {big['bytes_per_device'] / 2**30:.2f} | {big['hbm_fraction']:.0%}")
+    rows.append(f"| {model} | {topology} | {mesh} | {len(compiled)} of {len(here)} | {largest} | {missed} |")
   return "\n".join(rows)
 
 

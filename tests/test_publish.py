@@ -285,8 +285,10 @@ def test_the_largest_program_a_user_runs_is_named_per_model_and_topology():
                    record("m", "v6e:2x4", "prefill", 2.0)]
   rows = publish.largest_programs_table({"records": records}).splitlines()[2:]
   # The loop-free steps are not a user's program; a program that does not fit is counted, never the largest.
-  assert rows == ["| m | v5e:2x4 | 2 x 4 | 1 of 1 | prefill | 1.00 | 6% |",
-                  "| m | v6e:2x4 | 2 x 4 | 2 of 3 | autoregressive | 3.00 | 19% |"]
+  assert rows == ["| m | v5e:2x4 | 2 x 4 | 1 of 1 | prefill | 1.00 | 6% | – |",
+                  "| m | v6e:2x4 | 2 x 4 | 2 of 3 | autoregressive | 3.00 | 19% | train (does not fit) |"]
+  failed = publish.largest_programs_table({"records": one + [record("m", "v6e:2x4", "train", 0, "failed")]})
+  assert failed.splitlines()[-1] == "| m | v6e:2x4 | 2 x 4 | 0 of 1 | – | – | – | train (failed) |"
 
 
 def test_a_compile_run_resumed_from_its_records_gives_its_programs_compile_time_not_its_last_sittings():
