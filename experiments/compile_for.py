@@ -830,9 +830,10 @@ def markdown(results: dict) -> str:
   lines += [f"# Compiled without the devices ({results['name']})", "",
             f"{len(records)} programs: {counts['compiled']} compiled, {counts['does_not_fit']} do not fit in HBM, "
             f"{counts['failed']} failed; {results['compile_seconds']:.0f} s compiling, "
-            f"{results['wall_seconds']:.0f} s in all. bf16, batch {results['config']['batch_size']}, cache "
-            f"{results['config']['cache_len']} positions, prompts of {results['config']['prompt_len']} tokens, "
-            f"gamma {results['config']['gamma']}.", ""]
+            + (f"{results['wall_seconds']:.0f} s in the last of the sittings it resumed over (RUN.md)"
+               if results.get("resumed_records") else f"{results['wall_seconds']:.0f} s in all")
+            + f". bf16, batch {results['config']['batch_size']}, cache {results['config']['cache_len']} positions, "
+            f"prompts of {results['config']['prompt_len']} tokens, gamma {results['config']['gamma']}.", ""]
   lines += ["## Programs", "",
             "| model | topology | mesh (data, model) | program | status | compile s | GiB per device | of HBM | "
             "GFLOP per device | GB accessed per device |",

@@ -195,6 +195,11 @@ def test_missing_programs_names_each_program_a_user_runs_that_no_record_built():
   with open(RESULTS) as f:
     published = json.load(f)
   assert compile_for.missing_programs(ml_collections.ConfigDict(published["config"]), published["records"]) == []
+  # A config from before trees (no `tree_nodes`) asks for no trees.
+  before = {k: v for k, v in config.to_dict().items() if k != "tree_nodes"}
+  before["runs"] = [{k: v for k, v in block.items() if k != "tree_nodes"} for block in before["runs"]]
+  chains = [r for r in records[1:] if not r["tree_nodes"]]
+  assert compile_for.missing_programs(ml_collections.ConfigDict(before), chains) == ["smollm2-135m v5e:2x4 prefill"]
 
 
 def test_the_default_grid_projects_every_drafter_on_every_topology():
@@ -337,6 +342,9 @@ def test_a_run_writes_its_results_tables_plot_and_run_record(tmp_path, monkeypat
   tau = compile_for.measured_acceptance(config.acceptance)["mtp_parallel"]["tau"]
   assert results["projections"][0]["projected_speedup"] == pytest.approx(tau * 1e-3 / (0.1e-3 + 1e-3))
   assert "python -m experiments.compile_for --config=x" in run_md
+  assert "6 compiled, 1 do not fit in HBM, 0 failed; 65 s compiling, " in table
+  assert (f" s in the last of the sittings it resumed over (RUN.md). bf16, batch {config.batch_size}, cache "
+          f"{config.cache_len} positions") in compile_for.markdown(dict(results, resumed_records=2))
   assert "7 programs: 6 compiled, 1 do not fit in HBM, 0 failed." in run_md
   # a run resumed from a stopped run's records: wall and CPU time are its last sitting's; the compile times are all
   assert ("7 programs: 6 compiled, 1 do not fit in HBM, 0 failed (2 of them compiled before a restart: their time is "
