@@ -921,61 +921,61 @@ def plot(results: dict, path: str) -> None:
   user = [r for r in results["records"] if r["kind"] != "steps"]
   projected = results["projections"]
 
+  def where(r):  # a record's or a projection's column: its model and topology
+    return f"{r['model']}\n{r['topology']}"
+
   def label(p):  # a drafter's chain, or its tree of N nodes
     return p["drafter"] + (f" tree {p['tree_nodes']}" if p.get("tree_nodes") else "")
   order = {d["name"]: i for i, d in enumerate(results["config"]["drafters"])}
   drafters = sorted(dict.fromkeys(label(p) for p in projected),
                     key=lambda name: (order.get(name.split(" ")[0], len(order)), name))
-  columns = list(dict.fromkeys(f"{p['model']}\n{p['topology']}" for p in projected))
+  columns = list(dict.fromkeys(where(p) for p in projected))
   programs = list(dict.fromkeys(_program_label(r) for r in user))
-  targets = list(dict.fromkeys(f"{r['model']}\n{r['topology']}" for r in user))
-  rows = max(len(programs), len(drafters), 2)
+  targets = list(dict.fromkeys(where(r) for r in user))
   widths = [1.2 * len(targets) + 4] + ([1.2 * len(columns) + 4] if projected else [])
-  fig, axes = plt.subplots(1, len(widths), figsize=(sum(widths), 1.5 + 0.35 * rows), squeeze=False,
-                           gridspec_kw={"width_ratios": widths})
-  left = axes[0][0]
-  memory = np.full((len(programs), len(targets)), np.nan)
+  fig, axes = plt.subplots(1, len(widths), figsize=(sum(widths), 1.5 + 0.35 * max(len(programs), len(drafters), 2)),
+                           squeeze=False, gridspec_kw={"width_ratios": widths})
+  memory = {}
   for r in user:
-    i, j = programs.index(_program_label(r)), targets.index(f"{r['model']}\n{r['topology']}")
     if r["status"] == "compiled":
-      memory[i, j] = r["hbm_fraction"]
-      text = f"{r['bytes_per_device'] / 2**30:.2f} GiB\n{r['hbm_fraction']:.0%}"
+      memory[_program_label(r), where(r)] = (r["hbm_fraction"], f"{r['bytes_per_device'] / 2**30:.2f} GiB\n"
+                                             f"{r['hbm_fraction']:.0%}", {"fontsize": 6})
     else:
-      text = "does not fit" if r["status"] == "does_not_fit" else "failed"
-    left.text(j, i, text, ha="center", va="center", fontsize=6, color="black" if r["status"] == "compiled" else "red")
-  image = left.imshow(memory, cmap="Blues", vmin=0.0, vmax=1.0, aspect="auto")
-  left.set_xticks(range(len(targets)), targets, fontsize=7)
-  left.set_yticks(range(len(programs)), programs, fontsize=7)
-  fig.colorbar(image, ax=left, label="bytes per chip / HBM per chip")
-  left.set_title("memory per chip of each program a user runs", fontsize=9)
-  if not projected:
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return
-  right = axes[0][1]
-  grid = np.full((len(drafters), len(columns)), np.nan)
-  unmeasured = {}  # (row, column): break-even tau of a round whose tau is not measured (a tree without a run)
-  for p in projected:
-    cell = drafters.index(label(p)), columns.index(f"{p['model']}\n{p['topology']}")
-    if p["projected_speedup"] is None:
-      unmeasured[cell] = (p["draft_seconds"] + p["verify_seconds"] + p["update_seconds"]) / p["decode_step_seconds"]
-    else:
-      grid[cell] = p["projected_speedup"]
-  image = right.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=2.0, aspect="auto")
-  for (i, j), value in np.ndenumerate(grid):
-    if not np.isnan(value):
-      right.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7)
-  for (i, j), tau in unmeasured.items():
-    right.text(j, i, f"pays at\ntau > {tau:.2f}", ha="center", va="center", fontsize=6, color="dimgray")
-  right.set_xticks(range(len(columns)), columns, fontsize=7)
-  right.set_yticks(range(len(drafters)), drafters, fontsize=8)
-  fig.colorbar(image, ax=right, label="projected speedup")
-  right.set_title(f"projected speedup (roofline of XLA's counts; tau measured on CPU; grey: tau unmeasured), batch "
-                  f"{results['config']['batch_size']}, cache {results['config']['cache_len']}", fontsize=9)
+      memory[_program_label(r), where(r)] = (None, "does not fit" if r["status"] == "does_not_fit" else "failed",
+                                             {"fontsize": 6, "color": "red"})
+  _grid_panel(fig, axes[0][0], programs, targets, memory, "Blues", 1.0, "bytes per chip / HBM per chip",
+              "memory per chip of each program a user runs", row_fontsize=7)
+  if projected:
+    speedups = {}
+    for p in projected:
+      if p["projected_speedup"] is None:  # tau unmeasured (a tree without a run): the tau from which it pays
+        tau = (p["draft_seconds"] + p["verify_seconds"] + p["update_seconds"]) / p["decode_step_seconds"]
+        speedups[label(p), where(p)] = (None, f"pays at\ntau > {tau:.2f}", {"fontsize": 6, "color": "dimgray"})
+      else:
+        speedups[label(p), where(p)] = (p["projected_speedup"], f"{p['projected_speedup']:.2f}", {"fontsize": 7})
+    _grid_panel(fig, axes[0][1], drafters, columns, speedups, "RdYlGn", 2.0, "projected speedup",
+                f"projected speedup (roofline of XLA's counts; tau measured on CPU; grey: tau unmeasured), batch "
+                f"{results['config']['batch_size']}, cache {results['config']['cache_len']}", row_fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
+
+
+def _grid_panel(fig, ax, rows: list[str], columns: list[str], cells: dict[tuple[str, str], tuple], cmap: str,
+                vmax: float, colorbar: str, title: str, row_fontsize: int) -> None:
+  """A heat map of `rows` by `columns` on `ax`: `cells` maps (row, column) to (value, text, text style); a cell
+  without a value (None) or not in `cells` is left blank."""
+  grid = np.full((len(rows), len(columns)), np.nan)
+  for (row, column), (value, text, style) in cells.items():
+    i, j = rows.index(row), columns.index(column)
+    if value is not None:
+      grid[i, j] = value
+    ax.text(j, i, text, ha="center", va="center", **style)
+  image = ax.imshow(grid, cmap=cmap, vmin=0.0, vmax=vmax, aspect="auto")
+  ax.set_xticks(range(len(columns)), columns, fontsize=7)
+  ax.set_yticks(range(len(rows)), rows, fontsize=row_fontsize)
+  fig.colorbar(image, ax=ax, label=colorbar)
+  ax.set_title(title, fontsize=9)
 
 
 def libtpu_version() -> str | None:
