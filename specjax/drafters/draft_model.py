@@ -193,7 +193,7 @@ def _distilled_options(target_config: ModelConfig, init_layers, draft_vocab) -> 
   init_layers = tuple(int(i) for i in init_layers)
   if not init_layers or min(init_layers) < 0 or max(init_layers) >= target_config.num_layers:
     raise ValueError(f"init_layers must be target layers in [0, {target_config.num_layers}), got {init_layers}")
-  return Options(config=target_config.replace(num_layers=len(init_layers)), init_layers=init_layers,
+  return Options(config=target_config.layers_config(init_layers), init_layers=init_layers,
                  draft_vocab=None if draft_vocab is None else int(draft_vocab))
 
 

@@ -40,14 +40,12 @@ from specjax.config import ModelConfig
 from specjax.drafters import (DraftCost, Drafter, DraftInputs, PromptInfo, RoundResult, draft_head, draft_tokens,
                               draft_tree_tokens)
 from specjax.loading import CheckpointError
-from specjax.model import (attention_block, forward, forward_nodes, init_cache, mlp_block, node_attention_block,
-                           param_shapes)
+from specjax.model import (attention_block, attention_keys, forward, forward_nodes, init_cache, layer_shapes, mlp_block,
+                           mlp_keys, node_attention_block)
 from specjax.sampling import SamplingParams
 
 NAME = "layer_skip"  # an adapter belongs to the layer-skip drafter; its checkpoints carry this name
 SHIPPED_NAME = "exit_adapter"
-ATTENTION = ("attn_norm", "wq", "wk", "wv", "wo")
-MLP = ("mlp_norm", "w_gate", "w_up", "w_down")
 SHIPPED_HINT = ("pass adapter=<checkpoint.safetensors>, adapter='fresh' for a new adapter to train, or "
                 "adapter=None for plain early exit")
 
@@ -67,10 +65,15 @@ class Options:
     return {"exit_layer": self.exit_layer, "mlp": self.mlp, "draft_vocab": self.draft_vocab}
 
 
+def _keys(options: Options) -> tuple[str, ...]:
+  """The adapter's block: a decoder layer's attention arrays, and its MLP's with mlp=True."""
+  return attention_keys(options.config) + (mlp_keys(options.config) if options.mlp else ())
+
+
 def saved_specs(options: Options) -> dict:
   """The adapter's arrays, declared as a decoder layer's are, and the token map of a truncated vocabulary."""
-  block = param_shapes(options.config)["layers"][0]
-  specs = {k: block[k] for k in ATTENTION + (MLP if options.mlp else ())}
+  block = layer_shapes(options.config)
+  specs = {k: block[k] for k in _keys(options)}
   if options.draft_vocab is not None:
     specs["token_map"] = draft_head.head_specs(options.config, options.draft_vocab)["token_map"]
   return specs
@@ -84,7 +87,8 @@ def adapter(params, options: Options, hidden: jax.Array, k_cache: jax.Array, v_c
             positions: jax.Array):
   """g [B, T, D] from h [B, T, D] at positions [B, T], attending to cache slots <= each position after writing
   this call's K/V there. Returns (g, k_cache, v_cache); callers that only fill the cache drop g (XLA prunes it)."""
-  attn, k_cache, v_cache = attention_block(params, hidden, k_cache, v_cache, positions, options.config)
+  attn, k_cache, v_cache = attention_block(params, hidden, k_cache, v_cache, positions, options.config,
+                                           window=options.config.window(options.exit_layer))
   return _output(params, options, hidden, attn), k_cache, v_cache
 
 
@@ -94,7 +98,8 @@ def adapter_nodes(params, options: Options, hidden: jax.Array, k_cache: jax.Arra
   committed[b] and its ancestors' adapter keys and values (`model.node_attention_block`). Returns (g, keys, values
   [B, T, E + 1, KV, hd])."""
   attn, keys, values = node_attention_block(params, hidden, k_cache, v_cache, committed, positions, ancestor_keys,
-                                            ancestor_values, options.config)
+                                            ancestor_values, options.config,
+                                            window=options.config.window(options.exit_layer))
   return _output(params, options, hidden, attn), keys, values
 
 
@@ -180,7 +185,7 @@ def loss(target_params, params, options: Options, batch):
 def fresh_params(model, options: Options, token_map=None) -> dict:
   """A copy of the target's layer k (the first one the draft skips): its attention, and its MLP with mlp=True."""
   layer = model.params["layers"][options.exit_layer]
-  params = {k: jnp.array(layer[k]) for k in ATTENTION + (MLP if options.mlp else ())}
+  params = {k: jnp.array(layer[k]) for k in _keys(options)}
   if options.draft_vocab is not None:
     params["token_map"] = jnp.asarray(token_map, jnp.int32)
   return params

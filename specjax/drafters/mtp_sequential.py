@@ -45,13 +45,14 @@ from specjax.config import ModelConfig
 from specjax import leviathan, ops
 from specjax.drafters import (DraftCost, Drafter, DraftInputs, PromptInfo, Proposal, RoundResult, choose_tokens,
                               confidence, draft_head, draft_tree, keeps)
-from specjax.model import ParamSpec, embed, merge_heads, mlp_block, node_attention_block, qkv, rms_norm
+from specjax.model import (ParamSpec, attend, attention_output, embed, layer_shapes, mlp_block, node_attention_block,
+                           qkv, rms_norm)
 from specjax.sampling import SamplingParams
 
 NAME = "mtp_sequential"
 DEPTH_DECAY = 0.8
 TREES = True  # drafts EAGLE-2's trees (`propose` with `DraftInputs.tree_nodes`)
-BLOCK = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+INPUT = ("fc", "emb_norm", "hidden_norm")  # a module's own arrays before its block (a decoder layer's arrays)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,22 +72,19 @@ class Options:
             "draft_vocab": self.draft_vocab}
 
 
+def block_keys(config: ModelConfig) -> tuple[str, ...]:
+  """A module's block: the arrays of one decoder layer of the target's kind."""
+  return tuple(layer_shapes(config))
+
+
 def saved_specs(options: Options) -> dict:
   c, m = options.config, options.num_modules
-  d, f, h, kv, hd = c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim
+  d = c.hidden_size
   specs = {
       "fc": ParamSpec((m, 2 * d, d), ("stack", "embed", "embed")),
       "emb_norm": ParamSpec((m, d), ("stack", "norm")),
       "hidden_norm": ParamSpec((m, d), ("stack", "norm")),
-      "attn_norm": ParamSpec((m, d), ("stack", "norm")),
-      "wq": ParamSpec((m, d, h, hd), ("stack", "embed", "heads", "head_dim")),
-      "wk": ParamSpec((m, d, kv, hd), ("stack", "embed", "kv_heads", "head_dim")),
-      "wv": ParamSpec((m, d, kv, hd), ("stack", "embed", "kv_heads", "head_dim")),
-      "wo": ParamSpec((m, h, hd, d), ("stack", "heads", "head_dim", "embed")),
-      "mlp_norm": ParamSpec((m, d), ("stack", "norm")),
-      "w_gate": ParamSpec((m, d, f), ("stack", "embed", "mlp")),
-      "w_up": ParamSpec((m, d, f), ("stack", "embed", "mlp")),
-      "w_down": ParamSpec((m, f, d), ("stack", "mlp", "embed")),
+      **{k: ParamSpec((m,) + spec.shape, ("stack",) + spec.axes) for k, spec in layer_shapes(c).items()},
   }
   if len(options.feature_layers) > 1:
     specs["feature_proj"] = ParamSpec((len(options.feature_layers) * d, d), ("embed", "embed"))
@@ -102,8 +100,8 @@ def param_specs(options: Options) -> dict:
 # ------------------------------------------------------------------------------------------- the module
 
 
-def _module(params, m: int) -> dict:
-  return {k: params[k][m] for k in ("fc", "emb_norm", "hidden_norm") + BLOCK}
+def _module(params, m: int, config: ModelConfig) -> dict:
+  return {k: params[k][m] for k in INPUT + block_keys(config)}
 
 
 def features_to_hidden(params, features: jax.Array) -> jax.Array:
@@ -136,16 +134,16 @@ def _run_true(target_params, params, options: Options, state, next_tokens, featu
   """Every module over positions [B, T] with true inputs (tokens after them, target features): writes their
   K/V into the caches; returns (state, module 1's outputs [B, T, D])."""
   config = options.config
-  token_emb = embed(target_params, next_tokens)
+  token_emb = embed(target_params, next_tokens, config)
   hidden = features_to_hidden(params, features).astype(token_emb.dtype)
   k_caches, v_caches, first = [], [], None
   for m in range(options.num_modules):
-    mp = _module(params, m)
+    mp = _module(params, m, config)
     x = module_input(mp, token_emb, hidden, config)
     q, k, v = qkv(mp, x, positions, config)
     k_cache, v_cache = _write(state["k"][m], k, positions), _write(state["v"][m], v, positions)
     if m == 0:  # causal over the committed slots
-      first = finish(mp, x, merge_heads(ops.attention(q, k_cache, v_cache, positions), mp["wo"]), config)
+      first = finish(mp, x, attention_output(mp, attend(q, k_cache, v_cache, positions, config), config), config)
     k_caches.append(k_cache)
     v_caches.append(v_cache)
   return {**state, "k": jnp.stack(k_caches), "v": jnp.stack(v_caches)}, first
@@ -187,18 +185,18 @@ def propose(target_params, params, options: Options, state, inputs: DraftInputs,
   def advance(step, carry):
     token, _, _, hidden, k_all, v_all = carry
     m = 0 if options.recurrent else step - 1
-    mp = _module(params, m)
+    mp = _module(params, m, config)
     position = (p + step - 2)[:, None]  # [B, 1]
-    x = module_input(mp, embed(target_params, token[:, None]), hidden[:, None], config)
+    x = module_input(mp, embed(target_params, token[:, None], config), hidden[:, None], config)
     q_, k, v = qkv(mp, x, position, config)
     k_cache, v_cache = _write(k_all[m], k, position), _write(v_all[m], v, position)
     if options.recurrent:  # committed slots and this round's drafts p..q, all written by this module: causal
-      attn = ops.attention(q_, k_cache, v_cache, position)
+      attn = attend(q_, k_cache, v_cache, position, config)
     else:  # committed slots and this module's own position
       slots = jnp.arange(k_cache.shape[1])[None, None, :]
       own = (slots <= (p - 1)[:, None, None]) | (slots == position[:, :, None])
-      attn = ops.attention(q_, k_cache, v_cache, position, mask=own)
-    hidden = finish(mp, x, merge_heads(attn, mp["wo"]), config)[:, 0]
+      attn = attend(q_, k_cache, v_cache, position, config, mask=own)
+    hidden = finish(mp, x, attention_output(mp, attn, config), config)[:, 0]
     return (*choose(hidden, keys[step - 1]), hidden, k_all.at[m].set(k_cache), v_all.at[m].set(v_cache))
 
   token, q, sure = choose(state["hidden"], keys[0])
@@ -233,8 +231,8 @@ def _propose_tree(target_params, params, options: Options, state, inputs: DraftI
 
   def expand(d, tokens, node):
     m = 0 if options.recurrent else d - 1
-    mp = _module(params, m)
-    x = module_input(mp, embed(target_params, tokens), node["hidden"], config)
+    mp = _module(params, m, config)
+    x = module_input(mp, embed(target_params, tokens, config), node["hidden"], config)
     # Every node sees the committed slots, its ancestors' K/V (none for chained modules: each depth is another
     # module) and its own.
     update, keys, values = node_attention_block(mp, x, state["k"][m], state["v"][m], p - 1,
@@ -273,7 +271,7 @@ def loss(target_params, params, options: Options, batch):
   tokens = batch["tokens"]
   b, t = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
-  token_emb = embed(target_params, draft_head.shifted(tokens, 1)).astype(jnp.float32)
+  token_emb = embed(target_params, draft_head.shifted(tokens, 1), config).astype(jnp.float32)
   hidden0 = features_to_hidden(params, batch["features"].astype(jnp.float32))
   teacher_ids = draft_head.shifted(batch["teacher_ids"], 1)
   teacher_probs = draft_head.shifted(batch["teacher_probs"], 1)
@@ -282,7 +280,7 @@ def loss(target_params, params, options: Options, batch):
 
   def true_keys(m):
     if m not in true_kv:
-      mp = _module(params, m)
+      mp = _module(params, m, config)
       x = module_input(mp, token_emb, hidden0, config)
       true_kv[m] = (x,) + qkv(mp, x, positions, config)
     return true_kv[m]
@@ -291,10 +289,10 @@ def loss(target_params, params, options: Options, batch):
   total, metrics, hidden, drafted = 0.0, {}, None, []
   for k in range(1, options.depth + 1):
     m = 0 if options.recurrent else k - 1
-    mp = _module(params, m)
+    mp = _module(params, m, config)
     x_true, q_true, k_true, v_true = true_keys(m)
     if k == 1:
-      hidden = finish(mp, x_true, merge_heads(ops.attention(q_true, k_true, v_true, positions), mp["wo"]), config)
+      hidden = finish(mp, x_true, attention_output(mp, attend(q_true, k_true, v_true, positions, config), config), config)
     else:
       prev = jnp.pad(hidden[:, :-1], ((0, 0), (1, 0), (0, 0)))  # g^{k-1}_{j-1} at position j
       x = module_input(mp, token_emb, prev, config)
@@ -304,8 +302,8 @@ def loss(target_params, params, options: Options, batch):
       n = len(drafted)
       extra_k = jnp.stack([draft_head.shifted_back(kd, n - 1 - i) for i, (kd, _) in enumerate(drafted)], axis=2)
       extra_v = jnp.stack([draft_head.shifted_back(vd, n - 1 - i) for i, (_, vd) in enumerate(drafted)], axis=2)
-      attn = ops.attention(q, k_true, v_true, positions - (k - 1), extra_keys=extra_k, extra_values=extra_v)
-      hidden = finish(mp, x, merge_heads(attn, mp["wo"]), config)
+      attn = attend(q, k_true, v_true, positions - (k - 1), config, extra_keys=extra_k, extra_values=extra_v)
+      hidden = finish(mp, x, attention_output(mp, attn, config), config)
     valid = target_mask & (slots[None, :] >= k - 1)
     loss_k, top1_k = draft_head.distill_loss(draft_head.logits(target_params, params, hidden, config), teacher_ids,
                                              teacher_probs, valid, params, config.vocab_size)
@@ -324,7 +322,8 @@ def fresh_params(model, options: Options, token_map=None, seed: int = 0) -> dict
   last = model.params["layers"][config.num_layers - 1]
   fc = jnp.concatenate([0.02 * jax.random.normal(key, (m, d, d)), jnp.broadcast_to(jnp.eye(d), (m, d, d))], axis=1)
   params = {"fc": fc.astype(dtype), "emb_norm": jnp.ones((m, d), dtype), "hidden_norm": jnp.ones((m, d), dtype)}
-  params.update({name: jnp.broadcast_to(last[name], (m,) + last[name].shape).astype(dtype) for name in BLOCK})
+  params.update({name: jnp.broadcast_to(last[name], (m,) + last[name].shape).astype(dtype)
+                 for name in block_keys(config)})
   if len(options.feature_layers) > 1:
     n = len(options.feature_layers)
     params["feature_proj"] = (jnp.tile(jnp.eye(d), (n, 1)) / n).astype(dtype)
@@ -372,7 +371,8 @@ def make(model, path: str | None = "default", depth: int = 4, recurrent: bool = 
 def cost(model, options: Options, params) -> DraftCost:
   """A draft step reads one module and the (truncated) head; following a plain step, every module over one
   position (no head)."""
-  module = {k: v[0] for k, v in params.items() if k in BLOCK + ("fc", "emb_norm", "hidden_norm")}
-  modules = {k: v for k, v in params.items() if k in BLOCK + ("fc", "emb_norm", "hidden_norm", "feature_proj")}
+  own = INPUT + block_keys(model.config)
+  module = {k: v[0] for k, v in params.items() if k in own}
+  modules = {k: v for k, v in params.items() if k in own + ("feature_proj",)}
   return DraftCost(step=leviathan.draft_cost(model.params, model.config, (), module, options.draft_vocab),
                    plain_step=leviathan.draft_cost(model.params, model.config, (), modules, head_columns=0))

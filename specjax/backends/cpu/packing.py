@@ -88,9 +88,11 @@ def matmul_panels(x: jax.Array, w: Packed, preferred_element_type=None) -> jax.A
 
 def pack_layer(layer: dict) -> dict:
   """A decoder layer's matrices as `Packed` panels, as decoding reads them: "wqkv" (wq, wk and wv side by side,
-  one product for the three), "wo", "w_gate_up" (w_gate, w_up side by side) and "w_down"; norms as they are."""
+  one product for the three), "wo", "w_gate_up" (w_gate, w_up side by side) and "w_down"; norms and biases as they
+  are."""
   d = layer["wq"].shape[0]
-  packed = {name: w for name, w in layer.items() if w.ndim == 1}  # the norms
+  packed = {name: w for name, w in layer.items()
+            if name not in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}  # norms and biases
   packed["wqkv"] = pack(jnp.concatenate([layer[n].reshape(d, -1) for n in ("wq", "wk", "wv")], axis=1))
   packed["wo"] = pack(layer["wo"], k_dims=2)
   packed["w_gate_up"] = pack(jnp.concatenate([layer["w_gate"], layer["w_up"]], axis=1))
