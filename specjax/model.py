@@ -188,9 +188,7 @@ def attend(q: jax.Array, keys: jax.Array, values: jax.Array, positions: jax.Arra
   starts = None
   if window is not None:
     starts = (positions if query_positions is None else query_positions) - (window - 1)
-  if config.attn_softcap is not None:
-    extra["softcap"] = config.attn_softcap
-  return ops.attention(q, keys, values, positions, starts=starts, **extra)
+  return ops.attention(q, keys, values, positions, starts=starts, softcap=config.attn_softcap, **extra)
 
 
 def attention_output(layer: Params, out: jax.Array, config: ModelConfig) -> jax.Array:

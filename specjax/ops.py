@@ -35,20 +35,25 @@ def matmul(x: jax.Array, w, preferred_element_type=None) -> jax.Array:
 
 def attention(q: jax.Array, keys: jax.Array, values: jax.Array, positions: jax.Array, *, mask: jax.Array | None = None,
               extra_keys: jax.Array | None = None, extra_values: jax.Array | None = None,
-              extra_mask: jax.Array | None = None) -> jax.Array:
+              extra_mask: jax.Array | None = None, starts: jax.Array | None = None,
+              softcap: float | None = None) -> jax.Array:
   """Causal grouped-query attention of queries at per-row positions over a cache; [B, T, H, hd].
 
   q [B, T, H, hd]; keys/values [B, S, KV, hd] (a KV cache, or a sequence's own), H a multiple of KV (grouped-query
   attention, Ainslie et al. 2023: each KV head serves H / KV query heads). The query at positions[b, t] sees slots
-  0..positions[b, t]; of those, only where mask [B, T, S] is True when one is given. extra_keys/values are E more
-  keys and values beside the cache, [B, T, E, KV, hd] per query or [B, E, KV, hd] for every query, seen where
-  extra_mask [B, T, E] is True (always when None): a draft's own keys beside a cache it reads but does not write, a
-  draft tree's block (each node sees its ancestors) beside the committed cache. softmax(q k^T / sqrt(hd)) v
-  (Vaswani et al. 2017), in float32.
+  starts[b, t]..positions[b, t] (starts [B, T] int32; None: 0, the whole prefix; a sliding window of W slots, as
+  Gemma 2/3's and Mistral's local layers see, is starts = positions - W + 1; none when starts > positions); of
+  those, only where mask [B, T, S] is True when one is given. extra_keys/values are E more keys and values beside
+  the cache, [B, T, E, KV, hd] per query or [B, E, KV, hd] for every query, seen where extra_mask [B, T, E] is True
+  (always when None): a draft's own keys beside a cache it reads but does not write, a draft tree's block (each
+  node sees its ancestors) beside the committed cache. softmax(q k^T / sqrt(hd)) v (Vaswani et al. 2017), in
+  float32; with `softcap` c, the scores are c * tanh(score / c) (Gemma 2), which only jnp computes.
 
   The cache and the extra keys are attended apart and merged by their softmax denominators (the online softmax,
   Milakov & Gimelshein 2018; FlashAttention's merge): o = (Z_c o_c + Z_e o_e) / (Z_c + Z_e), Z = sum exp(scores).
-  So the CPU kernel serves the cache part whatever the extra keys, with no mask over the cache.
+  So the CPU kernel serves the cache part whatever the extra keys, with no mask over the cache; it reads only the
+  slots each query sees, so a windowed query costs its window whatever the cache's length. A query that sees no
+  cache slot takes its result from its extra keys.
   """
   if (extra_keys is None) != (extra_values is None):
     raise ValueError("attention takes extra_keys and extra_values together")
@@ -56,27 +61,30 @@ def attention(q: jax.Array, keys: jax.Array, values: jax.Array, positions: jax.A
     raise ValueError("attention takes extra_mask with extra_keys only")
   if q.shape[2] % keys.shape[2]:
     raise ValueError(f"{q.shape[2]} query heads do not share {keys.shape[2]} KV heads evenly")
-  if mask is None and cpu.attention_applies(q, keys, values):
-    kernel = functools.partial(cpu.attention, reference=_cache_attention)
-    out, lse = jax.lax.platform_dependent(q, keys, values, positions, cpu=kernel, default=_cache_attention)
+  if starts is not None and starts.shape != positions.shape:
+    raise ValueError(f"starts {starts.shape} must have the shape of positions {positions.shape}")
+  if mask is None and softcap is None and cpu.attention_applies(q, keys, values):
+    kernel = functools.partial(cpu.attention, reference=_cache_attention)  # starts None: zeros
+    out, lse = jax.lax.platform_dependent(q, keys, values, positions, starts, cpu=kernel, default=_cache_attention)
   else:
-    out, lse = _cache_attention(q, keys, values, positions, mask)
+    out, lse = _cache_attention(q, keys, values, positions, starts, mask, softcap)
   if extra_keys is None:
     return out
-  extra_out, extra_lse = _extra_attention(q, extra_keys, extra_values, extra_mask)
+  extra_out, extra_lse = _extra_attention(q, extra_keys, extra_values, extra_mask, softcap)
   most = jnp.maximum(lse, extra_lse)[..., None]  # [B, T, H, 1]; finite: -1e30 stands for no key seen
   weight, extra_weight = jnp.exp(lse[..., None] - most), jnp.exp(extra_lse[..., None] - most)
   merged = (weight * out.astype(jnp.float32) + extra_weight * extra_out) / (weight + extra_weight)
   return merged.astype(out.dtype)
 
 
-def _scores(q, keys):
-  """q [B, T, H, hd] against keys [B, (T,) S, KV, hd]: float32 scores [B, KV, H / KV, T, S]."""
+def _scores(q, keys, softcap=None):
+  """q [B, T, H, hd] against keys [B, (T,) S, KV, hd]: float32 scores [B, KV, H / KV, T, S] (soft-capped)."""
   b, t, h, hd = q.shape
   kv = keys.shape[-2]
   q = q.reshape(b, t, kv, h // kv, hd)
   spec = "btkgh,bskh->bkgts" if keys.ndim == 4 else "btkgh,btskh->bkgts"
-  return jnp.einsum(spec, q, keys, preferred_element_type=jnp.float32) / np.sqrt(hd)
+  scores = jnp.einsum(spec, q, keys, preferred_element_type=jnp.float32) / np.sqrt(hd)
+  return scores if softcap is None else softcap * jnp.tanh(scores / softcap)
 
 
 def _softmax_out(scores, values, q_shape):
@@ -90,18 +98,22 @@ def _softmax_out(scores, values, q_shape):
   return out, jnp.moveaxis(lse, 3, 1).reshape(b, t, h)
 
 
-def _cache_attention(q, keys, values, positions, mask=None):
-  """The cache part (out, lse): the query at positions[b, t] over slots 0..positions[b, t] (and mask)."""
-  visible = jnp.arange(keys.shape[1])[None, None, :] <= positions[:, :, None]  # [B, T, S]
+def _cache_attention(q, keys, values, positions, starts=None, mask=None, softcap=None):
+  """The cache part (out, lse): the query at positions[b, t] over slots starts[b, t]..positions[b, t] (0.. when
+  starts is None; and mask)."""
+  slots = jnp.arange(keys.shape[1])[None, None, :]
+  visible = slots <= positions[:, :, None]  # [B, T, S]
+  if starts is not None:
+    visible = visible & (slots >= starts[:, :, None])
   if mask is not None:
     visible = visible & mask
-  scores = jnp.where(visible[:, None, None], _scores(q, keys), -1e30)
+  scores = jnp.where(visible[:, None, None], _scores(q, keys, softcap), -1e30)
   return _softmax_out(scores, values, q.shape)
 
 
-def _extra_attention(q, extra_keys, extra_values, extra_mask=None):
+def _extra_attention(q, extra_keys, extra_values, extra_mask=None, softcap=None):
   """The extra part (out float32, lse): every query over its extra keys (where extra_mask)."""
-  scores = _scores(q, extra_keys)
+  scores = _scores(q, extra_keys, softcap)
   if extra_mask is not None:
     scores = jnp.where(extra_mask[:, None, None], scores, -1e30)
   out, lse = _softmax_out(scores, extra_values.astype(jnp.float32), q.shape)

@@ -309,3 +309,211 @@ def test_decode_params_are_packed_once_per_parameter_tree():
                                 np.asarray(model.params["layers"][0]["wo"]))
   drafter = specjax.make_drafter("layer_skip", model, exit_layer=1)
   assert decode_draft_params(drafter) is decode_draft_params(drafter)
+
+
+# Sliding-window attention: a query sees cache slots starts..positions (Gemma 2/3's and Mistral's local layers see
+# the last W, starts = positions - W + 1), and the kernel reads no other slot for it.
+
+
+def _windowed_attention(q, k, v, positions, starts, mask=None, extra_keys=None, extra_values=None, extra_mask=None):
+  """Brute force, float64: each query's softmax over the cache slots starts..positions (where mask allows) and its
+  extra keys (where extra_mask allows); query head i reads KV head i // (H / KV). (out [B, T, H, D], NaN for a query
+  that sees no key; lse [B, T, H] of the cache part, -inf for a query that sees no slot.)"""
+  q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+  positions, starts = np.asarray(positions), np.asarray(starts)
+  b, t, h, d = q.shape
+  s, kv = k.shape[1], k.shape[2]
+  qh = q.reshape(b, t, kv, h // kv, d)
+  scores = np.einsum("btkgd,bskd->btkgs", qh, k) / np.sqrt(d)
+  seen = (np.arange(s) >= starts[..., None]) & (np.arange(s) <= positions[..., None])  # [B, T, S]
+  if mask is not None:
+    seen &= np.asarray(mask)
+  seen = np.broadcast_to(seen[:, :, None, None], scores.shape)
+  values = np.broadcast_to(v[:, None, :, :, None], (b, t, s, kv, h // kv, d))  # [B, T, S, KV, G, D]
+  if extra_keys is not None:
+    ek, ev = np.asarray(extra_keys, np.float64), np.asarray(extra_values, np.float64)
+    if ek.ndim == 4:  # every query's
+      ek, ev = np.broadcast_to(ek[:, None], (b, t) + ek.shape[1:]), np.broadcast_to(ev[:, None], (b, t) + ev.shape[1:])
+    extra_scores = np.einsum("btkgd,btekd->btkge", qh, ek) / np.sqrt(d)
+    extra_seen = np.ones(extra_scores.shape, bool) if extra_mask is None else np.broadcast_to(
+        np.asarray(extra_mask)[:, :, None, None], extra_scores.shape)
+    scores, seen = np.concatenate([scores, extra_scores], -1), np.concatenate([seen, extra_seen], -1)
+    values = np.concatenate([values, np.broadcast_to(ev[:, :, :, :, None], ev.shape[:4] + (h // kv, d))], 2)
+  with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+    most = np.max(np.where(seen, scores, -np.inf), -1, keepdims=True)
+    weights = np.where(seen, np.exp(scores - most), 0.0)
+    out = np.einsum("btkgs,btskgd->btkgd", weights, values) / weights.sum(-1)[..., None]
+    lse = np.log(np.sum(np.where(seen[..., :s], np.exp(scores[..., :s]), 0.0), -1))
+  return out.reshape(b, t, h, d), lse.reshape(b, t, h)
+
+
+def _ranges(rng, b, t, s):
+  """positions [B, T] anywhere in the cache (past either end too) and starts of every kind, in random order: 0, =
+  positions (one slot), > positions (none), a window's positions - W + 1, < 0, anywhere."""
+  positions = rng.integers(-1, s + 3, (b, t))
+  kind = rng.permutation(np.arange(b * t) % 6).reshape(b, t)
+  choices = [np.zeros((b, t), np.int64), positions, positions + rng.integers(1, 4, (b, t)),
+             positions - rng.integers(1, s // 2 + 2, (b, t)) + 1, rng.integers(-3, 0, (b, t)),
+             rng.integers(0, s + 3, (b, t))]
+  starts = np.choose(kind, choices)
+  return jnp.asarray(positions, jnp.int32), jnp.asarray(starts, jnp.int32)
+
+
+def _kernel_attention(q, k, v, positions, starts):
+  """The kernel alone: (out, lse), as `cpu.attention` returns them."""
+  return jax.jit(lambda *a: cpu.attention(*a, reference=None))(q, k, v, positions, starts)
+
+
+@pytest.mark.parametrize("b,t,h,kv,s,d,dtype", [
+    (4, 1, 4, 1, 300, 256, "float32"), (3, 1, 4, 1, 300, 256, "bfloat16"),  # Gemma-3-270M's heads, decode
+    (2, 5, 9, 3, 128, 64, "float32"), (2, 17, 4, 1, 96, 256, "bfloat16"), (1, 16, 32, 2, 50, 96, "float32"),
+    (2, cpu.MAX_QUERY_TOKENS, 4, 1, 140, 256, "float32"), (1, cpu.MAX_QUERY_TOKENS, 8, 2, 80, 32, "bfloat16")])
+def test_windowed_attention_equals_the_reference(b, t, h, kv, s, d, dtype):
+  """The kernel's (out, lse) equal `ops._cache_attention`'s with starts for every query that sees a slot; one that
+  sees none (starts > positions, or a range past the cache's ends) gets zeros and -inf, where the reference's lse
+  is -1e30-like, so that merged with extra keys either weighs 0. A bfloat16 cache is widened exactly: its result is
+  the reference's over the widened cache. A query's result is the same bits alone as in the call."""
+  assert cpu.build()
+  rng = np.random.default_rng(b * 1000 + t * 10 + d)
+  q = jnp.asarray(rng.standard_normal((b, t, h, d), np.float32)).astype(dtype).astype(jnp.float32)
+  k = jnp.asarray(rng.standard_normal((b, s, kv, d), np.float32)).astype(dtype)
+  v = jnp.asarray(rng.standard_normal((b, s, kv, d), np.float32)).astype(dtype)
+  positions, starts = _ranges(rng, b, t, s)
+  out, lse = map(np.asarray, _kernel_attention(q, k, v, positions, starts))
+  want, want_lse = map(np.asarray, jax.jit(ops._cache_attention)(
+      q, k.astype(jnp.float32), v.astype(jnp.float32), positions, starts))
+  clipped = np.clip(np.asarray(positions), -1, s - 1)
+  sees = np.maximum(np.asarray(starts), 0) <= clipped  # [B, T]
+  assert sees.any() and not sees.all()
+  np.testing.assert_allclose(out[sees], want[sees], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(lse[sees], want_lse[sees], rtol=1e-5, atol=1e-5)
+  assert not np.any(out[~sees]) and np.all(np.isneginf(lse[~sees])) and np.all(want_lse[~sees] < -1e29)
+  # Through ops.attention (q in the cache's dtype, as a model passes it): the kernel's result in q's dtype, and
+  # XLA's reference where the kernels are off.
+  fn = lambda q, k, v, p, s: ops.attention(q, k, v, p, starts=s)
+  assert "specjax_decode_attention" in jax.jit(fn).lower(q.astype(dtype), k, v, positions, starts).as_text()
+  got = jax.jit(fn)(q.astype(dtype), k, v, positions, starts)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.asarray(out).astype(dtype)))
+  xla = np.asarray(_xla_attention_with(fn, q, k.astype(jnp.float32), v.astype(jnp.float32), positions, starts))
+  np.testing.assert_allclose(out[sees], xla[sees], rtol=1e-5, atol=1e-5)
+  row, token = b - 1, t // 2
+  alone = _kernel_attention(q[row:row + 1, token:token + 1], k[row:row + 1], v[row:row + 1],
+                            positions[row:row + 1, token:token + 1], starts[row:row + 1, token:token + 1])
+  np.testing.assert_array_equal(np.asarray(alone[0])[0, 0], out[row, token])
+  np.testing.assert_array_equal(np.asarray(alone[1])[0, 0], lse[row, token])
+
+
+def test_starts_none_is_zeros_and_a_full_range():
+  """starts=None, zeros and anything below 0 give the kernel the whole prefix: the same bits."""
+  rng = np.random.default_rng(11)
+  q = jnp.asarray(rng.standard_normal((2, 5, 9, 64), np.float32))
+  k = jnp.asarray(rng.standard_normal((2, 80, 3, 64), np.float32))
+  positions = jnp.asarray(rng.integers(0, 80, (2, 5)), jnp.int32)
+  none = np.asarray(jax.jit(lambda *a: ops.attention(*a))(q, k, k, positions))
+  for starts in (jnp.zeros_like(positions), jnp.full_like(positions, -7)):
+    got = jax.jit(lambda q, k, v, p, s: ops.attention(q, k, v, p, starts=s))(q, k, k, positions, starts)
+    np.testing.assert_array_equal(np.asarray(got), none)
+  with pytest.raises(ValueError, match="shape of positions"):
+    ops.attention(q, k, k, positions, starts=positions[:, :1])
+
+
+@pytest.mark.parametrize("extra", ["per_query", "block"])
+def test_windowed_attention_merges_with_extra_keys(extra):
+  """With extra keys beside the cache (a draft's own, a tree's block under its mask), every query's result is the
+  brute-force softmax over its window and its extra keys, with the kernel and without: a query whose window holds
+  no slot takes its extra keys' result. And the jnp reference with starts (and a mask over the cache, which XLA
+  serves) equals the brute force."""
+  rng = np.random.default_rng(12)
+  b, t, h, kv, s, d, e = 3, 6, 4, 1, 64, 256, 3
+  q = jnp.asarray(rng.standard_normal((b, t, h, d), np.float32))
+  k = jnp.asarray(rng.standard_normal((b, s, kv, d), np.float32))
+  v = jnp.asarray(rng.standard_normal((b, s, kv, d), np.float32))
+  positions, starts = _ranges(rng, b, t, s)
+  if extra == "block":
+    extras = {"extra_keys": jnp.asarray(rng.standard_normal((b, t, kv, d), np.float32)),
+              "extra_values": jnp.asarray(rng.standard_normal((b, t, kv, d), np.float32)),
+              "extra_mask": jnp.asarray(np.tril(rng.random((b, t, t)) < 0.5) | np.eye(t, dtype=bool))}
+  else:
+    extras = {"extra_keys": jnp.asarray(rng.standard_normal((b, t, e, kv, d), np.float32)),
+              "extra_values": jnp.asarray(rng.standard_normal((b, t, e, kv, d), np.float32))}
+  fn = lambda q, k, v, p, s: ops.attention(q, k, v, p, starts=s, **extras)
+  assert "specjax_decode_attention" in jax.jit(fn).lower(q, k, v, positions, starts).as_text()
+  want, _ = _windowed_attention(q, k, v, positions, starts, **extras)
+  np.testing.assert_allclose(np.asarray(jax.jit(fn)(q, k, v, positions, starts)), want, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(_xla_attention_with(fn, q, k, v, positions, starts)), want, rtol=1e-5,
+                             atol=1e-5)
+  mask = jnp.asarray(rng.random((b, t, s)) < 0.7)
+  masked = jax.jit(lambda q, k, v, p, s, m: ops.attention(q, k, v, p, starts=s, mask=m, **extras))
+  assert "specjax_decode_attention" not in masked.lower(q, k, v, positions, starts, mask).as_text()
+  want, _ = _windowed_attention(q, k, v, positions, starts, mask, **extras)
+  np.testing.assert_allclose(np.asarray(masked(q, k, v, positions, starts, mask)), want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_reference_with_starts_is_a_masked_softmax():
+  """`ops._cache_attention` with starts: (out, lse) of the brute-force softmax over starts..positions, for every
+  query that sees a slot."""
+  rng = np.random.default_rng(13)
+  q = jnp.asarray(rng.standard_normal((3, 7, 6, 32), np.float32))
+  k = jnp.asarray(rng.standard_normal((3, 40, 2, 32), np.float32))
+  v = jnp.asarray(rng.standard_normal((3, 40, 2, 32), np.float32))
+  positions, starts = _ranges(rng, 3, 7, 40)
+  out, lse = jax.jit(ops._cache_attention)(q, k, v, positions, starts)
+  want, want_lse = _windowed_attention(q, k, v, positions, starts)
+  sees = np.isfinite(want_lse[..., 0])
+  assert sees.any() and not sees.all()
+  np.testing.assert_allclose(np.asarray(out)[sees], want[sees], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(lse)[sees], want_lse[sees], rtol=1e-5, atol=1e-5)
+
+
+def _xla_attention_with(fn, *args):
+  """fn with the kernels off: XLA's computation."""
+  with cpu.enabled(False):
+    return jax.jit(lambda *a: fn(*a))(*args)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_windowed_attention_never_reads_outside_the_range(dtype):
+  """A query's (out, lse) are the same bits when every cache slot outside its range, and every slot of the other
+  rows, holds NaN or huge keys and values: the kernel reads none of them for it (the other queries of its pass
+  see some of them, so their scores share its vectors: they are masked, never summed)."""
+  assert cpu.build()
+  rng = np.random.default_rng(14)
+  b, t, h, kv, s, d = 2, 5, 4, 1, 64, 256
+  q = jnp.asarray(rng.standard_normal((b, t, h, d), np.float32))
+  k = np.asarray(jnp.asarray(rng.standard_normal((b, s, kv, d), np.float32)).astype(dtype)).astype(np.float32)
+  v = np.asarray(jnp.asarray(rng.standard_normal((b, s, kv, d), np.float32)).astype(dtype)).astype(np.float32)
+  positions = jnp.asarray([[40, 41, 42, 43, 44], [9, 63, 63, 20, 3]], jnp.int32)
+  starts = jnp.asarray([[33, 34, 35, 36, 37], [0, 48, 60, 21, 3]], jnp.int32)  # windows of 8, 16, 4, none, 1
+  cast = lambda a: jnp.asarray(a).astype(dtype)
+  out, lse = map(np.asarray, _kernel_attention(q, cast(k), cast(v), positions, starts))
+  garbage = np.where(np.arange(s)[None, :, None, None] % 2, np.nan, 1e30).astype(np.float32)
+  for row in range(b):
+    for token in range(t):
+      outside = np.ones((b, s), bool)
+      outside[row, max(int(starts[row, token]), 0):int(positions[row, token]) + 1] = False
+      dirty = [cast(np.where(outside[:, :, None, None], garbage, a)) for a in (k, v)]
+      got, got_lse = map(np.asarray, _kernel_attention(q, *dirty, positions, starts))
+      np.testing.assert_array_equal(got[row, token], out[row, token])
+      np.testing.assert_array_equal(got_lse[row, token], lse[row, token])
+  assert not np.any(out[1, 3]) and np.all(np.isneginf(lse[1, 3]))
+
+
+def test_windowed_attention_differentiates():
+  """Gradients through ops.attention with starts (the kernel's forward, the reference's derivatives) equal XLA's,
+  for queries whose windows hold slots and, with extra keys, for one whose window holds none."""
+  rng = np.random.default_rng(15)
+  q = jnp.asarray(rng.standard_normal((2, 4, 4, 32), np.float32))
+  k = jnp.asarray(rng.standard_normal((2, 24, 1, 32), np.float32))
+  v = jnp.asarray(rng.standard_normal((2, 24, 1, 32), np.float32))
+  positions = jnp.asarray([[10, 11, 12, 13], [23, 5, 0, 17]], jnp.int32)
+  starts = jnp.asarray([[4, 5, 6, 7], [20, 0, 0, 12]], jnp.int32)
+  extra_k = jnp.asarray(rng.standard_normal((2, 4, 2, 1, 32), np.float32))
+  for extras, s in (({}, starts), ({"extra_keys": extra_k, "extra_values": extra_k}, starts.at[1, 3].set(19))):
+    loss = lambda q, k, v: jnp.sum(jnp.tanh(ops.attention(q, k, v, positions, starts=s, **extras)) ** 2)
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    assert "specjax_decode_attention" in grad.lower(q, k, v).as_text()
+    got = grad(q, k, v)
+    with cpu.enabled(False):
+      want = jax.jit(jax.grad(lambda *a: loss(*a), argnums=(0, 1, 2)))(q, k, v)
+    for g, w in zip(got, want):
+      np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)

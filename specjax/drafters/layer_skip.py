@@ -9,6 +9,10 @@ and so is the residual stream after layer k: the drafter declares `reuse_layers 
 verification runs layers 0..k-1 only for the last draft token, which the draft never processed (LayerSkip,
 Elhoushi et al. 2024: self-speculation reuses the draft's cache and computation).
 
+`token_map=[...]` reads the exit through the LM head's columns of a truncated draft vocabulary (FR-Spec), as the
+trained drafters may: where the head is most of a step (Gemma 3's 262k tokens), that tells what a draft pays for,
+its layers or its vocabulary. Verification stays over the full vocabulary.
+
 `adapter=...` puts a trained adapter between layer k and the head (Kangaroo-style; `exit_adapter`).
 
 Trees (EAGLE-2's, `draft_tree.grow`): the first step runs the pending token through the draft's layers as a chain's
@@ -23,10 +27,12 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import jax.numpy as jnp
+
 from specjax import leviathan
 from specjax.config import ModelConfig
-from specjax.drafters import (DraftCost, Drafter, DraftInputs, draft_tokens, draft_tree_tokens, exit_adapter,
-                              keep_state, no_state)
+from specjax.drafters import (DraftCost, Drafter, DraftInputs, draft_head, draft_tokens, draft_tree_tokens,
+                              exit_adapter, keep_state, no_state)
 from specjax.model import forward, forward_nodes, init_cache
 from specjax.sampling import SamplingParams
 
@@ -41,22 +47,31 @@ class Options:
 
 def propose(target_params, params, options: Options, state, inputs: DraftInputs, gamma: int,
             sampling: SamplingParams):
+  config, truncated = options.config, "token_map" in params
+
+  def head(hidden):  # the target's head, or its columns of a truncated draft vocabulary (FR-Spec)
+    return draft_head.logits(target_params, params, hidden, config)
+
   def step(cache, tokens, positions):
     # Only the pending token (the last one) is new to the shared cache; the one before it is committed.
-    out = forward(target_params, tokens[:, -1:], cache, positions + tokens.shape[1] - 1, options.config,
-                  layers=options.layers)
-    return out.logits[:, -1], out.hidden[:, -1], out.cache
+    out = forward(target_params, tokens[:, -1:], cache, positions + tokens.shape[1] - 1, config,
+                  layers=options.layers, compute_logits=False)
+    return head(out.hidden[:, -1]), out.hidden[:, -1], out.cache
 
   def expand_step(cache, tokens, committed, positions, ancestors):
-    out = forward_nodes(target_params, tokens, cache, committed, positions, ancestors, options.config,
-                        layers=options.layers)
-    return out.logits, out.cache
+    out = forward_nodes(target_params, tokens, cache, committed, positions, ancestors, config, layers=options.layers,
+                        compute_logits=False)
+    return head(out.hidden), out.cache
 
+  token_map = params.get("token_map")
+  vocab = config.vocab_size if truncated else None
   if inputs.tree_nodes:
-    no_ancestors = init_cache(options.config, inputs.position.shape[0], 0)
-    proposal = draft_tree_tokens(step, expand_step, inputs.target_cache, no_ancestors, inputs, gamma, sampling)
+    no_ancestors = init_cache(config, inputs.position.shape[0], 0)
+    proposal = draft_tree_tokens(step, expand_step, inputs.target_cache, no_ancestors, inputs, gamma, sampling,
+                                 token_map, vocab)
   else:
-    proposal = draft_tokens(step, inputs.target_cache, inputs, gamma, sampling, keep_hidden=is_prefix(options.layers))
+    proposal = draft_tokens(step, inputs.target_cache, inputs, gamma, sampling, token_map, vocab,
+                            keep_hidden=is_prefix(options.layers))
   return proposal._replace(state=state)
 
 
@@ -86,18 +101,26 @@ def make(model, exit_layer: int | None = None, skip_layers=None, adapter: str | 
     if skip_layers is not None:
       raise ValueError("an exit adapter follows the first exit_layer layers; it does not combine with skip_layers")
     return exit_adapter.make(model, adapter, exit_layer=exit_layer, mlp=mlp, token_map=token_map)
-  if mlp is not None or token_map is not None:
-    raise ValueError("mlp and token_map describe an exit adapter: pass adapter='fresh' (or a checkpoint) too")
+  if mlp is not None:
+    raise ValueError("mlp describes an exit adapter: pass adapter='fresh' (or a checkpoint) too")
   layers = draft_layers(model.config.num_layers, exit_layer, skip_layers)
+  params = {}
+  if token_map is not None:  # the exit read through the head's columns of a truncated vocabulary
+    params["token_map"] = jnp.asarray(draft_head.as_token_map(token_map, model.config.vocab_size), jnp.int32)
+    params["head"] = draft_head.head_columns(model.params, model.config, params["token_map"])
+  draft_vocab = None if token_map is None else int(params["token_map"].size)
   return Drafter(name="layer_skip", init=no_state, propose=propose, update=keep_state,
-                 options=Options(config=model.config, layers=layers), params={}, param_specs={},
-                 reuse_layers=len(layers) if is_prefix(layers) else 0, cost=cost(model, layers), trees=TREES)
+                 options=Options(config=model.config, layers=layers), params=params, param_specs={},
+                 reuse_layers=len(layers) if is_prefix(layers) else 0, cost=cost(model, layers, draft_vocab),
+                 trees=TREES)
 
 
-def cost(model, layers: tuple[int, ...]) -> DraftCost:
-  """A draft step reads `layers` and the head; an early exit's layers are reused by verification."""
+def cost(model, layers: tuple[int, ...], draft_vocab: int | None = None) -> DraftCost:
+  """A draft step reads `layers` and the head (its columns of a truncated vocabulary); an early exit's layers are
+  reused by verification."""
   reused = leviathan.draft_cost(model.params, model.config, layers, head_columns=0) if is_prefix(layers) else 0.0
-  return DraftCost(step=leviathan.draft_cost(model.params, model.config, layers), reused=reused)
+  step = leviathan.draft_cost(model.params, model.config, layers, head_columns=draft_vocab)
+  return DraftCost(step=step, reused=reused)
 
 
 # --- Saved skip sets (experiments/layer_skip_search.py searches for them and writes them) ----------------------

@@ -20,8 +20,10 @@
 // batched matrix products that each cost more in overhead than in arithmetic: at batch 8 on SmolLM2 they took
 // half of a decode step. The kernel reads each row's cache once per KV head for up to 16 of the head's queries
 // at a time (one query per vector lane, so scores need no horizontal sums), and only the positions a query may
-// see. Each query's scores, softmax and weighted sum run in an order that does not depend on the other queries
-// of the call, so a verification's logits for a token equal a decode step's for it.
+// see: a query sees a range of slots, starts..positions (a sliding window's last W slots, or the whole prefix),
+// so a windowed query reads W slots whatever the cache's length. Each query's scores, softmax and weighted sum
+// run in an order that does not depend on the other queries of the call, so a verification's logits for a token
+// equal a decode step's for it.
 //
 // Written with GCC/Clang vector extensions (no intrinsics): compiled with -march=native on the machine that
 // runs it.
@@ -172,10 +174,13 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Attention. q [B, T, H, D], k/v cache [B, S, KV, D], positions [B, T] (query t of row b sits at positions[b, t]
-// and sees cache slots 0..positions[b, t]); out [B, T, H, D] and lse [B, T, H], the log of each query's softmax
-// denominator (log sum over its slots of exp(score); -inf when it sees none), so that attention over more keys
-// can be merged with it (Milakov & Gimelshein 2018's online softmax). Head h uses KV head h / (H / KV).
+// Attention. q [B, T, H, D], k/v cache [B, S, KV, D], positions and starts [B, T] (query t of row b sits at
+// positions[b, t] and sees cache slots starts[b, t]..positions[b, t], none when starts > positions); out
+// [B, T, H, D] and lse [B, T, H], the log of each query's softmax denominator (log sum over its slots of
+// exp(score); -inf when it sees none), so that attention over more keys can be merged with it (Milakov &
+// Gimelshein 2018's online softmax). Head h uses KV head h / (H / KV). No slot outside a query's range enters its
+// result: scores of slots only other queries of a pass see are computed in its lane but masked (bitwise), and its
+// values are read over its own range only.
 
 constexpr int64_t kMaxHeadVecs = 16;  // head_dim <= 256
 
@@ -185,6 +190,7 @@ struct Attention {
   const W* k;
   const W* v;
   const int32_t* pos;
+  const int32_t* start;
   float* out;
   float* lse;
   int64_t B, T, H, KV, S, D;
@@ -250,21 +256,36 @@ void ScoreRows(const float* __restrict qt, const W* __restrict krow, int64_t kv_
 }
 
 // o_q = sum over positions s, in order, of weight_q(s) v_s / sums_q for QN queries whose weights are lanes of
-// `weights` ([position][16]), 64 dimensions (4 vectors) at a time: a value row is read once for all of them and
-// their accumulators are independent chains. Positions that all of the queries see go together, then each query
-// alone over the rest of its own: every query sums over exactly its positions, in order, as it would alone.
+// `weights` ([position][16]) and whose positions are [first_q, end_q), 64 dimensions (4 vectors) at a time: a
+// value row is read once for all of them and their accumulators are independent chains. Positions that all of the
+// queries see go together, after each query alone over its own positions before them and before each query alone
+// over its own after them: every query sums over exactly its positions, in order, as it would alone, and reads
+// no value outside them.
 template <typename W, int QN>
-void ValueRows(const float* __restrict weights, const int32_t* visible, const float* sums, const W* vbase,
-               int64_t kv_stride, int64_t D, float* const* out) {
+void ValueRows(const float* __restrict weights, const int32_t* first, const int32_t* end, const float* sums,
+               const W* vbase, int64_t kv_stride, int64_t D, float* const* out) {
   const int64_t vecs = D / 16;
-  int64_t common = visible[0];
-  for (int q = 1; q < QN; ++q) common = visible[q] < common ? visible[q] : common;
+  int64_t common_first = 0, common_end = -1;  // over the queries that see a slot (-1: none yet)
+  for (int q = 0; q < QN; ++q) {
+    if (first[q] >= end[q]) continue;
+    const bool none_yet = common_end < 0;
+    common_first = none_yet || first[q] > common_first ? first[q] : common_first;
+    common_end = none_yet || end[q] < common_end ? end[q] : common_end;
+  }
+  if (common_end < common_first) common_end = common_first;  // none in common: each query alone, before or after
   for (int64_t j0 = 0; j0 < vecs; j0 += 4) {
     const int64_t nv = vecs - j0 < 4 ? vecs - j0 : 4;
     v16 acc[QN][4];
     for (int q = 0; q < QN; ++q)
       for (int j = 0; j < 4; ++j) acc[q][j] = v16{};
-    for (int64_t s = 0; s < common; ++s) {
+    auto alone = [&](int q, int64_t s_begin, int64_t s_end) {
+      for (int64_t s = s_begin; s < s_end; ++s) {
+        const W* vr = vbase + s * kv_stride + 16 * j0;
+        for (int j = 0; j < nv; ++j) acc[q][j] += weights[s * kQueryLanes + q] * LoadW(vr + 16 * j);
+      }
+    };
+    for (int q = 0; q < QN; ++q) alone(q, first[q], end[q] < common_first ? end[q] : common_first);
+    for (int64_t s = common_first; s < common_end; ++s) {
       const W* vr = vbase + s * kv_stride + 16 * j0;
       v16 vv[4];
       for (int j = 0; j < 4; ++j) vv[j] = j < nv ? LoadW(vr + 16 * j) : v16{};
@@ -274,12 +295,10 @@ void ValueRows(const float* __restrict weights, const int32_t* visible, const fl
       }
     }
     for (int q = 0; q < QN; ++q) {
-      for (int64_t s = common; s < visible[q]; ++s) {
-        const W* vr = vbase + s * kv_stride + 16 * j0;
-        for (int j = 0; j < nv; ++j) acc[q][j] += weights[s * kQueryLanes + q] * LoadW(vr + 16 * j);
-      }
-      const float inv = visible[q] ? 1.f / sums[q] : 0.f;
-      for (int j = 0; j < nv; ++j) Store(out[q] + 16 * (j0 + j), acc[q][j] * inv);
+      alone(q, first[q] > common_end ? first[q] : common_end, end[q]);
+      // A query that sees no slot gets zeros (its accumulators took the other queries' common values, weighed 0).
+      const float inv = end[q] > first[q] ? 1.f / sums[q] : 0.f;
+      for (int j = 0; j < nv; ++j) Store(out[q] + 16 * (j0 + j), end[q] > first[q] ? acc[q][j] * inv : v16{});
     }
   }
 }
@@ -295,67 +314,86 @@ inline float* TaskScratch(int64_t floats) {
 }
 
 // One (row, KV head, chunk of tokens): all of its H / KV query heads for tokens [t_begin, t_end), 16 queries at
-// a time, one per vector lane. The keys each query sees are read for all 16 at once (ScoreRows), the softmax
-// runs across the 16 lanes, and the values are read once per kValueQueries queries (ValueRows).
+// a time, one per vector lane. The keys any of the 16 sees are read for all 16 at once (ScoreRows), the softmax
+// runs across the 16 lanes, each over its own range, and the values are read once per kValueQueries queries
+// (ValueRows), each query's over its own range.
 template <typename W>
 void AttendTask(const Attention<W>& a, int64_t b, int64_t kh, int64_t t_begin, int64_t t_end, float* scratch) {
   const int64_t groups = a.H / a.KV;
   const int64_t kv_stride = a.KV * a.D;  // elements between consecutive positions of one head
   const W* kbase = a.k + (b * a.S * a.KV + kh) * a.D;
   const W* vbase = a.v + (b * a.S * a.KV + kh) * a.D;
-  auto visible_of = [&](int64_t t) {
-    const int64_t visible = static_cast<int64_t>(a.pos[b * a.T + t]) + 1;
-    return visible > a.S ? a.S : (visible < 0 ? 0 : visible);
+  // Token t sees slots [first, end): starts..positions clipped to the cache; empty (first = end) when it sees none.
+  auto range_of = [&](int64_t t, int32_t* first, int32_t* end) {
+    const int64_t hi = static_cast<int64_t>(a.pos[b * a.T + t]) + 1;
+    const int64_t lo = a.start[b * a.T + t];
+    const int64_t e = hi > a.S ? a.S : (hi < 0 ? 0 : hi);
+    const int64_t f = lo < 0 ? 0 : (lo > e ? e : lo);
+    *first = static_cast<int32_t>(f), *end = static_cast<int32_t>(e);
   };
   // The task's keys and values come from memory (the weights streamed since evicted them): ask for all of them
   // at once rather than one cache line at a time as the loops reach them.
-  int64_t seen_by_any = 0;
-  for (int64_t t = t_begin; t < t_end; ++t) seen_by_any = visible_of(t) > seen_by_any ? visible_of(t) : seen_by_any;
-  for (int64_t s = 0; s < seen_by_any; ++s)
+  int64_t task_first = a.S, task_end = 0;
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    int32_t f, e;
+    range_of(t, &f, &e);
+    if (f < e) {
+      task_first = f < task_first ? f : task_first;
+      task_end = e > task_end ? e : task_end;
+    }
+  }
+  for (int64_t s = task_first; s < task_end; ++s)
     for (int64_t byte = 0; byte < a.D * static_cast<int64_t>(sizeof(W)); byte += 64) {
       __builtin_prefetch(reinterpret_cast<const char*>(kbase + s * kv_stride) + byte);
       __builtin_prefetch(reinterpret_cast<const char*>(vbase + s * kv_stride) + byte);
     }
   float* qt = scratch;
-  float* sc = scratch + a.D * kQueryLanes;
+  float* sc = scratch + a.D * kQueryLanes;  // [S][16]: slot s's scores at sc + s * 16
   const int64_t queries = (t_end - t_begin) * groups;  // query i: token t_begin + i / groups, head i % groups
   for (int64_t i0 = 0; i0 < queries; i0 += kQueryLanes) {
     const int64_t nq = queries - i0 < kQueryLanes ? queries - i0 : kQueryLanes;
-    int32_t visible[kQueryLanes];
+    int32_t first[kQueryLanes], end[kQueryLanes];
     float* out[kQueryLanes];
     int64_t query_index[kQueryLanes];
-    int64_t most = 0;
+    int64_t lowest = a.S, most = 0;  // the slots any query of the pass sees: [lowest, most)
     for (int64_t l = 0; l < kQueryLanes; ++l) {
       if (l < nq) {
         const int64_t t = t_begin + (i0 + l) / groups, head = kh * groups + (i0 + l) % groups;
         const float* qv = a.q + ((b * a.T + t) * a.H + head) * a.D;
         for (int64_t d = 0; d < a.D; ++d) qt[d * kQueryLanes + l] = qv[d];
-        visible[l] = static_cast<int32_t>(visible_of(t));
+        range_of(t, &first[l], &end[l]);
         query_index[l] = (b * a.T + t) * a.H + head;
         out[l] = a.out + query_index[l] * a.D;
-        most = visible[l] > most ? visible[l] : most;
+        if (first[l] < end[l]) {
+          lowest = first[l] < lowest ? first[l] : lowest;
+          most = end[l] > most ? end[l] : most;
+        }
       } else {
-        visible[l] = 0;  // an unused lane keeps an earlier query (or the scratch's zeros): its scores are masked
+        first[l] = end[l] = 0;  // an unused lane keeps an earlier query (or the scratch's zeros): its scores are masked
       }
     }
-    for (int64_t s0 = 0; s0 < most; s0 += kScoreRows) {
+    for (int64_t s0 = lowest; s0 < most; s0 += kScoreRows) {
       const int64_t n = most - s0 < kScoreRows ? most - s0 : kScoreRows;
       WithConstant<1, 2, 3, 4, 5, 6, 7, 8>(n, [&](auto rows) {
         ScoreRows<W, decltype(rows)::value>(qt, kbase + s0 * kv_stride, kv_stride, a.D, a.scale, sc + s0 * kQueryLanes);
       });
     }
-    // Softmax down each lane: positions a query does not see weigh 0 (a query that sees none gets zeros).
-    i16v limit;
-    std::memcpy(&limit, visible, sizeof(limit));
+    // Softmax down each lane: positions a query does not see weigh 0 (a query that sees none gets zeros). A lane's
+    // total adds exact zeros outside its range, so it equals the total over its range alone.
+    i16v lo, hi;
+    std::memcpy(&lo, first, sizeof(lo));
+    std::memcpy(&hi, end, sizeof(hi));
     v16 best = v16{} - __builtin_inff();
-    for (int64_t s = 0; s < most; ++s) {
+    for (int64_t s = lowest; s < most; ++s) {
+      const i16v seen = (lo <= static_cast<int32_t>(s)) & (hi > static_cast<int32_t>(s));
       const v16 x = Load(sc + s * kQueryLanes);
-      best = Select(limit > static_cast<int32_t>(s), Select(x > best, x, best), best);
+      best = Select(seen, Select(x > best, x, best), best);
     }
-    best = Select(limit > 0, best, v16{});
+    best = Select(hi > lo, best, v16{});
     v16 total = v16{};
-    for (int64_t s = 0; s < most; ++s) {
-      const v16 e = Select(limit > static_cast<int32_t>(s), Exp(Load(sc + s * kQueryLanes) - best), v16{});
+    for (int64_t s = lowest; s < most; ++s) {
+      const i16v seen = (lo <= static_cast<int32_t>(s)) & (hi > static_cast<int32_t>(s));
+      const v16 e = Select(seen, Exp(Load(sc + s * kQueryLanes) - best), v16{});
       Store(sc + s * kQueryLanes, e);
       total += e;
     }
@@ -363,11 +401,12 @@ void AttendTask(const Attention<W>& a, int64_t b, int64_t kh, int64_t t_begin, i
     Store(sums, total);
     Store(bests, best);
     for (int64_t l = 0; l < nq; ++l)
-      a.lse[query_index[l]] = visible[l] ? bests[l] + std::log(sums[l]) : -__builtin_inff();
+      a.lse[query_index[l]] = end[l] > first[l] ? bests[l] + std::log(sums[l]) : -__builtin_inff();
     for (int64_t q0 = 0; q0 < nq; q0 += kValueQueries) {
       const int64_t n = nq - q0 < kValueQueries ? nq - q0 : kValueQueries;
       WithConstant<1, 2, 3, 4, 5, 6>(n, [&](auto count) {
-        ValueRows<W, decltype(count)::value>(sc + q0, visible + q0, sums + q0, vbase, kv_stride, a.D, out + q0);
+        ValueRows<W, decltype(count)::value>(sc + q0, first + q0, end + q0, sums + q0, vbase, kv_stride, a.D,
+                                             out + q0);
       });
     }
   }
@@ -375,18 +414,23 @@ void AttendTask(const Attention<W>& a, int64_t b, int64_t kh, int64_t t_begin, i
 
 template <ffi::DataType WT>
 ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<WT> k, ffi::Buffer<WT> v,
-                         ffi::Buffer<ffi::S32> pos, ffi::ResultBuffer<ffi::F32> out,
+                         ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::S32> start, ffi::ResultBuffer<ffi::F32> out,
                          ffi::ResultBuffer<ffi::F32> lse) {
   using W = ffi::NativeType<WT>;
   const auto qd = q.dimensions();
   const auto kd = k.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || pos.dimensions().size() != 2)
-    return ffi::Error::InvalidArgument("specjax: attention takes q [B,T,H,D], caches [B,S,KV,D], positions [B,T]");
+  if (qd.size() != 4 || kd.size() != 4 || pos.dimensions().size() != 2 || start.dimensions().size() != 2)
+    return ffi::Error::InvalidArgument(
+        "specjax: attention takes q [B,T,H,D], caches [B,S,KV,D], positions and starts [B,T]");
   Attention<W> a;
   a.B = qd[0], a.T = qd[1], a.H = qd[2], a.D = qd[3], a.S = kd[1], a.KV = kd[2];
-  if (kd[0] != a.B || kd[3] != a.D || a.KV == 0 || a.H % a.KV != 0 || a.D % 16 != 0 || a.D > 16 * kMaxHeadVecs)
+  const auto pd = pos.dimensions();
+  const auto sd = start.dimensions();
+  if (kd[0] != a.B || kd[3] != a.D || a.KV == 0 || a.H % a.KV != 0 || a.D % 16 != 0 || a.D > 16 * kMaxHeadVecs ||
+      pd[0] != a.B || pd[1] != a.T || sd[0] != a.B || sd[1] != a.T)
     return ffi::Error::InvalidArgument("specjax: attention shapes do not match");
   a.q = q.typed_data(), a.k = k.typed_data(), a.v = v.typed_data(), a.pos = pos.typed_data();
+  a.start = start.typed_data();
   a.out = out->typed_data(), a.lse = lse->typed_data();
   a.scale = 1.f / __builtin_sqrtf(static_cast<float>(a.D));
   // Tasks are (row, KV head, chunk of tokens). With fewer (row, KV head) pairs than 4 per thread (SmolLM2 at batch
@@ -415,8 +459,8 @@ auto MatmulBinding() {
 template <ffi::DataType WT>
 auto AttentionBinding() {
   return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<WT>>()
-      .template Arg<ffi::Buffer<WT>>().template Arg<ffi::Buffer<ffi::S32>>().template Ret<ffi::Buffer<ffi::F32>>()
-      .template Ret<ffi::Buffer<ffi::F32>>();
+      .template Arg<ffi::Buffer<WT>>().template Arg<ffi::Buffer<ffi::S32>>().template Arg<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::Buffer<ffi::F32>>().template Ret<ffi::Buffer<ffi::F32>>();
 }
 
 }  // namespace

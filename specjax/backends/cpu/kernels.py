@@ -9,8 +9,10 @@ ones, so halving the bytes did not pay. benchmarks/bench_verify.py and bench_aut
 
   packed_matmul(x, w)   x @ w for a weight packed as column panels (`packing.Packed`, packed once when a model is
                         loaded for decoding: `specjax.decoding.decode_params`)
-  attention(q, k_cache, v_cache, positions, reference)   causal grouped-query attention over the cache, and the log
-                        of each query's softmax denominator (attention over more keys merges with it)
+  attention(q, k_cache, v_cache, positions, starts, reference)   causal grouped-query attention over a range of
+                        the cache per query (starts..positions: all of the prefix, or a sliding window, whose query
+                        reads only its window), and the log of each query's softmax denominator (attention over more
+                        keys merges with it)
 
 `specjax.ops` calls them where a program is compiled for a CPU (`jax.lax.platform_dependent`) and all of these
 hold (`matmul_applies`, `attention_applies`); elsewhere it computes the same with jnp:
@@ -211,24 +213,28 @@ def attention_applies(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array) -> b
 
 
 def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
-              reference) -> tuple[jax.Array, jax.Array]:
+              starts: jax.Array | None = None, reference=None) -> tuple[jax.Array, jax.Array]:
   """Causal grouped-query attention of q [B, T, H, D] over caches [B, S, KV, D]: the query at positions[b, t]
-  sees cache slots 0..positions[b, t]. Returns (out [B, T, H, D], lse [B, T, H] float32: the log of the query's
-  softmax denominator, -inf for a query that sees no slot). `reference(q, k_cache, v_cache, positions)` computes
-  the same with XLA; its derivatives are the kernel's."""
+  sees cache slots starts[b, t]..positions[b, t] (starts [B, T]; None: 0), none when starts > positions, and the
+  kernel reads no other slot for it. Returns (out [B, T, H, D], lse [B, T, H] float32: the log of the query's
+  softmax denominator, -inf for a query that sees no slot, whose output is zeros).
+  `reference(q, k_cache, v_cache, positions, starts)` computes the same with XLA; its derivatives are the
+  kernel's."""
   target = _target("attention", k_cache.dtype)
 
   @jax.custom_jvp
-  def kernel(q, k_cache, v_cache, positions):
+  def kernel(q, k_cache, v_cache, positions, starts):
     out = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(q.shape[:3], jnp.float32))
     out, lse = jax.ffi.ffi_call(target, out, vmap_method="sequential")(
-        q.astype(jnp.float32), k_cache, v_cache, positions)
+        q.astype(jnp.float32), k_cache, v_cache, positions, starts)
     return out.astype(q.dtype), lse
 
   @kernel.defjvp
   def kernel_jvp(primals, tangents):
-    positions = primals[3]  # integers: no tangent
-    _, tangent_out = jax.jvp(lambda *a: reference(*a, positions), primals[:3], tangents[:3])
+    positions, starts = primals[3:]  # integers: no tangent
+    _, tangent_out = jax.jvp(lambda *a: reference(*a, positions, starts), primals[:3], tangents[:3])
     return kernel(*primals), tangent_out
 
-  return kernel(q, k_cache, v_cache, positions.astype(jnp.int32))
+  positions = positions.astype(jnp.int32)
+  starts = jnp.zeros_like(positions) if starts is None else jnp.broadcast_to(starts, positions.shape).astype(jnp.int32)
+  return kernel(q, k_cache, v_cache, positions, starts)
