@@ -2,7 +2,9 @@
 
 `Tokenizer` wraps a Hugging Face `tokenizers.Tokenizer` (the Rust backend), the model's Jinja chat
 template and its special token ids. It is built either from a GGUF file's metadata
-(`Tokenizer.from_gguf`) or from a saved Hugging Face tokenizer directory (`Tokenizer.from_hf_dir`).
+(`Tokenizer.from_gguf`: byte-level BPE as in Llama 3 / Qwen / SmolLM, or SentencePiece-style BPE with
+byte fallback as in Llama 2 / Mistral / Gemma) or from a saved Hugging Face tokenizer directory
+(`Tokenizer.from_hf_dir`).
 
 The GGUF path mirrors what `transformers` does for `AutoTokenizer.from_pretrained(..., gguf_file=...)`
 (see `transformers/integrations/gguf/gguf_tokenizer_mapping.py`), so that `encode`, `decode` and
@@ -15,15 +17,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 from datetime import datetime
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import jinja2
 import jinja2.ext
 import jinja2.nodes
+from absl import logging
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 from tokenizers.models import BPE
 
@@ -48,6 +52,23 @@ _END_OF_TURN = (
 
 # GGUF token types (llama.cpp's llama_token_type).
 _CONTROL, _USER_DEFINED = 3, 4
+
+# SentencePiece's word-boundary mark: "▁" stands for a space in a SentencePiece vocabulary.
+_SPIECE_SPACE = "\u2581"
+
+# `general.architecture` values whose SentencePiece vocabulary transformers builds as Gemma's (GemmaTokenizer, with
+# merges in file order) or as Phi-3's (prefix space from a normalizer) rather than as Llama's.
+_GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
+_PHI3_ARCHITECTURES = ("phi3",)
+
+# Named special tokens transformers' tokenizer classes declare by default: made special when the vocabulary has them.
+_DEFAULT_SPECIAL = {
+  "gemma": ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>"),
+  "llama": ("<unk>", "<s>", "</s>"),
+}
+
+# Version of what a cached SentencePiece tokenizer holds; part of the cache key, so bumping it orphans old files.
+_CACHE_FORMAT = 1
 
 # Pre-tokenizer split regexes by `tokenizer.ggml.pre`, as transformers' GGUF converter maps them.
 # Any other value (e.g. SmolLM2's "smollm") keeps the plain GPT-2 ByteLevel regex, as transformers does.
@@ -101,7 +122,8 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 class Tokenizer:
-  """A byte-level BPE tokenizer plus the model's chat template and special token ids.
+  """A BPE tokenizer (byte-level, or SentencePiece-style with byte fallback) plus the model's chat template and
+  special token ids.
 
   Attributes:
     backend: the underlying `tokenizers.Tokenizer`.
@@ -154,8 +176,10 @@ class Tokenizer:
   def from_gguf(cls, reader: gguf.GGUFReader) -> Tokenizer:
     """Build the tokenizer described by a GGUF file's `tokenizer.*` metadata.
 
-    Only byte-level BPE (`tokenizer.ggml.model == "gpt2"`) is supported; SentencePiece ("llama"),
-    unigram ("t5") and other vocabularies raise `TokenizerError`.
+    Byte-level BPE (`tokenizer.ggml.model == "gpt2"`) and SentencePiece BPE with byte fallback ("llama")
+    are supported; unigram ("t5") and other vocabularies raise `TokenizerError`. A SentencePiece file
+    usually lists no merges: deriving them from a large vocabulary takes seconds, so that kind is built
+    once and then read from a cache (`_cached_backend`).
     """
     fields = reader.fields
 
@@ -169,73 +193,57 @@ class Tokenizer:
     model = get("tokenizer.ggml.model")
     if model is None:
       raise TokenizerError("GGUF file has no tokenizer (missing 'tokenizer.ggml.model')")
-    if model != "gpt2":
+    if model not in ("gpt2", "llama"):
       raise TokenizerError(
-        f"unsupported GGUF tokenizer model {model!r}: only byte-level BPE ('gpt2') is supported"
+        f"unsupported GGUF tokenizer model {model!r}: only byte-level BPE ('gpt2') and SentencePiece BPE ('llama') "
+        "are supported"
       )
     tokens = get("tokenizer.ggml.tokens")
     merges = get("tokenizer.ggml.merges")
     if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
       raise TokenizerError("GGUF 'tokenizer.ggml.tokens' is missing or not a list of strings")
-    if not isinstance(merges, list) or not all(isinstance(m, str) and " " in m for m in merges):
+    if (merges is not None or model == "gpt2") and (
+      not isinstance(merges, list) or not all(isinstance(m, str) and " " in m for m in merges)
+    ):
       raise TokenizerError("GGUF 'tokenizer.ggml.merges' is missing or malformed")
     token_types = get("tokenizer.ggml.token_type") or []
     if len(token_types) not in (0, len(tokens)):
       raise TokenizerError("GGUF 'tokenizer.ggml.token_type' does not match the vocabulary size")
 
-    # Vocabulary tokens are spelled in GPT-2's byte alphabet; respell any that are not (HF does the same).
-    alphabet = _bytes_to_unicode()
-    spelled = set(alphabet.values())
-    vocab = {
-      t if set(t) <= spelled else "".join(alphabet[b] for b in t.encode("utf-8")): i for i, t in enumerate(tokens)
-    }
-    try:
-      bpe = BPE(
-        vocab=vocab,
-        merges=[tuple(m.split(" ")) for m in merges],
-        dropout=None,
-        continuing_subword_prefix="",
-        end_of_word_suffix="",
-        fuse_unk=False,
-      )
-    except Exception as e:  # the Rust side raises plain Exceptions for unknown merge tokens etc.
-      raise TokenizerError(f"GGUF BPE vocabulary/merges are inconsistent: {e}") from e
-    backend = Backend(bpe)
-    split = _PRE_TOKENIZER_SPLITS.get(get("tokenizer.ggml.pre"))
-    if split is None:
-      backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    else:
-      backend.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-          pre_tokenizers.Split(Regex(split), behavior="isolated"),
-          pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-      )
-    backend.decoder = decoders.ByteLevel()
-
-    # HF's GPT2Tokenizer registers its default "<|endoftext|>" as special first. When the vocabulary
-    # lacks it, HF appends it as a new id past the model's vocabulary; we deliberately do not.
-    if "<|endoftext|>" in vocab:
-      backend.add_special_tokens([AddedToken("<|endoftext|>", special=True, normalized=False)])
-    # Control tokens stay whole and count as special (skipped on decode); a control token spelled
-    # outside the byte alphabet is a llama.cpp mislabel, so HF (and we) leave it alone.
-    control = [t for t, k in zip(tokens, token_types) if k == _CONTROL and set(t) <= spelled]
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
-    # User-defined tokens (e.g. "<think>") are matched whole but are not special.
-    in_vocab = backend.get_vocab(with_added_tokens=True)
-    user = [t for t, k in zip(tokens, token_types) if k == _USER_DEFINED and t in in_vocab]
-    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
-
     special: dict[str, str | None] = {}
+    special_ids: dict[str, int | None] = {}
     names = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown", "pad_token": "padding"}
     for name, key in names.items():
-      token_id = get(f"tokenizer.ggml.{key}_token_id")
+      token_id = special_ids[name] = get(f"tokenizer.ggml.{key}_token_id")
       if token_id is not None and not 0 <= token_id < len(tokens):
         raise TokenizerError(f"GGUF '{key}' token id {token_id} is outside the vocabulary")
       special[name] = None if token_id is None else tokens[token_id]
-    _add_missing_special(backend, special)
-    add_bos, add_eos = bool(get("tokenizer.ggml.add_bos_token")), bool(get("tokenizer.ggml.add_eos_token"))
-    _set_post_processor(backend, special, add_bos, add_eos)
+    # llama.cpp (and transformers) add bos to a SentencePiece vocabulary whose file does not say otherwise.
+    add_bos = bool(get("tokenizer.ggml.add_bos_token", model == "llama"))
+    add_eos = bool(get("tokenizer.ggml.add_eos_token"))
+    pre = get("tokenizer.ggml.pre")
+
+    def finish(backend: Backend) -> Backend:
+      _add_missing_special(backend, special)
+      _set_post_processor(backend, special, add_bos, add_eos)
+      return backend
+
+    if model == "gpt2":
+      backend = finish(_byte_level_backend(tokens, merges, token_types, pre))
+    else:
+      scores = get("tokenizer.ggml.scores")
+      if merges is None and (
+        not isinstance(scores, list) or len(scores) != len(tokens) or not all(isinstance(x, float) for x in scores)
+      ):
+        raise TokenizerError("GGUF 'tokenizer.ggml.scores' is missing or does not match the vocabulary size")
+      architecture = get("general.architecture")
+      metadata = dict(
+        model=model, architecture=architecture, pre=pre, tokens=tokens, scores=scores, token_types=token_types,
+        merges=merges, special_ids=special_ids, add_bos=add_bos, add_eos=add_eos,
+      )  # fmt: skip
+      backend = _cached_backend(
+        metadata, lambda: finish(_sentencepiece_backend(tokens, scores, merges, token_types, architecture))
+      )
     extra_stops = [get(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
     return cls(backend, special, get("tokenizer.chat_template"), [i for i in extra_stops if i is not None])
 
@@ -340,6 +348,171 @@ class Tokenizer:
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _byte_level_backend(tokens: list[str], merges: list[str], token_types: list[int], pre: str | None) -> Backend:
+  """GPT-2-style byte-level BPE, as transformers builds it for a GGUF (`byte_level_tokenizer`), with the split regex
+  `pre` names and the file's control and user-defined tokens added."""
+  # Vocabulary tokens are spelled in GPT-2's byte alphabet; respell any that are not (HF does the same).
+  alphabet = _bytes_to_unicode()
+  spelled = set(alphabet.values())
+  vocab = {
+    t if set(t) <= spelled else "".join(alphabet[b] for b in t.encode("utf-8")): i for i, t in enumerate(tokens)
+  }
+  try:
+    bpe = BPE(
+      vocab=vocab,
+      merges=[tuple(m.split(" ")) for m in merges],
+      dropout=None,
+      continuing_subword_prefix="",
+      end_of_word_suffix="",
+      fuse_unk=False,
+    )
+  except Exception as e:  # the Rust side raises plain Exceptions for unknown merge tokens etc.
+    raise TokenizerError(f"GGUF BPE vocabulary/merges are inconsistent: {e}") from e
+  backend = Backend(bpe)
+  split = _PRE_TOKENIZER_SPLITS.get(pre)
+  if split is None:
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  else:
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+      [
+        pre_tokenizers.Split(Regex(split), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+      ]
+    )
+  backend.decoder = decoders.ByteLevel()
+
+  # HF's GPT2Tokenizer registers its default "<|endoftext|>" as special first. When the vocabulary
+  # lacks it, HF appends it as a new id past the model's vocabulary; we deliberately do not.
+  if "<|endoftext|>" in vocab:
+    backend.add_special_tokens([AddedToken("<|endoftext|>", special=True, normalized=False)])
+  # A control token spelled outside the byte alphabet is a llama.cpp mislabel, so HF (and we) leave it alone.
+  _add_gguf_tokens(backend, tokens, token_types, control_ok=lambda t: set(t) <= spelled)
+  return backend
+
+
+def _sentencepiece_backend(
+  tokens: list[str],
+  scores: list[float] | None,
+  merges: list[str] | None,
+  token_types: list[int],
+  architecture: str | None,
+) -> Backend:
+  """SentencePiece BPE with byte fallback ("<0x41>" tokens), as transformers builds it for a GGUF whose
+  `tokenizer.ggml.model` is "llama" (`sentencepiece_tokenizer`, `gemma_tokenizer`, `phi3_tokenizer`): the
+  vocabulary as the file spells it, the file's merges or ones derived from the vocabulary, spaces written as "▁",
+  and the file's control and user-defined tokens added.
+
+  The architecture picks the variant transformers picks: Gemma's (spaces replaced by a normalizer, no prefix
+  space), Phi-3's (a normalizer that also prepends "▁") or Llama's (a `Metaspace` pre-tokenizer that prepends "▁"
+  to the first word only, stripped again on decode). The file's `add_space_prefix` flag is ignored, as
+  transformers ignores it.
+  """
+  gemma = architecture in _GEMMA_ARCHITECTURES
+  spelled = tokens
+  if gemma:
+    # Gemma files spell a token of two or more spaces with real spaces, where the text is looked up with "▁"s.
+    spelled = [_SPIECE_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+  vocab = {t: i for i, t in enumerate(spelled)}
+  if merges is not None:
+    pairs = [tuple(m.split(" ")) for m in merges]
+  elif gemma:  # Gemma's scores do not follow its merge order; the order of its tokens does
+    pairs = _derive_merges(vocab, {t: -i for i, t in enumerate(spelled)})
+  else:
+    pairs = _derive_merges(vocab, dict(zip(spelled, scores or ())))
+  try:
+    # Gemma's unk token is GemmaTokenizer's default; LlamaTokenizer gives its BPE none (byte fallback covers all).
+    bpe = BPE(
+      vocab=vocab, merges=pairs, dropout=None, fuse_unk=True, byte_fallback=True, unk_token="<unk>" if gemma else None
+    )
+  except Exception as e:
+    raise TokenizerError(f"GGUF SentencePiece vocabulary/merges are inconsistent: {e}") from e
+  backend = Backend(bpe)
+  to_text = [decoders.Replace(_SPIECE_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+  if gemma:
+    backend.normalizer = normalizers.Replace(" ", _SPIECE_SPACE)
+    backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    backend.decoder = decoders.Sequence(to_text)
+  else:
+    if architecture in _PHI3_ARCHITECTURES:
+      backend.normalizer = normalizers.Sequence(
+        [normalizers.Prepend(_SPIECE_SPACE), normalizers.Replace(" ", _SPIECE_SPACE)]
+      )
+    else:
+      backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement=_SPIECE_SPACE, prepend_scheme="first", split=False)
+    backend.decoder = decoders.Sequence([*to_text, decoders.Strip(" ", 1, 0)])
+
+  defaults = [t for t in _DEFAULT_SPECIAL["gemma" if gemma else "llama"] if t in vocab]
+  backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in defaults])
+  _add_gguf_tokens(backend, tokens, token_types)
+  return backend
+
+
+def _derive_merges(vocab: dict[str, int], ranks: dict[str, float]) -> list[tuple[str, str]]:
+  """The merges a BPE vocabulary implies, best first, as transformers derives them (`generate_merges`).
+
+  Each token of `ranks` contributes every split of it into two vocabulary tokens (in id order of the two halves);
+  merges are ordered by the rank of the token they make (higher first), then by the lengths of their halves
+  (longer first), ties keeping that order.
+  """
+  merges = []
+  for token, rank in ranks.items():
+    local = [(token[:k], token[k:], rank) for k in range(1, len(token)) if token[:k] in vocab and token[k:] in vocab]
+    if len(local) > 1:
+      local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+    merges.extend(local)
+  merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+  return [(left, right) for left, right, _ in merges]
+
+
+def _add_gguf_tokens(
+  backend: Backend, tokens: list[str], token_types: list[int], control_ok: Callable[[str], bool] = lambda t: True
+) -> None:
+  """Add the file's control tokens as special (kept whole, skipped on decode) and its user-defined tokens (e.g.
+  "<think>") as plain added tokens (kept whole), as transformers' `add_gguf_special_tokens` does."""
+  control = [t for t, k in zip(tokens, token_types) if k == _CONTROL and control_ok(t)]
+  backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+  # A user-defined token the vocabulary spells otherwise (Gemma's runs of spaces) is left out, as HF leaves it out.
+  in_vocab = backend.get_vocab(with_added_tokens=True)
+  user = [t for t, k in zip(tokens, token_types) if k == _USER_DEFINED and t in in_vocab]
+  backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+
+
+def _cache_dir() -> str:
+  """Where specjax keeps what it builds once: $SPECJAX_CACHE, else ~/.cache/specjax."""
+  return os.environ.get("SPECJAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specjax")
+
+
+def _cached_backend(metadata: dict[str, Any], build: Callable[[], Backend]) -> Backend:
+  """`build()`, saved as a tokenizer.json in `_cache_dir()` under a hash of `metadata` (everything the build reads)
+  and `_CACHE_FORMAT`, and read back from there by later calls.
+
+  The file is written atomically (a temporary file renamed over it), so a concurrent or killed build never leaves
+  a partial one; a file that does not load is rebuilt and replaced; a cache that cannot be written costs the next
+  call a rebuild, with a warning.
+  """
+  payload = json.dumps([_CACHE_FORMAT, metadata], ensure_ascii=False, sort_keys=True)
+  path = os.path.join(_cache_dir(), f"tokenizer-{hashlib.sha256(payload.encode('utf-8')).hexdigest()[:32]}.json")
+  if os.path.exists(path):
+    try:
+      return Backend.from_file(path)
+    except Exception as e:  # truncated or garbled by something other than us: rebuild it
+      logging.warning("specjax.tokenizer: rebuilding the cached tokenizer %s, which does not load: %s", path, e)
+  backend = build()
+  try:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tokenizer-", suffix=".tmp", dir=os.path.dirname(path))
+    try:
+      with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(backend.to_str())
+      os.replace(tmp, path)
+    finally:
+      if os.path.exists(tmp):
+        os.remove(tmp)
+  except OSError as e:
+    logging.warning("specjax.tokenizer: cannot cache the tokenizer in %s: %s", path, e)
+  return backend
 
 
 def _add_missing_special(backend: Backend, special: dict[str, str | None]) -> None:

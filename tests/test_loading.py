@@ -171,10 +171,10 @@ def test_hf_dir_missing_a_tensor(tiny_dir, tmp_path):
 
 
 @pytest.mark.parametrize("change, match", [
-    ({"attention_bias": True}, "attention_bias / mlp_bias are not supported"),
-    ({"mlp_bias": True}, "attention_bias / mlp_bias are not supported"),
+    ({"attention_bias": True}, "attention_bias=True is not supported for llama"),
+    ({"mlp_bias": True}, "mlp_bias=True is not supported"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}}, "unsupported rope_scaling type"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}}, "unsupported rope scaling 'yarn'"),
 ], ids=["attention_bias", "mlp_bias", "gelu", "yarn"])
 def test_hf_config_features_the_model_lacks(change, match, tiny_dir, tmp_path):
   path = tmp_path / "variant"

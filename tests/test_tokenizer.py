@@ -301,7 +301,6 @@ def test_synthetic_gguf_matches_hf(tmp_path):
 @pytest.mark.parametrize(
   "kwargs, match",
   [
-    (dict(model="llama"), "unsupported GGUF tokenizer model 'llama'"),
     (dict(model="t5"), "unsupported GGUF tokenizer model 't5'"),
     (dict(tokens=False), "tokenizer.ggml.tokens"),
     (dict(merges=["x y z w"]), "merges"),
