@@ -36,8 +36,8 @@ def probabilities(logits: jax.Array, params: SamplingParams) -> jax.Array:
   """float32 probabilities [..., V] after temperature, top-k and top-p. Not for greedy params."""
   logits = logits.astype(jnp.float32) / params.temperature
   if params.top_k:
-    # top_k past the vocabulary keeps every token (as HF's TopKLogitsWarper does) instead of failing in lax.top_k.
-    kth = jax.lax.top_k(logits, min(params.top_k, logits.shape[-1]))[0][..., -1:]
+    # top_k past the vocabulary keeps every token (as HF's TopKLogitsWarper does).
+    kth = kth_largest(logits, min(params.top_k, logits.shape[-1]))
     logits = jnp.where(logits < kth, -jnp.inf, logits)
   if params.top_p < 1.0:
     # Keep the smallest set of most likely tokens whose mass reaches top_p (HF's TopPLogitsWarper rule).
@@ -48,6 +48,25 @@ def probabilities(logits: jax.Array, params: SamplingParams) -> jax.Array:
     cutoff = jnp.take_along_axis(sorted_logits, cutoff_index, axis=-1)
     logits = jnp.where(logits < cutoff, -jnp.inf, logits)
   return jax.nn.softmax(logits, axis=-1)
+
+
+TOP_K_PASSES = 16  # `kth_largest` takes up to this many passes of max; a larger k sorts (lax.top_k)
+
+
+def kth_largest(x: jax.Array, k: int) -> jax.Array:
+  """The k-th largest value over the last axis, counting repeats (lax.top_k(x, k)[0][..., -1:]), [..., 1].
+
+  For the small k of top-k sampling, k passes of max over the values below the last one found: XLA:CPU runs
+  lax.top_k on a row of Gemma's 262,144 logits as a sort (seconds for a batch's rows), a max in one pass. A value
+  seen c times counts c times, so the pass stops moving once the values at or above it number k."""
+  if k > TOP_K_PASSES:
+    return jax.lax.top_k(x, k)[0][..., -1:]
+  kth = jnp.max(x, axis=-1, keepdims=True)
+  for _ in range(k - 1):
+    enough = jnp.sum(x >= kth, axis=-1, keepdims=True) >= k
+    below = jnp.max(jnp.where(x < kth, x, -jnp.inf), axis=-1, keepdims=True)
+    kth = jnp.where(enough, kth, below)
+  return kth
 
 
 def sample_from_probs(key: jax.Array, probs: jax.Array) -> jax.Array:

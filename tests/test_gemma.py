@@ -101,15 +101,16 @@ def test_gemma3_greedy_speculative_equals_autoregressive(name, gemma3, gemma3_re
 
 
 def test_gemma3_speculative_sampling_matches_the_target_distribution(gemma3):
-  """The joint of the first three sampled tokens (top-4, so 64 cells): the first from the prefill, the next two from
-  the first round, drafted by layer skip over a truncated vocabulary (q is zero on odd ids, which only the residual
-  and the bonus token produce). Exact probabilities from the target's own logits; chi-square over 3,000 rows."""
-  import itertools
+  """The joint of the first three sampled tokens (top-2 sampling: 8 cells): the first from the prefill, the next two
+  from the first round, drafted by layer skip over a truncated vocabulary (q is zero on odd ids, which only the
+  residual and the bonus token produce). Exact probabilities from the target's own logits; a chi-square test over
+  400 rows (a 262k-token vocabulary makes each row dear on a CPU: the tiny models' tests take 20k samples and catch
+  planted verifier bugs)."""
+  import jax.numpy as jnp
 
   from specjax.sampling import SamplingParams, probabilities
-  import jax.numpy as jnp
   prompt = gemma3.tokenizer.encode("The weather today is")
-  sampling = SamplingParams(temperature=1.0, top_k=4)
+  sampling = SamplingParams(temperature=1.0, top_k=2)
 
   def probs(prefixes):
     rows = [np.asarray(specjax.logits(gemma3, prompt + list(p)))[-1] for p in prefixes]
@@ -123,15 +124,15 @@ def test_gemma3_speculative_sampling_matches_the_target_distribution(gemma3):
   cells = [(t1, t2, t3) for (t1, t2) in pairs for t3 in np.flatnonzero(p3[(t1, t2)])]
   index = {cell: i for i, cell in enumerate(cells)}
   exact = np.array([p1[a] * p2[a][b] * p3[(a, b)][c] for a, b, c in cells])
-  assert len(cells) == 64 and abs(exact.sum() - 1) < 1e-5
+  assert len(cells) == 8 and abs(exact.sum() - 1) < 1e-5
 
   drafter = specjax.make_drafter("layer_skip", gemma3, exit_layer=12, token_map=list(range(0, 262144, 2)))
   tokens, accepted, rejected = [], 0, 0
-  for seed in range(10):  # 300 rows a run: each holds distributions over 262,144 tokens
-    out = specjax.generate(gemma3, [prompt] * 300, max_new_tokens=3, drafter=drafter, gamma=2, adaptive=False,
-                           temperature=1.0, top_k=4, seed=seed, stop_ids=[], max_len=16)
+  for seed in range(20):  # 20 rows a call: each holds distributions over 262,144 tokens
+    out = specjax.generate(gemma3, [prompt] * 20, max_new_tokens=3, drafter=drafter, gamma=2, adaptive=False,
+                           temperature=1.0, top_k=2, seed=seed, stop_ids=[], max_len=16)
     tokens += out.tokens
     accepted, rejected = accepted + sum(out.stats["accepted_per_row"]), rejected + sum(out.stats["rejections_per_row"])
-  assert accepted >= 300 and rejected >= 300
+  assert accepted >= 50 and rejected >= 50
   samples = np.array([[index[tuple(row)]] for row in tokens])
   assert chi_square_pvalue(samples, exact) > 1e-3

@@ -295,3 +295,13 @@ def test_argmax_is_jnp_argmax_with_ties_and_infinities(vocab):
   assert (got[0, 0], got[0, 1], got[0, 2], got[1, 1], got[1, 2]) == (7, 0, 10, vocab - 1, vocab - 2)
   logits[1, 0, [3, 40]] = np.nan  # a broken model's logits: still an index in range
   assert 0 <= int(jax.jit(sampling.argmax)(jnp.asarray(logits))[1, 0]) < vocab
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 7, 16, 17])
+def test_kth_largest_is_top_ks_last_value_with_ties(k):
+  """top-k's threshold by passes of max equals lax.top_k's k-th value, repeats counted, infinities included."""
+  values = np.random.default_rng(k).integers(-3, 3, size=(64, 40)).astype(np.float32)  # every row full of ties
+  values[0] = -np.inf
+  values[1, :3] = np.inf
+  expected = jax.lax.top_k(jnp.asarray(values), k)[0][..., -1:]
+  np.testing.assert_array_equal(sampling.kth_largest(jnp.asarray(values), k), expected)
