@@ -82,7 +82,7 @@ def _pooled(records: Sequence[dict], gamma: int) -> dict[str, Any]:
           # Adaptive drafting: rounds by the draft length used (index 0: a plain target step).
           "gamma_histogram": [int(sum(c)) for c in zip(*(r["gamma_histogram"] for r in records))]
           if all(r.get("gamma_histogram") for r in records) else None,
-          "plain_share": plain_share(records), "draft_share": draft_share(records)}
+          "plain_share": plain_share(records), "draft_share": draft_share(records), "tree_share": tree_share(records)}
 
 
 def draft_share(records: Sequence[dict]) -> float | None:
@@ -99,6 +99,30 @@ def plain_share(records: Sequence[dict]) -> float | None:
   rounds = sum(r["target_calls"] - 1 for r in records)
   plain = [r.get("plain_steps") for r in records]
   return sum(plain) / rounds if rounds and None not in plain else None
+
+
+def tree_share(records: Sequence[dict]) -> float | None:
+  """Rounds that drafted a tree over all rounds (None: a call did not count them)."""
+  rounds = sum(r["target_calls"] - 1 for r in records)
+  trees = [r.get("tree_rounds") for r in records]
+  return sum(trees) / rounds if rounds and None not in trees else None
+
+
+def forward_costs_used(records: Sequence[dict]) -> list[dict[str, Any]] | None:
+  """The forward costs f(n) adaptive drafting's plans read in a method's calls (`specjax.generate`'s
+  stats["forward_costs"]: a table's points at the n a plan prices; one per rows of a forward): each with the calls
+  that used it by where it came from ("calibrated", "cached", "typed table"), the most used first; None when no call
+  reports one."""
+  tables: dict[str, dict[str, Any]] = {}
+  for r in records:
+    if r.get("forward_costs") is None:
+      continue
+    table = tables.setdefault(json.dumps(r["forward_costs"]), {"points": r["forward_costs"], "calls": 0,
+                                                                 "sources": {}})
+    table["calls"] += 1
+    source = r.get("forward_costs_source")
+    table["sources"][source] = table["sources"].get(source, 0) + 1
+  return sorted(tables.values(), key=lambda t: -t["calls"]) or None
 
 
 def paired_speedups(records: Sequence[dict], method: str, baseline: str) -> list[float]:
@@ -160,7 +184,8 @@ def summarize(records: Sequence[dict], methods: Sequence[str], baseline: str,
     drafted = gamma is not None and all(r.get("rounds_per_row") is not None for r in rs)
     acceptance = _pooled(rs, gamma) if drafted else {
         "mean_accepted": _median(r["mean_accepted"] for r in rs), "acceptance_rate": None, "alpha": None,
-        "acceptance_per_position": None, "gamma_histogram": None, "plain_share": None, "draft_share": None}
+        "acceptance_per_position": None, "gamma_histogram": None, "plain_share": None, "draft_share": None,
+        "tree_share": None}
     summary[method] = {
         "drafter": meta.get("drafter"), "family": meta.get("family", method), "options": meta.get("options", {}),
         "gamma": gamma, "adaptive": meta.get("adaptive"), "tree_nodes": meta.get("tree_nodes"),
@@ -170,6 +195,7 @@ def summarize(records: Sequence[dict], methods: Sequence[str], baseline: str,
         "speedup_high": interval[1] if interval else None,
         "pairs": len(spread),
         **acceptance,
+        "forward_costs": forward_costs_used(rs),
         "target_calls_per_batch": _median(r["target_calls"] for r in rs),
         "compile_seconds": compile_seconds.get(method),
         "recompiles": sum(r["compile_call_seconds"] is not None for r in rs),
@@ -180,6 +206,13 @@ def summarize(records: Sequence[dict], methods: Sequence[str], baseline: str,
         "batches": len(batches),
         "new_tokens": int(sum(b["new_tokens"] for b in batches.values())),
     }
+    typed = calibrated_pair(method, methods)
+    if typed is not None:  # `X_calibrated` against `X_typed`, call by call (`calibrated_pair`)
+      ratios = paired_speedups(records, method, typed)
+      pair_interval = median_interval(ratios)
+      summary[method]["over_typed"] = {"method": typed, "speedup": _median(ratios), "pairs": len(ratios),
+                                       "low": pair_interval[0] if pair_interval else None,
+                                       "high": pair_interval[1] if pair_interval else None}
     by_category = category_intervals(records, method, baseline)
     per_category[method] = {c: i["median"] for c, i in by_category.items()}
     if method != baseline:
@@ -191,6 +224,15 @@ def summarize(records: Sequence[dict], methods: Sequence[str], baseline: str,
           "category_intervals": intervals,
           "lossless_failures": failures,
           "all_lossless": None if all(v is None for v in lossless.values()) else not failures}
+
+
+def calibrated_pair(method: str, methods: Sequence[str]) -> str | None:
+  """For a method named `X_calibrated` (adaptive drafting with forward costs calibrated for the model it runs,
+  configs/calibrated_costs.py), `X_typed` (the same with the typed table) when the run has it, else None."""
+  if not method.endswith("_calibrated"):
+    return None
+  typed = method[:-len("_calibrated")] + "_typed"
+  return typed if typed in methods else None
 
 
 def add_costs(summary: dict[str, Any], costs: dict[str, Any],
@@ -312,6 +354,31 @@ def adaptive_rounds_table(summary: dict[str, Any]) -> str:
     if not s.get("adaptive") or s.get("plain_share") is None:
       continue
     rows.append(f"| {method} | {s['plain_share']:.0%} | {_fmt(s.get('alpha'), '.3f')} |")
+  return "\n".join(rows) if len(rows) > 2 else ""
+
+
+def _points_text(points: Sequence[Sequence[float]]) -> str:
+  return ", ".join(f"f({int(n)}) {f:.2f}" for n, f in points[1:])
+
+
+def forward_costs_table(summary: dict[str, Any]) -> str:
+  """Per adaptive method: the points of the forward costs f(n) its plans read and where they came from, the rounds
+  by draft length (index 0: no draft verified), the share of tree rounds, its speedup, and for `X_calibrated` beside
+  `X_typed` the paired speedup of the one over the other."""
+  rows = ["| method | f(n) (source: calls) | rounds by draft length | tree rounds | speedup | over typed |",
+          "|---|---|---|---:|---:|---:|"]
+  for method, s in summary["methods"].items():
+    tables = s.get("forward_costs")
+    if not s.get("adaptive") or not tables:
+      continue
+    costs = "; ".join(f"{_points_text(t['points'])} ({', '.join(f'{k}: {v}' for k, v in t['sources'].items())})"
+                      for t in tables)
+    over = s.get("over_typed")
+    versus = "–" if not over or over["speedup"] is None else (
+        f"{over['speedup']:.3f}x" + (f" ({over['low']:.3f}–{over['high']:.3f})" if over["low"] is not None else ""))
+    histogram = " / ".join(map(str, s["gamma_histogram"])) if s.get("gamma_histogram") else "–"
+    rows.append(f"| {method} | {costs} | {histogram} | {_fmt(s.get('tree_share'), '.0%')} | {speedup_text(s)} | "
+                f"{versus} |")
   return "\n".join(rows) if len(rows) > 2 else ""
 
 
@@ -641,6 +708,18 @@ def write(workdir: str, results: dict[str, Any]) -> str:
     lines += ["", "## Adaptive rounds", "",
               "Rounds that did not draft (plain target steps: drafting could not pay) and the acceptance of the "
               "drafts made (pooled over every call):", "", rounds]
+  forward_costs = forward_costs_table(summary)
+  if forward_costs:
+    lines += ["", "## Forward costs", "",
+              "The points of the forward costs f(n) adaptive drafting's plan read (a target forward over n rows, "
+              "batch rows x tokens, over a 1-row one; specjax/calibration.py), where they came from (calibrated: "
+              "measured in that call; cached: measured before, in the run's warmup or an earlier run; typed table: "
+              "`specjax.adaptive.CPU_FORWARD_COSTS` or a method's own), the rounds by the longest draft a row made "
+              "(pooled over every call; the first: rounds that verified no draft, a 1-token target step), the share "
+              "of rounds that drafted a tree, the speedup over the baseline, and for a method `X_calibrated` the "
+              "median of its paired speedups over `X_typed` (the same drafter planning with the typed table, called "
+              "interleaved on the same prompts and repeat) with its 90% interval:", "",
+              forward_costs]
   by_category = category_table(summary)
   if by_category:
     confidence = next(i["confidence"] for per in summary["category_intervals"].values() for i in per.values())

@@ -41,7 +41,11 @@ Adaptive drafting (`config.adaptive`, or a method's own `"adaptive"` key; defaul
 `specjax.generate`): `gamma` is then the most drafts per round, and the summary adds `gamma_histogram` (rounds by
 the draft length used, index 0 a plain target step); with False every round drafts `gamma` tokens. A dict of
 `specjax.AdaptiveDrafting` options instead of True, e.g. `"adaptive": {"optimism": 0.25}`, drafts adaptively with
-those options (results.json keeps them under the method's `adaptive`); an unknown option is an error.
+those options (results.json keeps them under the method's `adaptive`); an unknown option is an error. Each call
+records the forward costs f(n) adaptive drafting planned with and where they came from (`forward_costs`,
+`forward_costs_source`: specjax/calibration.py measures them at a method's first call, its warmup, and caches them),
+and results.md's "Forward costs" table gives them per method beside its rounds by draft length; a method named
+`X_calibrated` is paired call by call with `X_typed` (configs/calibrated_costs.py).
 
 Costs (`config.costs`, experiments/costs.py): after decoding, every drafter's draft cost c and verification cost
 r are measured in compiled loops, interleaved, on a cache of the prompts' typical size, with the bytes each step
@@ -477,6 +481,7 @@ def _record(method: Method, batch: PromptBatch, repeat: int, temperature: float,
       "proposed_per_row": stats.get("proposed_per_row"), "proposed_per_position": stats.get("proposed_per_position"),
       "gamma_histogram": stats.get("gamma_histogram"), "plain_steps": stats.get("plain_steps"),
       "tree_rounds": stats.get("tree_rounds"),
+      "forward_costs": stats.get("forward_costs"), "forward_costs_source": stats.get("forward_costs_source"),
       "compile_call_seconds": compile_call_seconds,
       "matches_baseline": matches, "agreement": agreement}
 

@@ -48,9 +48,10 @@ et al. 2023, "Fast Inference from Transformers via Speculative Decoding"), or wi
    Leviathan's round, gamma c + v(gamma). Costs are in target steps at the same batch size: c and the plain step's
    share from the drafter (`DraftCost`), and v(gamma) = f(B w) / f(B), w the compiled width that holds gamma + 1
    tokens and f(n) a target forward over n rows (batch rows times tokens) over a 1-row one, from `forward_costs`
-   (the points of a measured table, interpolated). A drafter that reuses the target's first layers
-   (`Drafter.reuse_layers`) has run them for the positions verification reads, so its verification runs only the
-   rest, plus the reused layers for the last draft when a row kept it (`RoundCosts.refill_cost`).
+   (the points of a table, interpolated: by default measured for the model, dtype, rows and host a generation runs
+   on, `specjax.calibration`; else a typed one, `default_forward_costs`). A drafter that reuses the target's first
+   layers (`Drafter.reuse_layers`) has run them for the positions verification reads, so its verification runs only
+   the rest, plus the reused layers for the last draft when a row kept it (`RoundCosts.refill_cost`).
 
 3. The running estimates: alpha = accepted / tested drafts and d = drafted / (drafted + stopped) slots over past
    rounds, the counts decayed by `memory` each drafting round and started from priors (`prior_alpha` worth one
@@ -97,7 +98,8 @@ from specjax.drafters.draft_tree import TOP_K
 # f(n), a target forward over n rows (batch rows x tokens) over a 1-row one, on 2 cores of XLA:CPU with specjax's CPU
 # kernels and SmolLM2-135M fp32, causal: benchmarks/bench_verify.py on 2026-12-04 (results/bench_verify/). The
 # kernels' products take rows 8 at a time, so the cost steps up past each multiple of 8; a tree's forward under its
-# mask costs 1.04-1.08x the causal one over as many rows there.
+# mask costs 1.04-1.08x the causal one over as many rows there. The typed table a CPU plans with where no calibration
+# for the model runs (`specjax.calibration`).
 CPU_FORWARD_COSTS = ((1, 1.0), (2, 1.16), (3, 1.09), (4, 1.12), (5, 1.09), (8, 1.27), (9, 1.42), (16, 1.8), (17, 2.03),
                      (20, 2.22), (24, 2.51), (32, 3.05), (33, 3.32), (40, 3.82), (48, 4.41), (64, 5.72), (65, 5.91),
                      (68, 6.17), (136, 11.84))
@@ -107,12 +109,30 @@ ACCELERATOR_FORWARD_COSTS = ((1, 1.0), (64, 1.0))
 
 
 def default_forward_costs() -> tuple[tuple[int, float], ...]:
+  """The typed table for the backend: `CPU_FORWARD_COSTS` on a CPU, else `ACCELERATOR_FORWARD_COSTS`; what a policy
+  plans with where no calibration runs (`specjax.calibration`)."""
   return CPU_FORWARD_COSTS if jax.default_backend() == "cpu" else ACCELERATOR_FORWARD_COSTS
 
 
 def verify_widths(gamma: int) -> tuple[int, ...]:
   """The verification widths a program compiles for drafts of up to `gamma` tokens: 1 (a plain step), 2, gamma + 1."""
   return tuple(sorted({1, min(2, gamma + 1), gamma + 1}))
+
+
+def priced_tokens(gamma: int, tree_nodes: int | None = None) -> tuple[int, ...]:
+  """The tokens per row of every forward `RoundCosts.of` prices, each at the batch's rows: the verification widths,
+  and with trees a depth's expansion over TOP_K nodes and a tree's verification over its nodes and the pending
+  token."""
+  trees = () if tree_nodes is None else (TOP_K, int(tree_nodes) + 1)
+  return tuple(sorted(set(verify_widths(gamma)) | set(trees)))
+
+
+def priced_forward_costs(points: tuple[tuple[int, float], ...], rows: int, gamma: int,
+                         tree_nodes: int | None = None) -> tuple[tuple[int, float], ...]:
+  """The points (n, f(n)) a plan for `rows` rows a forward reads from the table `points`: n = 1, rows and rows times
+  each of `priced_tokens`, f interpolated as `forward_cost` does (3 decimals)."""
+  rows_read = sorted({1, int(rows)} | {int(rows) * t for t in priced_tokens(gamma, tree_nodes)})
+  return tuple((n, round(forward_cost(points, n), 3)) for n in rows_read)
 
 
 def width_index(widths: tuple[int, ...], drafted):
@@ -360,9 +380,10 @@ class AdaptiveDrafting:
   # None: per-slot bars on the joint draft confidence from the costs (`confidence_bars`); a float: one bar for every
   # slot, to keep it and to draft the next (0: rows never stop early)
   min_confidence: float | None = None
-  # f(n): a target forward over n rows (batch x tokens) over a 1-row one, as (n, f) points; None:
-  # `default_forward_costs()` for the backend
-  forward_costs: tuple[tuple[int, float], ...] | None = None
+  # f(n): a target forward over n rows (batch x tokens) over a 1-row one, as (n, f) points. None: measured for the
+  # model, dtype, rows and host a generation runs on (`specjax.calibration`, on a CPU), else (and in a bare `plan`)
+  # the typed table for the backend, `default_forward_costs()`; "typed": always that typed table
+  forward_costs: tuple[tuple[int, float], ...] | str | None = None
   prior_alpha: float = 0.5  # the acceptance assumed before any evidence (and returned to without evidence)
   memory: float = 0.9  # decay of the acceptance counts per drafting round
   plain_memory: float = 0.98  # their decay per plain step (no evidence): how soon a drafter is tried again
@@ -372,7 +393,10 @@ class AdaptiveDrafting:
   def __post_init__(self):
     if self.min_confidence is not None and not 0.0 <= self.min_confidence <= 1.0:
       raise ValueError(f"min_confidence must be in [0, 1], got {self.min_confidence}")
-    if self.forward_costs is not None:
+    if isinstance(self.forward_costs, str):
+      if self.forward_costs != "typed":
+        raise ValueError(f"forward_costs must be None, \"typed\" or (rows, cost) points, got {self.forward_costs!r}")
+    elif self.forward_costs is not None:
       points = tuple((int(n), float(f)) for n, f in self.forward_costs)
       object.__setattr__(self, "forward_costs", points)  # hashable, whatever sequence it came as
       rows = [n for n, _ in points]
@@ -390,8 +414,8 @@ class AdaptiveDrafting:
       raise ValueError(f"optimism must be >= 0 (standard errors above the running acceptance), got {self.optimism}")
 
   def plan(self, cost: DraftCost, gamma: int, rows: int, tree_nodes: int | None = None) -> "AdaptiveDrafting":
-    return dataclasses.replace(self, costs=RoundCosts.of(cost, self.forward_costs or default_forward_costs(),
-                                                         gamma, rows, tree_nodes))
+    points = self.forward_costs if isinstance(self.forward_costs, tuple) else default_forward_costs()
+    return dataclasses.replace(self, costs=RoundCosts.of(cost, points, gamma, rows, tree_nodes))
 
   @property
   def gamma(self) -> int:

@@ -165,7 +165,9 @@ def generate(model: Model, prompts: Sequence[str | Sequence[int]], *, max_new_to
     adaptive: the drafting policy (specjax/adaptive.py). True: `specjax.AdaptiveDrafting()`, each round drafts the
       length that the running acceptance and the drafter's costs make pay (none: a plain target step), and a row
       stops drafting at a slot where the draft is unsure; `specjax.AdaptiveDrafting(min_confidence=,
-      forward_costs=, prior_alpha=, memory=, plain_memory=, optimism=)` sets its options. False:
+      forward_costs=, prior_alpha=, memory=, plain_memory=, optimism=)` sets its options (forward_costs None: the
+      target's forward costs measured for this model, dtype, batch and host at the first call, then cached;
+      specjax/calibration.py). False:
       `specjax.FixedGamma()`, gamma tokens every round. Lossless either way.
     tree_nodes: N lets a round draft a tree of N nodes, gamma deep, verified in one target forward (specjax/trees.py;
       drafters that draft trees: mtp_parallel, mtp_sequential): every round with adaptive=False; with adaptive
@@ -180,7 +182,9 @@ def generate(model: Model, prompts: Sequence[str | Sequence[int]], *, max_new_to
     stats holds counts, `compile_seconds` (tracing and compiling the program: the first call with a new
     shape bucket, i.e. batch size, padded prompt width and cache size; 0.0 afterwards), `seconds` (the rest
     of the call: placing inputs, decoding, fetching the results) and `tokens_per_second`
-    (new_tokens / seconds, so compilation is not in it).
+    (new_tokens / seconds, so compilation is not in it); with adaptive drafting, `forward_costs` (the points of
+    f(n) the plan read), `forward_costs_source` ("calibrated", "cached" or "typed table") and
+    `forward_costs_seconds` (measuring them in this call, compiling included; 0.0 otherwise).
   """
   sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
   if tree_nodes is not None and drafter is None:

@@ -37,8 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax import compilation, control, distributed, sharding, trees
-from specjax.adaptive import AdaptiveDrafting, Choice, FixedGamma, Outcome, Policy, is_policy, width_index
+from specjax import calibration, compilation, control, distributed, sharding, trees
+from specjax.adaptive import (AdaptiveDrafting, Choice, FixedGamma, Outcome, Policy, is_policy, priced_forward_costs,
+                              width_index)
 from specjax.drafters import Drafter, DraftInputs, PromptInfo, Proposal, RoundResult, tree_drafters
 from specjax.decoding import (Output, decode_draft_params, decode_outputs, describe_shapes, is_stop, place_on_mesh,
                               prefill, prepare_batch)
@@ -346,6 +347,12 @@ def generate(model, prompts, *, drafter: Drafter, gamma: int, sampling: Sampling
                         max_len=max_len)
   # The round costs depend on the rows one forward processes: the batch over the mesh's "data" axis.
   rows_per_forward = max(1, len(batch.lengths) // (mesh.shape.get("data", 1) if mesh is not None else 1))
+  # Adaptive drafting's forward costs f(n), measured for this model, dtype, rows and host (once: later calls read the
+  # cache) or typed; resolved before the compiled program, which reads them as constants.
+  forward_costs = calibration.for_generation(policy, model, rows=rows_per_forward, gamma=int(gamma),
+                                             tree_nodes=tree_nodes, mesh=mesh)
+  if forward_costs is not None:
+    policy = dataclasses.replace(policy, forward_costs=forward_costs.points)
   policy = (policy.plan(drafter.cost, int(gamma), rows_per_forward) if tree_nodes is None
             else policy.plan(drafter.cost, int(gamma), rows_per_forward, tree_nodes=int(tree_nodes)))
   start = time.perf_counter()
@@ -361,6 +368,12 @@ def generate(model, prompts, *, drafter: Drafter, gamma: int, sampling: Sampling
   rows, texts = decode_outputs(model, tokens, num_generated, stop_ids)
   stats = summarize(stats, num_generated, seconds, forwards_per_step=drafter.forwards_per_step,
                     compile_seconds=compile_seconds)
+  if forward_costs is not None:
+    # The points of the table the plan read (all of a calibrated one's; a typed one interpolated there).
+    stats["forward_costs"] = [list(point) for point in priced_forward_costs(forward_costs.points, rows_per_forward,
+                                                                            int(gamma), tree_nodes)]
+    stats["forward_costs_source"] = forward_costs.source
+    stats["forward_costs_seconds"] = sum(forward_costs.seconds.values())  # measuring them, compiling included
   return Output(tokens=rows, texts=texts, stats=stats)
 
 

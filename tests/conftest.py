@@ -103,14 +103,24 @@ def gemma3() -> Model:
 
 @pytest.fixture(scope="session")
 def hf_gemma3():
-  """transformers' Gemma3ForCausalLM from the same GGUF file, fp32, eval, eager attention."""
+  """transformers' Gemma3ForCausalLM from the same GGUF file, fp32, eval, eager attention, with RoPE frequencies
+  rounded to float32 from their exact values, as specjax's are: transformers computes them in float32 arithmetic,
+  a few of them an ulp away, and on a 640-token prompt that alone moves its logits by about 1e-3."""
+  import numpy as np
   import torch
   from transformers import AutoModelForCausalLM
+
+  from specjax.config import rope_inv_freq
   torch.set_num_threads(1)
   path = resolve_path("gemma3-270m")
   model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                               dtype=torch.float32, attn_implementation="eager")
-  return model.eval()
+                                               dtype=torch.float32, attn_implementation="eager").eval()
+  config = ModelConfig.from_hf(model.config.to_dict())
+  with torch.no_grad():
+    for kind, sliding in (("full_attention", False), ("sliding_attention", True)):
+      exact = np.asarray(rope_inv_freq(config, sliding=sliding), np.float32)
+      getattr(model.model.rotary_emb, f"{kind}_inv_freq").copy_(torch.from_numpy(exact))
+  return model
 
 
 @pytest.fixture(scope="session")
