@@ -58,6 +58,7 @@ def self_draft(target):
   return dataclasses.replace(drafter, cost=dataclasses.replace(drafter.cost, step=0.0, plain_step=0.0))
 
 
+@pytest.mark.slow
 def test_injected_tables_move_the_draft_lengths_and_trees_the_predicted_way(tiny, calibrating, monkeypatch):
   """Free drafts every one accepted, so the plan is the forward costs alone: where every width costs a step, every
   round drafts gamma = 4 (a tree where trees may: its prior beats a chain); where 2 tokens cost a step and 5 cost
@@ -225,6 +226,7 @@ def test_the_calibrated_costs_config_pairs_each_drafter_calibrated_and_typed():
       calibrated_costs.get_config(bad)
 
 
+@pytest.mark.slow
 def test_a_run_reports_the_forward_costs_each_method_planned_with(tiny_chat, calibrating, tmp_path):
   config = calibrated_costs.get_config("smollm2,small")
   config.methods = tuple(m for m in config.methods if m["name"] in ("autoregressive", "prompt_lookup_calibrated",
