@@ -82,16 +82,16 @@ TINY_FAMILIES = {
     "llama": {},
     "qwen2": {"family": "qwen2", **FAMILIES["qwen2"]},
     "qwen3": {"family": "qwen3", **FAMILIES["qwen3"]},
-    "mistral": {"family": "mistral", "sliding_window": 6, "layer_kinds": ("sliding",) * 4},
+    "mistral": {"family": "mistral", "sliding_window": 6, "layer_kinds": ("sliding",) * 3},
     "gemma2": {"family": "gemma2", **FAMILIES["gemma2"], "sliding_window": 6, "query_pre_attn_scalar": 24.0,
-               "attn_softcap": 3.0, "final_softcap": 4.0, "layer_kinds": ("sliding", "full") * 2},
+               "attn_softcap": 3.0, "final_softcap": 4.0, "layer_kinds": ("sliding", "full", "sliding")},
     "gemma3": {"family": "gemma3_text", **FAMILIES["gemma3_text"], "sliding_window": 6, "local_rope_theta": 100.0,
-               "layer_kinds": ("sliding", "sliding", "sliding", "full")},
+               "layer_kinds": ("sliding", "sliding", "full")},
 }
 
 
 def tiny_family_model(family: str, seed: int = 0) -> Model:
-  """A tiny random specjax model of `family` (vocabulary 32, four layers, windows of 6)."""
-  config = ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
+  """A tiny random specjax model of `family` (vocabulary 32, three layers, windows of 6)."""
+  config = ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2,
                        head_dim=16, rope_theta=10000.0, **TINY_FAMILIES[family])
   return Model(config, init_params(config, jax.random.PRNGKey(seed), std=0.3), None, f"tiny-{family}")

@@ -103,13 +103,16 @@ TOKEN_MAP = list(range(0, 32, 2)) + [1, 3, 5]
 DRAFTERS = {
     "prompt_lookup": ("prompt_lookup", dict(ngram_sizes=(2, 1))),
     "layer_skip_exit": ("layer_skip", dict(exit_layer=2, token_map=TOKEN_MAP)),
-    "layer_skip_skip": ("layer_skip", dict(skip_layers=[1, 2])),
+    "layer_skip_skip": ("layer_skip", dict(skip_layers=[1])),
     "exit_adapter": ("layer_skip", dict(adapter="fresh", exit_layer=1, mlp=True, token_map=TOKEN_MAP)),
     "mtp_parallel": ("mtp_parallel", dict(path=None, num_heads=3, token_map=TOKEN_MAP)),
     "mtp_sequential": ("mtp_sequential", dict(path=None, depth=3, token_map=TOKEN_MAP)),
     "draft_model": ("draft_model", dict(draft="fresh", num_layers=2, token_map=TOKEN_MAP)),
 }
+# Trees (of the drafters that draft them) on the Gemma 3 and Llama models in the fast tier, on every family in the
+# slow one.
 TREES = {"mtp_sequential": 6, "draft_model": 6, "layer_skip_skip": 5}
+FAST_TREE_FAMILIES = ("gemma3", "llama")
 
 
 @pytest.fixture(scope="module")
@@ -126,19 +129,36 @@ def _prompts(seed: int = 0):
 @pytest.mark.parametrize("drafter", sorted(DRAFTERS))
 @pytest.mark.parametrize("family", sorted(TINY_FAMILIES))
 def test_every_drafter_is_lossless_on_every_family(family, drafter, family_models):
-  """Greedy speculative decoding equals greedy autoregressive decoding, ragged rows, chains (and trees where the
-  drafter drafts them)."""
-  model = family_models[family]
+  """Greedy speculative decoding equals greedy autoregressive decoding, ragged rows, chains."""
+  _check_lossless(family_models[family], drafter, tree_nodes=None)
+
+
+@pytest.mark.parametrize("drafter", sorted(TREES))
+@pytest.mark.parametrize("family", [pytest.param(f, marks=() if f in FAST_TREE_FAMILIES else pytest.mark.slow)
+                                    for f in sorted(TINY_FAMILIES)])
+def test_trees_are_lossless_on_every_family(family, drafter, family_models):
+  _check_lossless(family_models[family], drafter, tree_nodes=TREES[drafter])
+
+
+_REFERENCES: dict[str, list[list[int]]] = {}
+
+
+def _reference(model) -> list[list[int]]:
+  """Autoregressive decoding of the prompts, once per model."""
+  if model.name not in _REFERENCES:
+    _REFERENCES[model.name] = specjax.generate(model, _prompts(), max_new_tokens=14).tokens
+  return _REFERENCES[model.name]
+
+
+def _check_lossless(model, drafter, tree_nodes):
   name, options = DRAFTERS[drafter]
   made = specjax.make_drafter(name, model, **options)
   if made.params:
     made = perturbed(made, scale=0.2)
-  prompts = _prompts()
-  reference = specjax.generate(model, prompts, max_new_tokens=14).tokens
-  out = specjax.generate(model, prompts, max_new_tokens=14, drafter=made, gamma=3, adaptive=False,
-                         tree_nodes=TREES.get(drafter))
-  assert out.tokens == reference
-  assert out.stats["target_calls"] < 3 * 14  # it drafted
+  out = specjax.generate(model, _prompts(), max_new_tokens=14, drafter=made, gamma=3, adaptive=False,
+                         tree_nodes=tree_nodes)
+  assert out.tokens == _reference(model)
+  assert sum(out.stats["proposed_per_row"]) > 0  # it drafted
 
 
 @pytest.mark.parametrize("family", sorted(TINY_FAMILIES))
