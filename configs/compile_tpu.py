@@ -8,11 +8,14 @@ r"""specjax's programs compiled for TPU topologies on a machine without a TPU (e
   python -m experiments.compile_for --config=configs/compile_tpu.py:cover --workdir=results/tpu_compile-cover
                                                                    # what a user runs, everywhere: ~5 CPU-hours
   python -m experiments.compile_for --config=configs/compile_tpu.py:full    # every model too: longer still
+  python -m experiments.compile_for --config=configs/compile_tpu.py:families --workdir=results/tpu_compile-families
+                                                                   # Gemma 3 and Qwen 3 on v5e:2x4
 
-The models are SmolLM2-135M and Llama-3.2-1B and Llama-3.1-8B shaped (specjax.config.MODEL_SHAPES; no weights), each
-with drafters sized for it: the shipped SmolLM2 drafters' options (4 parallel heads, a recurrent EAGLE-3-style
-sequential module, a 4-layer distilled draft, an exit adapter) with a draft vocabulary of `draft_vocab` tokens, plain
-layer skip, and prompt lookup. bf16, batch 8, a KV cache of 4096 positions. Topologies: v5e:2x4, v6e:2x4, v5p:2x2x1,
+The models are SmolLM2-135M and Llama-3.2-1B and Llama-3.1-8B shaped (specjax.config.MODEL_SHAPES; no weights), and in
+`families` Gemma-3-270M, Gemma-3-1B, Gemma-3-4B (its text model) and Qwen3-8B shaped, each with drafters sized for it:
+the shipped SmolLM2 drafters' options (4 parallel heads, a recurrent EAGLE-3-style sequential module, a 4-layer
+distilled draft, an exit adapter) with a draft vocabulary of `draft_vocab` tokens, plain layer skip, and prompt
+lookup. bf16, batch 8, a KV cache of 4096 positions. Topologies: v5e:2x4, v6e:2x4, v5p:2x2x1,
 v5e:4x4, Colab's v2-8 (v2:2x2) and a single v5e chip (Colab's v5e-1), each with a (data, model) mesh. Compiling is
 CPU work that grows with the layers of every unrolled forward: results/tpu_compile/RUN.md gives the default's time.
 A run appends each program's record to <workdir>/records.jsonl as it is compiled and a rerun keeps them, so a long
@@ -25,12 +28,20 @@ PROGRAMS = ("prefill", "autoregressive", "speculative", "train_drafter", "train"
 DECODING = ("prefill", "autoregressive", "speculative", "steps")
 # What a user runs; "steps" are the loop-free programs the projection reads (the default grid has them everywhere).
 USER_PROGRAMS = ("prefill", "autoregressive", "speculative", "train_drafter", "train")
+# The models of other families than Llama's (`families`), each with the draft vocabulary of its trained drafters: 32,768
+# of Gemma 3's 262,144 (262,208 for 4B) and of Qwen 3's 151,936, as of Llama 3's 128,256.
+FAMILY_MODELS = (
+    {"name": "gemma3-270m", "draft_vocab": 32768},
+    {"name": "gemma-3-1b", "draft_vocab": 32768},
+    {"name": "gemma-3-4b", "draft_vocab": 32768},
+    {"name": "qwen3-8b", "draft_vocab": 32768},
+)
 
 
 def get_config(arg=None):
-  if arg not in (None, "small", "programs", "gpu", "cover", "full"):
-    raise ValueError("configs/compile_tpu.py takes no argument, 'small', 'programs', 'gpu', 'cover' or 'full', got "
-                     f"{arg!r}")
+  if arg not in (None, "small", "programs", "gpu", "cover", "full", "families"):
+    raise ValueError("configs/compile_tpu.py takes no argument, 'small', 'programs', 'gpu', 'cover', 'full' or "
+                     f"'families', got {arg!r}")
   config = ml_collections.ConfigDict()
   config.dtype = "bfloat16"
   # name: a `specjax.config.MODEL_SHAPES` entry; draft_vocab: the truncated draft vocabulary of its trained drafters
@@ -137,4 +148,11 @@ def get_config(arg=None):
   elif arg == "full":  # the whole cross product
     config.train_drafters = ("exit_adapter", "draft_model", "mtp_parallel", "mtp_sequential")
     config.runs = (everything,)
+  elif arg == "families":  # Gemma 3 (sliding and full layers, GeGLU, QK norms, a 262k vocabulary) and Qwen 3 on v5e:2x4
+    # The decoding programs and the sequential module's training step, with plain layer skip (the full vocabulary)
+    # and the sequential module (a truncated one), their chains and trees of one size.
+    config.models = FAMILY_MODELS
+    config.runs = ({"models": tuple(m["name"] for m in FAMILY_MODELS), "topologies": ("v5e:2x4",),
+                    "programs": ("prefill", "autoregressive", "speculative", "train_drafter"),
+                    "drafters": ("layer_skip", "mtp_sequential"), "tree_nodes": config.tree_nodes[:1]},)
   return config

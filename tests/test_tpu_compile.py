@@ -24,7 +24,7 @@ import pytest
 from configs import compile_tpu
 from experiments import compile_for, projection
 from specjax import sharding
-from specjax.config import shaped_config
+from specjax.config import MODEL_SHAPES, shaped_config
 
 RESULTS = os.path.join(os.path.dirname(__file__), "..", "results", "tpu_compile", "results.json")
 
@@ -84,6 +84,34 @@ def test_a_tree_drafting_speculative_program_compiled_for_a_v5e_slice_holds_no_c
   on_cpu = compile_for.Target("cpu", sharding.make_mesh(1, 1), 0.0, 1.0, 1.0)
   assert "specjax_decode_attention" in tree_program(on_cpu).lower().as_text()
   lowered = tree_program(compile_for.tpu_target("v5e:2x4", 2, 4)).lower()
+  assert "specjax_" not in lowered.as_text()
+  compiled = lowered.compile()
+  assert "specjax_" not in compiled.as_text()
+  assert 0 < compiled.memory_analysis().argument_size_in_bytes < compile_for.CHIPS["v5e"].hbm_bytes
+
+
+@pytest.mark.slow
+@pytest.mark.tpu_compile
+def test_a_gemma_speculative_program_compiled_for_a_v5e_slice_holds_no_cpu_custom_call(libtpu):
+  """generate's speculative program for a Gemma-3-270M-shaped target (GeGLU, QK norms, four norms a layer, a
+  262,144-token vocabulary, one KV head) cut to one sliding and one full layer, with the sequential MTP module
+  drafting over the families config's truncated vocabulary: lowered for this host's CPU it calls the attention kernel
+  (its sliding layer's too), and for v5e:2x4 the TPU compiler builds it with no call of specjax's CPU kernels."""
+  config = compile_tpu.get_config("families")
+  config.batch_size, config.prompt_len, config.cache_len = 4, 64, 256
+  config.drafters = tuple(d for d in config.drafters if d["name"] == "mtp_sequential")
+  gemma = shaped_config("gemma3-270m", config.dtype)
+  two_layers = dataclasses.replace(gemma, num_layers=2, layer_kinds=("sliding", "full"))
+  draft_vocab = next(m["draft_vocab"] for m in config.models if m["name"] == "gemma3-270m")
+
+  def program(target):
+    shapes = compile_for.model_shapes(two_layers, draft_vocab, target, config,
+                                      compile_for.measured_acceptance(config.acceptance))
+    (chain,) = compile_for.generate_programs(shapes, config, "speculative", ("mtp_sequential",))
+    return chain
+  on_cpu = compile_for.Target("cpu", sharding.make_mesh(1, 1), 0.0, 1.0, 1.0)
+  assert "specjax_decode_attention" in program(on_cpu).lower().as_text()
+  lowered = program(compile_for.tpu_target("v5e:2x4", 2, 4)).lower()
   assert "specjax_" not in lowered.as_text()
   compiled = lowered.compile()
   assert "specjax_" not in compiled.as_text()
@@ -390,6 +418,41 @@ def test_the_llama_shapes_have_their_published_parameter_counts():
   assert shaped_config("llama-3.1-8b").num_params == pytest.approx(8.030e9, rel=1e-3)
   with pytest.raises(ValueError, match="unknown model shape"):
     shaped_config("llama-9")
+
+
+def test_the_gemma_and_qwen_shapes_have_their_published_parameter_counts_and_options():
+  # Google's model cards: Gemma-3-270M is 170M embedding and 100M transformer parameters; Gemma-3-1B ~1.0B; the text
+  # model of Gemma-3-4B 3.88B (4.3B with its 417M vision encoder). Qwen's: Qwen3-8B 8.2B, 6.95B of them outside the
+  # embeddings.
+  gemma270, gemma1, gemma4, qwen = (shaped_config(n) for n in ("gemma3-270m", "gemma-3-1b", "gemma-3-4b", "qwen3-8b"))
+  assert gemma270.num_params == pytest.approx(268e6, rel=5e-3)
+  assert gemma270.vocab_size * gemma270.hidden_size == pytest.approx(170e6, rel=2e-2)
+  assert gemma1.num_params == pytest.approx(1.0e9, rel=5e-3)
+  assert gemma4.num_params == pytest.approx(3.88e9, rel=5e-3)
+  assert qwen.num_params == pytest.approx(8.19e9, rel=1e-3)
+  assert qwen.num_params - 2 * qwen.vocab_size * qwen.hidden_size == pytest.approx(6.95e9, rel=1e-3)
+  # Gemma 3: five sliding layers to a full one, a window of 512 (1024 for 4B), RoPE base 1e4 on sliding layers, linear
+  # scaling by 8 on 4B's full ones; Qwen 3: QK norms, every layer full, untied head.
+  for gemma in (gemma270, gemma1, gemma4):
+    assert (gemma.family, gemma.activation, gemma.qk_norm, gemma.post_norms) == ("gemma3_text", "gelu_tanh", True, True)
+    assert gemma.layer_kinds[:6] == ("sliding",) * 5 + ("full",) and gemma.local_rope_theta == 1e4
+  assert (gemma270.sliding_window, gemma1.sliding_window, gemma4.sliding_window) == (512, 512, 1024)
+  assert gemma4.rope_scaling_dict == {"rope_type": "linear", "factor": 8.0}
+  assert (qwen.family, qwen.qk_norm, qwen.layer_kinds, qwen.tie_embeddings) == ("qwen3", True, None, False)
+
+
+def test_the_families_grid_compiles_the_decoding_programs_of_gemma_and_qwen_on_v5e():
+  config = compile_tpu.get_config("families")
+  grid = compile_for.blocks(config)
+  names = ("gemma3-270m", "gemma-3-1b", "gemma-3-4b", "qwen3-8b")
+  assert {(m, t[0]) for m, t, _, _, _ in grid} == {(m, "v5e:2x4") for m in names}
+  assert set(names) <= set(MODEL_SHAPES)
+  speculative = {m: (d, nodes) for m, _, p, d, nodes in grid if p == "speculative"}
+  assert speculative == {m: (("layer_skip", "mtp_sequential"), (16,)) for m in names}
+  assert {p for m, _, p, _, _ in grid if m == "gemma3-270m"} == {"prefill", "autoregressive", "speculative",
+                                                                   "train_drafter"}
+  # Trained drafters draft over a truncated vocabulary: 1 in 8 of Gemma 3's tokens.
+  assert all(m["draft_vocab"] == 32768 for m in config.models)
 
 
 @pytest.mark.slow
