@@ -109,10 +109,12 @@ DRAFTERS = {
     "mtp_sequential": ("mtp_sequential", dict(path=None, depth=3, token_map=TOKEN_MAP)),
     "draft_model": ("draft_model", dict(draft="fresh", num_layers=2, token_map=TOKEN_MAP)),
 }
-# Trees (of the drafters that draft them) on the Gemma 3 and Llama models in the fast tier, on every family in the
-# slow one.
+# Trees: every tree-drafting drafter on the Gemma 3 and Llama models (fast), and one on each other family (slow).
 TREES = {"mtp_sequential": 6, "draft_model": 6, "layer_skip_skip": 5}
-FAST_TREE_FAMILIES = ("gemma3", "llama")
+TREE_CASES = ([pytest.param(family, drafter) for family in ("gemma3", "llama") for drafter in sorted(TREES)]
+              + [pytest.param(family, drafter, marks=pytest.mark.slow) for family, drafter in
+                 zip(("gemma2", "mistral", "qwen2", "qwen3"), ("draft_model", "layer_skip_skip", "mtp_sequential",
+                                                               "draft_model"))])
 
 
 @pytest.fixture(scope="module")
@@ -133,9 +135,7 @@ def test_every_drafter_is_lossless_on_every_family(family, drafter, family_model
   _check_lossless(family_models[family], drafter, tree_nodes=None)
 
 
-@pytest.mark.parametrize("drafter", sorted(TREES))
-@pytest.mark.parametrize("family", [pytest.param(f, marks=() if f in FAST_TREE_FAMILIES else pytest.mark.slow)
-                                    for f in sorted(TINY_FAMILIES)])
+@pytest.mark.parametrize("family, drafter", TREE_CASES)
 def test_trees_are_lossless_on_every_family(family, drafter, family_models):
   _check_lossless(family_models[family], drafter, tree_nodes=TREES[drafter])
 

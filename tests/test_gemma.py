@@ -70,17 +70,14 @@ def test_gemma3_greedy_matches_transformers(gemma3, hf_gemma3):
   assert len(out.tokens[0]) == 64 and out.tokens[0] == theirs[:64]
 
 
-# Drafters on the real model: prompt lookup; layer skip's early exit read through a truncated vocabulary (the first
-# 32,768 ids and those of the reference's continuations), as chains; a skip set drafting trees; a sequential MTP
-# module copied from the target's last layer (untrained: it drafts, and its drafts are checked, but few are right).
+# Drafters on the real model, where only it shows the point (every drafter runs on tiny Gemma-shaped models in
+# tests/test_families.py): layer skip's early exit read through a truncated vocabulary of the 262k head (the first
+# 32,768 ids and those of the reference's continuations), as chains, and a skip set drafting trees, verified past
+# the sliding window.
 DRAFTERS = {
-    "prompt_lookup": (lambda m, vocab: specjax.make_drafter("prompt_lookup", m), None, True),
     "layer_skip_truncated": (lambda m, vocab: specjax.make_drafter("layer_skip", m, exit_layer=14, token_map=vocab),
-                             None, True),
-    "layer_skip_tree": (lambda m, vocab: specjax.make_drafter("layer_skip", m, skip_layers=[3, 4, 8, 9, 13, 14]), 8,
-                        True),
-    "mtp_sequential": (lambda m, vocab: specjax.make_drafter("mtp_sequential", m, path=None, depth=3, token_map=vocab),
-                       None, False),
+                             None),
+    "layer_skip_tree": (lambda m, vocab: specjax.make_drafter("layer_skip", m, skip_layers=[3, 4, 8, 9, 13, 14]), 8),
 }
 
 
@@ -96,13 +93,11 @@ def gemma3_reference(gemma3):
 def test_gemma3_greedy_speculative_equals_autoregressive(name, gemma3, gemma3_reference):
   """Ragged rows (one past the sliding window), fixed gamma 3: every drafted token verified under the window."""
   prompts, expected, vocab = gemma3_reference
-  make, tree_nodes, accepts = DRAFTERS[name]
+  make, tree_nodes = DRAFTERS[name]
   out = specjax.generate(gemma3, prompts, max_new_tokens=40, drafter=make(gemma3, vocab), gamma=3, adaptive=False,
                          tree_nodes=tree_nodes)
   assert out.tokens == expected
-  assert sum(out.stats["proposed_per_row"]) > 0
-  if accepts:
-    assert sum(out.stats["accepted_per_row"]) > 0
+  assert sum(out.stats["accepted_per_row"]) > 0
 
 
 def test_gemma3_speculative_sampling_matches_the_target_distribution(gemma3):
