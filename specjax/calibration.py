@@ -53,6 +53,7 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
+from specjax.config import cache_dir as cache_root
 from specjax.adaptive import AdaptiveDrafting, default_forward_costs, priced_tokens
 
 CONTEXT = 256  # tokens in the cache before the timed forward's (a Spec-Bench prompt and part of its answer)
@@ -77,8 +78,7 @@ class Calibration:
 
 def cache_dir() -> str:
   """Where calibrations are kept: $SPECJAX_CACHE/forward_costs (default ~/.cache/specjax/forward_costs)."""
-  root = os.environ.get("SPECJAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specjax")
-  return os.path.join(root, "forward_costs")
+  return cache_root("forward_costs")
 
 
 def mode() -> str:

@@ -8,6 +8,14 @@ import math
 from typing import Any
 
 
+def cache_dir(*parts: str) -> str:
+  """Where specjax keeps what it builds once (the CPU kernels, tokenizers, assembled models, forward-cost
+  calibrations): $SPECJAX_CACHE, else ~/.cache/specjax; `parts` name a folder or file inside it."""
+  import os
+  root = os.environ.get("SPECJAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specjax")
+  return os.path.join(root, *parts)
+
+
 ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP's gate activation: SwiGLU (Llama, Qwen, Mistral), GeGLU (Gemma)
 LAYER_KINDS = ("full", "sliding")  # a layer's attention: every earlier position, or the last `sliding_window` only
 

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.config import FAMILIES, ModelConfig
+from specjax.config import FAMILIES, ModelConfig, cache_dir
 from specjax.model import Params, is_spec, param_shapes
 
 if TYPE_CHECKING:
@@ -83,8 +83,7 @@ def _embedded_path(name: str, package: str, filename: str, extra: str | None) ->
 def _assembled(module, filename: str) -> str:
   """The package's file, written once by its own `assemble()` (which checks its sha256) into specjax's cache, under a
   temporary name renamed over the final one: a killed assembly leaves nothing that a later call would trust."""
-  cache = os.environ.get("SPECJAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specjax")
-  path = os.path.join(cache, "models", filename)
+  path = cache_dir("models", filename)
   expected = sum(os.path.getsize(p) for p in module.chunk_paths()) if hasattr(module, "chunk_paths") else None
   if os.path.exists(path) and (expected is None or os.path.getsize(path) == expected):
     return path

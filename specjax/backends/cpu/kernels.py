@@ -45,6 +45,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.config import cache_dir
+
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.cc")
 # (kernel, weight or cache dtype) -> (XLA custom-call target, the handler's symbol in kernels.cc)
 _KERNELS = {
@@ -91,8 +93,7 @@ def library_path() -> str:
   import jaxlib
   with open(_SOURCE, "rb") as f:
     digest = hashlib.sha256(f.read() + jaxlib.__version__.encode() + _cpu_key().encode()).hexdigest()[:16]
-  cache = os.environ.get("SPECJAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specjax")
-  return os.path.join(cache, f"cpu_kernels-{digest}.so")
+  return cache_dir(f"cpu_kernels-{digest}.so")
 
 
 def _compile(path: str) -> None:
