@@ -5,8 +5,9 @@ r"""Autoregressive decode speed of specjax against the memory-bandwidth roofline
   python benchmarks/bench_autoregressive.py --model=gemma3-270m --context=1024 --batch_sizes=1
 
 The prompt is a Spec-Bench question (chat template where the model has one; plain text otherwise); with
-`--context=N`, Spec-Bench questions joined as plain text until the prompt holds N tokens (cut there), so a
-model with sliding-window layers decodes past its window.
+`--context=N`, the question after the Spec-Bench questions before it, as plain text, until the prompt holds at
+least N tokens (experiments/spec_bench.py `prompt_text`), so a model with sliding-window layers decodes past its
+window.
 
 For each case (dtype x batch size) it times greedy `specjax.generate` for exactly `new_tokens` tokens
 (stop_ids=(), so no row stops early) and for 1 token (prefill only). Then
@@ -48,7 +49,7 @@ _HF = flags.DEFINE_bool("hf", True, "Also time HF transformers (fp32, batch 1) w
 _HF_THREADS = flags.DEFINE_integer("hf_threads", 0, "torch CPU threads for HF (0: the faster of 1 and all).")
 _READ_MB = flags.DEFINE_integer("read_mb", 512, "Array size for the read-bandwidth measurement.")
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model name or path for specjax.load.")
-_CONTEXT = flags.DEFINE_integer("context", 0, "Prompt length in tokens (0: one Spec-Bench question).")
+_CONTEXT = flags.DEFINE_integer("context", 0, "Least prompt length in tokens (0: one Spec-Bench question alone).")
 
 
 class SpecjaxCase:
@@ -109,15 +110,11 @@ def main(argv):
   models = {dtype: specjax.load(_MODEL.value, dtype=dtype) for dtype in _DTYPES.value}
   tokenizer = next(iter(models.values())).tokenizer
   questions = spec_bench.load_questions()
-  if _CONTEXT.value:
-    prompt, described = [], f"Spec-Bench questions joined as plain text, cut at {_CONTEXT.value} tokens"
-    for question in questions:
-      prompt = tokenizer.encode("\n\n".join(q.turns[0] for q in questions[:questions.index(question) + 1]))
-      if len(prompt) >= _CONTEXT.value:
-        break
-    prompt = prompt[:_CONTEXT.value]
+  question = spec_bench.select(questions, categories=["writing"], per_category=1)[0]
+  if _CONTEXT.value:  # plain text: a chat template would wrap the whole context as one user turn
+    prompt = spec_bench.prompt_ids(question, tokenizer, chat=False, min_tokens=_CONTEXT.value, questions=questions)
+    described = f"Spec-Bench q{question.question_id} after the questions before it, plain text"
   else:
-    question = spec_bench.select(questions, categories=["writing"], per_category=1)[0]
     chat = tokenizer.chat_template is not None
     prompt = spec_bench.prompt_ids(question, tokenizer, chat=chat)
     described = f"Spec-Bench q{question.question_id}, {'chat' if chat else 'plain text'}"

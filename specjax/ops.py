@@ -1,8 +1,8 @@
-"""The two operations whose implementation depends on the platform: matrix products and attention.
+"""The operations whose implementation depends on the platform: matrix products, attention and cache writes.
 
 Each is plain jnp, which is what runs on TPU and GPU and what a reader should read. Where a program is compiled for
 a CPU, `specjax.backends.cpu`'s kernels serve the cases they take (products over weights packed as column panels,
-causal attention of a few new tokens per row over a cache). The choice follows the platform a program is compiled
+causal attention of a few new tokens per row over a cache, writes into a cache in place). The choice follows the platform a program is compiled
 for, not the process: `jax.lax.platform_dependent` traces both branches and lowers only the branch of the platform
 a program is lowered for, so a program lowered for a TPU from a CPU host holds no CPU custom call.
 """
@@ -75,6 +75,21 @@ def attention(q: jax.Array, keys: jax.Array, values: jax.Array, positions: jax.A
   weight, extra_weight = jnp.exp(lse[..., None] - most), jnp.exp(extra_lse[..., None] - most)
   merged = (weight * out.astype(jnp.float32) + extra_weight * extra_out) / (weight + extra_weight)
   return merged.astype(out.dtype)
+
+
+def cache_write(cache: jax.Array, update: jax.Array, positions: jax.Array) -> jax.Array:
+  """cache [B, S, ...] with slot positions[b, t] of row b set to update[b, t] [B, T, ...] (cast to the cache's
+  dtype); a position outside the cache is dropped. On a CPU, in place by the kernel (XLA's scatter into a
+  bfloat16 cache widens the whole cache to float32 and back, and copies it)."""
+  if cpu.cache_write_applies(cache, update):
+    kernel = functools.partial(cpu.cache_write, reference=_cache_write)
+    return jax.lax.platform_dependent(cache, update, positions, cpu=kernel, default=_cache_write)
+  return _cache_write(cache, update, positions)
+
+
+def _cache_write(cache, update, positions):
+  rows = jnp.arange(update.shape[0])[:, None]
+  return cache.at[rows, positions].set(update.astype(cache.dtype), mode="drop")
 
 
 def _scores(q, keys, softcap=None):

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import ops
 from specjax.model import BlockMask, KVCache
 
 
@@ -85,6 +86,6 @@ def move_path(cache: KVCache, offset: jax.Array, block_path: jax.Array) -> KVCac
   target = offset[:, None] + jnp.arange(block_path.shape[1])[None, :]
 
   def move(layer):
-    return layer.at[rows, target].set(layer[rows, source], mode="drop")
+    return ops.cache_write(layer, layer[rows, source], target)
 
   return KVCache(k=[move(k) for k in cache.k], v=[move(v) for v in cache.v])

@@ -517,3 +517,48 @@ def test_windowed_attention_differentiates():
       want = jax.jit(jax.grad(lambda *a: loss(*a), argnums=(0, 1, 2)))(q, k, v)
     for g, w in zip(got, want):
       np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_cache_write_equals_the_scatter(dtype):
+  """Slots in range written, one past the end dropped, a negative one counted from the end, of two writes to one
+  slot the later kept: as jnp's scatter with mode="drop" does."""
+  rng = np.random.default_rng(7)
+  cache = jnp.asarray(rng.standard_normal((3, 20, 2, 16), np.float32)).astype(dtype)
+  update = jnp.asarray(rng.standard_normal((3, 4, 2, 16), np.float32))  # float32: cast to the cache's dtype
+  positions = jnp.asarray([[0, 1, 2, 3], [19, 20, 25, 5], [-1, 7, 7, 8]], jnp.int32)
+  fn = jax.jit(lambda c, u, p: ops.cache_write(c, u, p))
+  assert "specjax_cache_write" in fn.lower(cache, update, positions).as_text()
+  got = fn(cache, update, positions)
+  with cpu.enabled(False):
+    want = jax.jit(lambda c, u, p: ops.cache_write(c, u, p))(cache, update, positions)
+  assert got.dtype == dtype
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  assert not np.array_equal(np.asarray(got, np.float32), np.asarray(cache, np.float32))
+
+
+def test_cache_write_in_a_loop_copies_no_cache():
+  """A decode loop's carried bfloat16 cache is written in place: no copy of the cache in the compiled program
+  (XLA's scatter widened it to float32 and back and copied it every step)."""
+  cache = jnp.zeros((1, 256, 1, 64), jnp.bfloat16)
+
+  def body(i, c):
+    return ops.cache_write(c, jnp.full((1, 1, 1, 64), i, jnp.float32), jnp.full((1, 1), i, jnp.int32))
+
+  fn = jax.jit(lambda c: jax.lax.fori_loop(0, 8, body, c))
+  hlo = fn.lower(cache).compile().as_text()
+  assert "f32[1,256,1,64]" not in hlo and " copy(" not in hlo.split("body")[-1]
+  np.testing.assert_array_equal(np.asarray(fn(cache)[0, :9, 0, 0], np.float32), [0, 1, 2, 3, 4, 5, 6, 7, 0])
+
+
+def test_cache_write_differentiates():
+  rng = np.random.default_rng(8)
+  cache = jnp.asarray(rng.standard_normal((2, 10, 8), np.float32))
+  update = jnp.asarray(rng.standard_normal((2, 3, 8), np.float32))
+  positions = jnp.asarray([[1, 2, 3], [4, 11, 4]], jnp.int32)
+  loss = lambda c, u: jnp.sum(jnp.sin(ops.cache_write(c, u, positions)))
+  got = jax.grad(loss, argnums=(0, 1))(cache, update)
+  with cpu.enabled(False):
+    want = jax.grad(loss, argnums=(0, 1))(cache, update)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)

@@ -125,11 +125,6 @@ def finish(mp, x, attn_update, config: ModelConfig) -> jax.Array:
   return x + mlp_block(mp, x, config)
 
 
-def _write(cache, new, positions):
-  rows = jnp.arange(new.shape[0])[:, None]
-  return cache.at[rows, positions].set(new.astype(cache.dtype), mode="drop")
-
-
 def _run_true(target_params, params, options: Options, state, next_tokens, features, positions):
   """Every module over positions [B, T] with true inputs (tokens after them, target features): writes their
   K/V into the caches; returns (state, module 1's outputs [B, T, D])."""
@@ -141,7 +136,7 @@ def _run_true(target_params, params, options: Options, state, next_tokens, featu
     mp = _module(params, m, config)
     x = module_input(mp, token_emb, hidden, config)
     q, k, v = qkv(mp, x, positions, config)
-    k_cache, v_cache = _write(state["k"][m], k, positions), _write(state["v"][m], v, positions)
+    k_cache, v_cache = ops.cache_write(state["k"][m], k, positions), ops.cache_write(state["v"][m], v, positions)
     if m == 0:  # causal over the committed slots
       first = finish(mp, x, attention_output(mp, attend(q, k_cache, v_cache, positions, config), config), config)
     k_caches.append(k_cache)
@@ -189,7 +184,7 @@ def propose(target_params, params, options: Options, state, inputs: DraftInputs,
     position = (p + step - 2)[:, None]  # [B, 1]
     x = module_input(mp, embed(target_params, token[:, None], config), hidden[:, None], config)
     q_, k, v = qkv(mp, x, position, config)
-    k_cache, v_cache = _write(k_all[m], k, position), _write(v_all[m], v, position)
+    k_cache, v_cache = ops.cache_write(k_all[m], k, position), ops.cache_write(v_all[m], v, position)
     if options.recurrent:  # committed slots and this round's drafts p..q, all written by this module: causal
       attn = attend(q_, k_cache, v_cache, position, config)
     else:  # committed slots and this module's own position

@@ -9,6 +9,8 @@ ones, so halving the bytes did not pay. benchmarks/bench_verify.py and bench_aut
 
   packed_matmul(x, w)   x @ w for a weight packed as column panels (`packing.Packed`, packed once when a model is
                         loaded for decoding: `specjax.decoding.decode_params`)
+  cache_write(cache, update, positions, reference)   update [B, T, ...] written into cache [B, S, ...] at
+                        positions [B, T], in place (the result aliases the cache)
   attention(q, k_cache, v_cache, positions, starts, reference)   causal grouped-query attention over a range of
                         the cache per query (starts..positions: all of the prefix, or a sliding window, whose query
                         reads only its window), and the log of each query's softmax denominator (attention over more
@@ -54,6 +56,8 @@ _KERNELS = {
     ("attention", "float32"): ("specjax_decode_attention", "DecodeAttention"),
     ("packed", "bfloat16"): ("specjax_packed_matmul_bf16", "PackedMatmulBF16"),
     ("attention", "bfloat16"): ("specjax_decode_attention_bf16", "DecodeAttentionBF16"),
+    ("cache_write", "float32"): ("specjax_cache_write", "CacheWriteF32"),
+    ("cache_write", "bfloat16"): ("specjax_cache_write_bf16", "CacheWriteBF16"),
 }
 _WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16)  # weights and caches either; activations widened to float32
 MAX_QUERY_TOKENS = 65  # attention: new tokens per row (decode, a chain or a 64-node tree); prefill uses XLA's
@@ -239,3 +243,30 @@ def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: j
   positions = positions.astype(jnp.int32)
   starts = jnp.zeros_like(positions) if starts is None else jnp.broadcast_to(starts, positions.shape).astype(jnp.int32)
   return kernel(q, k_cache, v_cache, positions, starts)
+
+
+def cache_write_applies(cache: jax.Array, update: jax.Array) -> bool:
+  """Whether `cache_write` takes this cache and update (dtypes, ranks) and the kernels are `usable`."""
+  return (cache.ndim >= 2 and update.ndim == cache.ndim and cache.dtype in _WEIGHT_DTYPES and usable())
+
+
+def cache_write(cache: jax.Array, update: jax.Array, positions: jax.Array, reference=None) -> jax.Array:
+  """cache [B, S, ...] with slot positions[b, t] of row b set to update[b, t] (cast to the cache's dtype), as
+  `reference(cache, update, positions)` (jnp's scatter, mode="drop": a position outside the cache is dropped)
+  computes it, in place: the result aliases the cache operand, so XLA copies nothing where the cache is not read
+  again (a decode loop's carried cache). Derivatives are the reference's."""
+  target = _target("cache_write", cache.dtype)
+
+  @jax.custom_jvp
+  def kernel(cache, update, positions):
+    out = jax.ShapeDtypeStruct(cache.shape, cache.dtype)
+    return jax.ffi.ffi_call(target, out, vmap_method="sequential", input_output_aliases={0: 0})(
+        cache, update, positions)
+
+  @kernel.defjvp
+  def kernel_jvp(primals, tangents):
+    positions = primals[2]
+    _, tangent_out = jax.jvp(lambda c, u: reference(c, u, positions), primals[:2], tangents[:2])
+    return kernel(*primals), tangent_out
+
+  return kernel(cache, update.astype(cache.dtype), positions.astype(jnp.int32))
