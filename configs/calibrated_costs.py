@@ -1,6 +1,6 @@
 r"""Adaptive drafting planning with forward costs calibrated for the model it runs, against the typed table.
 
-  python -m experiments.run --config=configs/calibrated_costs.py:smollm2         # 2 prompts x 13 categories
+  python -m experiments.run --config=configs/calibrated_costs.py:smollm2         # 1 prompt x 13 categories
   python -m experiments.run --config=configs/calibrated_costs.py:gemma3          # the same on Gemma-3-270M
   python -m experiments.run --config=configs/calibrated_costs.py:smollm2,small   # 1 prompt x 3 categories, a check
   python -m experiments.run --config=configs/calibrated_costs.py:gemma3,batch4   # also at batch 4
@@ -14,7 +14,7 @@ trees of 16 nodes where they pay (their verification is a forward over 17 rows a
 against autoregressive decoding, interleaved per prompt. Drafters: prompt lookup (no draft cost: the plan weighs
 its acceptance against the forward costs alone) on both models; on SmolLM2 also the shipped parallel MTP heads.
 SmolLM2-135M-Instruct gets the chat template; Gemma-3-270M is a base model: plain-text prompts. Greedy, 128 new
-tokens, 3 repeats; every output is checked token for token. results.md's "Forward costs" table gives each method's
+tokens, 2 repeats; every output is checked token for token. results.md's "Forward costs" table gives each method's
 f(n) and where it came from, its rounds by draft length and tree rounds, its speedup, and the paired speedup of
 calibrated over typed with its interval (experiments/report.py, `forward_costs_table`).
 
@@ -23,9 +23,8 @@ included; the records of the timed calls say "cached"), so on a loaded machine t
 quiet one, with no earlier calibration of this machine in the cache (`rm -r ~/.cache/specjax/forward_costs`, or a
 `$SPECJAX_CACHE` of its own), since a cached table is read, not measured again.
 Time on 2 CPU cores shared with other jobs: `:smollm2,small` took 9 min and `:gemma3,small` 6 min (18 and 10
-programs compiled: 2 prompt-length buckets); on a quiet machine the full runs (5 buckets, 702 and 390 timed calls of 128
-tokens) should take about 45 min each, and two to three times that on cores shared as those were; `batch4` adds
-about half again.
+programs compiled: 2 prompt-length buckets); the full runs (1 prompt a category, 2 repeats: 234 and 130 timed calls
+of 128 tokens, 5 buckets) are for a quiet machine; `batch4` adds about half again.
 """
 
 from configs import common
@@ -44,8 +43,8 @@ def get_config(arg=None):
   if len(models) != 1:
     raise ValueError(f"configs/calibrated_costs.py runs one model a run: name one of {', '.join(MODELS)}, got {arg!r}")
   small = "small" in variants
-  config = common.spec_bench_run(per_category=1 if small else 2, max_new_tokens=32 if small else 128,
-                                 repeats=1 if small else 3, model=MODELS[models[0]])
+  config = common.spec_bench_run(per_category=1, max_new_tokens=32 if small else 128, repeats=1 if small else 2,
+                                 model=MODELS[models[0]])
   config.chat = models[0] != "gemma3"  # Gemma-3-270M is a base model: the question as plain text
   if small:
     config.prompts.categories = SMALL_CATEGORIES

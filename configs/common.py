@@ -106,10 +106,10 @@ def spec_bench_run(*, per_category: int, max_new_tokens: int, adaptive: bool = T
   config.prompts.per_category = per_category  # the first N of each category (0: all)
   config.prompts.question_ids = ()  # explicit ids instead of categories/per_category
   config.prompts.max_prompts = 0  # 0: no cap
+  config.chat = True  # apply the model's chat template to the first turn
   # N > 0: each question preceded by the questions before it in the file until its prompt holds >= N tokens
   # (experiments/spec_bench.py `prompt_text`): a long context ending with the question (sliding windows exercised)
-  config.prompts.min_tokens = 0
-  config.chat = True  # apply the model's chat template to the first turn
+  config.min_prompt_tokens = 0
 
   config.max_new_tokens = max_new_tokens
   config.temperature = 0.0  # 0: greedy, and every method is checked token-for-token against autoregressive

@@ -331,10 +331,20 @@ def _num(x: float | None, spec: str) -> str:
 def _describe_prompts(run: Run) -> str:
   prompts, categories = run.results["prompts"], run.categories()
   names = "Spec-Bench's 13 categories" if len(categories) == 13 else ", ".join(categories)
+  min_tokens = run.results["config"].get("min_prompt_tokens", 0)
+  longer = (f" (plain text, each after the questions before it until it holds >= {min_tokens:,} tokens)"
+            if min_tokens else "")
   if len(prompts) % len(categories):
-    return f"{len(prompts)} prompts of {names}"
+    return f"{len(prompts)} prompts of {names}{longer}"
   each = len(prompts) // len(categories)
-  return f"{each} prompt{'s' if each != 1 else ''} of each of {names}"
+  return f"{each} prompt{'s' if each != 1 else ''} of each of {names}{longer}"
+
+
+def _describe_model(config: dict[str, Any]) -> str:
+  """"gemma3-270m bfloat16: " for a run of another model or dtype than SmolLM2-135M in float32 (most runs), else
+  nothing."""
+  model, dtype = config.get("model", "smollm2-135m"), config.get("dtype", "float32")
+  return "" if (model, dtype) == ("smollm2-135m", "float32") else f"{model} {dtype}: "
 
 
 def describe(run: Run) -> str:
@@ -365,7 +375,8 @@ def describe(run: Run) -> str:
   temperatures = config.get("temperatures") or [config["temperature"]]
   sampling = "greedy" if list(temperatures) == [0] else f"temperature {', '.join(map(str, temperatures))}"
   batches = config.get("batch_sizes") or [config["batch_size"]]
-  return (f"{', '.join(listed)} ({mode}); {_describe_prompts(run)}; {config['max_new_tokens']} new tokens, "
+  return (f"{_describe_model(config)}{', '.join(listed)} ({mode}); {_describe_prompts(run)}; "
+          f"{config['max_new_tokens']} new tokens, "
           f"{sampling}, batch {', '.join(map(str, batches))}, {config['repeats']} repeat"
           f"{'s' if config['repeats'] != 1 else ''}")
 
@@ -660,8 +671,10 @@ def batch_sweep_block(runs: Runs, prefix: str) -> str:
   return run_line(run, prefix) + "\n\n" + "\n".join(rows)
 
 
-def bench_peers_block(runs: Runs, prefix: str) -> str:
-  run = runs["bench_peers"]
+def bench_peers_block(runs: Runs, prefix: str, folder: str = "bench_peers") -> str:
+  """configs/bench_peers.py's run in `folder`: every method's tokens/s and paired speedup, and specjax's 1-token step
+  against the read bandwidth measured in the run."""
+  run = runs[folder]
   summary = run.results["summary"]
   rows = ["| method | tokens/s | speedup (paired median, 90% interval) | lowest category | mean accepted | "
           "plain rounds | greedy agreement |", "|---|---:|---:|---:|---:|---:|---:|"]
@@ -676,7 +689,17 @@ def bench_peers_block(runs: Runs, prefix: str) -> str:
                 f"{speedup_cell(_paired(run, m)) if m != run.baseline else '1.00x'} | "
                 f"{f'{by_category[lowest]:.2f}x ({lowest})' if lowest else '–'} | {s['mean_accepted']:.2f} | "
                 f"{'–' if share is None else f'{share:.0%}'} | {_num(s.get('agreement'), '.0%')} |")
-  return run_line(run, prefix) + "\n\n" + "\n".join(rows)
+  text = run_line(run, prefix) + "\n\n" + "\n".join(rows)
+  costs = run.results.get("costs") or {}
+  if "roofline_fraction" in costs:
+    text += (f"\n\nspecjax's 1-token step at a context of {costs['context_tokens']:,} tokens: "
+             f"{1e3 * costs['target_seconds']['1']:.1f} ms for {costs['target_step_bytes'] / 1e6:.0f} MB read (the "
+             f"weights and the KV cache its layers attend), {costs['roofline_fraction']:.0%} of the read bandwidth "
+             f"measured in the run ({costs['read_bandwidth'] / 1e9:.1f} GB/s).")
+  skipped = summary.get("skipped_methods") or {}
+  if skipped:
+    text += " Left out: " + "; ".join(f"`{m}` ({reason})" for m, reason in skipped.items()) + "."
+  return text
 
 
 def layer_skip_deep_block(runs: Runs, prefix: str) -> str:
@@ -969,6 +992,10 @@ BLOCKS: dict[str, tuple[str, Callable[[Runs, str], str]]] = {
     "adaptive-shadow": ("docs/results.md", _category_block("adaptive_shadow")),
     "batch-sweep": ("docs/results.md", batch_sweep_block),
     "bench-peers": ("docs/results.md", bench_peers_block),
+    "bench-peers-gemma": ("docs/results.md",
+                          lambda runs, prefix: bench_peers_block(runs, prefix, "bench_peers-gemma")),
+    "bench-peers-gemma-bf16": ("docs/results.md",
+                               lambda runs, prefix: bench_peers_block(runs, prefix, "bench_peers-gemma-bf16")),
     "layer-skip-deep": ("docs/results.md", layer_skip_deep_block),
     "bench-autoregressive": ("docs/benchmarks.md", _verbatim("benchmarks", "bench_autoregressive.txt",
                                                              "`benchmarks/bench_autoregressive.py --repeats=3`")),

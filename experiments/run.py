@@ -292,14 +292,12 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model: specjax.Model
     model = specjax.load(config.model, dtype=config.dtype)
   if model.tokenizer is None:
     raise ValueError(f"{config.model} has no tokenizer; Spec-Bench prompts are text")
-  selection = config.prompts.to_dict()
-  min_tokens = selection.pop("min_tokens", 0)
   every_question = spec_bench.load_questions()
-  questions = spec_bench.select(every_question, **selection)
+  questions = spec_bench.select(every_question, **config.prompts.to_dict())
   if not questions:
     raise ValueError("the prompt selection is empty")
-  prompts = [spec_bench.prompt_ids(q, model.tokenizer, config.chat, min_tokens=min_tokens, questions=every_question)
-             for q in questions]
+  prompts = [spec_bench.prompt_ids(q, model.tokenizer, config.chat, min_tokens=config.get("min_prompt_tokens", 0),
+                                   questions=every_question) for q in questions]
   batch_sizes = [int(b) for b in config.get("batch_sizes", ())] or [int(config.batch_size)]
   mesh = None
   if config.mesh_shape:
