@@ -58,7 +58,7 @@ METHODS = {method["name"]: method for method in (
 BUDGET = "workdirs/budget"
 BUDGET_RUNS = {"parallel": "mtp_parallel", "sequential": "mtp_sequential", "deepseek": "mtp_sequential",
                "exit": "layer_skip", "exit16": "layer_skip", "draft": "draft_model",
-               "sequential-sharegpt": "mtp_sequential"}
+               "sequential-sharegpt": "mtp_sequential", "block": "block"}
 
 
 def budget_method(run: str) -> dict:

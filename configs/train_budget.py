@@ -14,6 +14,8 @@ The argument is a family, optionally with variants (comma-separated, e.g. `seque
   exit16      the same after k = 16 layers (layer 15's output, the deepest exit the cache holds short of the MTP
               features): the trained exit's acceptance at its most expensive
   draft       a distilled 4-layer draft model (target layers 0, 10, 19, 29 to start from)
+  block       a block drafter: one block of the target's kind (a copy of its last layer to start from) drafting 4
+              tokens in one forward from EAGLE-3's features (layers 2, 15, 27; specjax/drafters/block.py)
   sharegpt    the data-matching control: train on ShareGPT's own answers instead of the target's, same pool of
               positions, evaluated on the same held-out split (the regenerated one). Its cache:
                 python -m experiments.prepare_data --config=configs/train_data.py --config.num_train=14000
@@ -63,6 +65,8 @@ FAMILIES = {
     "exit16": {"drafter": "layer_skip", "options": {"adapter": "fresh", "exit_layer": 16, "mlp": True},
                "learning_rate": 1e-3},
     "draft": {"drafter": "draft_model", "options": {"draft": "fresh", "num_layers": 4}, "learning_rate": 5e-4},
+    # One block of the target's kind drafting 4 tokens in one forward from EAGLE-3's features (DFlash / PARD).
+    "block": {"drafter": "block", "options": {"path": None, "block_size": 4, "layers": 1}, "learning_rate": 1e-3},
 }
 VARIANTS = ("sharegpt", "small")
 REGENERATED = "workdirs/data/train_data-regenerate"  # prepare_data's workdir for configs/train_data.py:regenerate

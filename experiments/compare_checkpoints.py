@@ -9,7 +9,7 @@ a held-out feature cache: conversations no drafter was trained on, and no evalua
 decodes every prompt greedily with a chain of `--gamma` drafts per round (`--max_new_tokens` new tokens, output
 checked against autoregressive decoding), and is scored by Leviathan et al. (2023)'s speedup with the measured
 tokens per target forward E in place of E(alpha): E / (gamma c + 1), c the drafter's cost per draft step over a
-target step (`Drafter.cost.step`). For two drafters of one cost that ranks them by tokens per forward; an exit
+target step (`Drafter.cost`: a round's part and gamma steps). For two drafters of one cost that ranks them by tokens per forward; an exit
 adapter after fewer layers drafts more cheaply and is credited for it. The candidate replaces the shipped checkpoint
 only if it scores higher; this command says which, and with `--ship` replaces it then (`ship`: the checkpoint, its
 rank accuracy file and a model card that records this comparison).
@@ -57,8 +57,9 @@ def acceptance(model, drafter, prompts: Sequence[Sequence[int]], gamma: int, max
     produced += sum(s["new_tokens_per_row"]) - len(s["new_tokens_per_row"])  # the prefill gives each row's first
     rounds += sum(s["rounds_per_row"])
   mean_accepted = produced / rounds if rounds else float("nan")
-  score = mean_accepted / (gamma * drafter.cost.step + 1.0)
-  return {"mean_accepted": mean_accepted, "draft_cost": drafter.cost.step, "score": score, "per_prompt": per_prompt}
+  draft_cost = drafter.cost.round + gamma * drafter.cost.step  # a round's drafting, in target steps
+  score = mean_accepted / (draft_cost + 1.0)
+  return {"mean_accepted": mean_accepted, "draft_cost": draft_cost / gamma, "score": score, "per_prompt": per_prompt}
 
 
 def compare(model, candidate, shipped, prompts: Sequence[Sequence[int]], *, gamma: int = 4,

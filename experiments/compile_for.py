@@ -90,7 +90,7 @@ from absl import app, flags, logging
 from jax.experimental.layout import Format, Layout
 from ml_collections import config_flags
 
-from specjax import sharding, speculative, train, train_drafter, trees
+from specjax import compilation, sharding, speculative, train, train_drafter, trees
 from specjax.adaptive import ACCELERATOR_FORWARD_COSTS, AdaptiveDrafting
 from specjax.config import ModelConfig, shaped_config
 from specjax.decoding import prefill
@@ -563,7 +563,7 @@ def compile_program(lowering: Lowering, target: Target) -> dict[str, Any]:
   try:
     lowered = lowering.lower()
     record["lower_seconds"] = time.perf_counter() - start
-    compiled = lowered.compile()
+    compiled = lowered.compile(compiler_options=compilation.COMPILER_OPTIONS)  # as generate compiles
   except Exception as e:  # noqa: BLE001  (every failure is a result: which program, why)
     clocks()
     message = _first_line(e)

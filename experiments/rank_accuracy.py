@@ -1,6 +1,6 @@
 r"""Measures how often each parallel head's rank-r token is the target's greedy token, and stores it beside the
 checkpoint (<checkpoint>.ranks.json), where `make_drafter("mtp_parallel", ...)` reads it to draft Medusa's static
-trees (`specjax.drafters.mtp_parallel.static_tree`).
+trees (`specjax.drafters.draft_tree.static_tree`).
 
   python -m experiments.rank_accuracy --cache=workdirs/data/train_data-regenerate/held_out [--checkpoint=default]
 
@@ -27,7 +27,7 @@ def measure_and_save(model, drafter, cache: features.FeatureCache, checkpoint_pa
   accuracy, counted = mtp_parallel.rank_accuracy(model, drafter, cache)
   source = (f"{os.path.relpath(cache.path)}: {len(cache)} sequences, {int(counted[0])} positions compared for head 1 "
             f"(top {accuracy.shape[1]} ranks)")
-  return mtp_parallel.save_rank_accuracy(checkpoint_path, accuracy, source), accuracy
+  return draft_head.save_rank_accuracy(checkpoint_path, accuracy, source), accuracy
 
 
 def main(argv: Sequence[str]) -> None:

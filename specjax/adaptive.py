@@ -248,6 +248,7 @@ class RoundCosts:
   tree_nodes: int | None = None  # N: a tree round drafts N nodes, gamma deep (None: no tree rounds)
   tree_draft_cost: float = 0.0  # growing a tree: gamma draft steps, each after the first over k nodes a row
   tree_verify_cost: float = 0.0  # its verification, a forward over B (N + 1) rows
+  round_cost: float = 0.0  # a drafting round's part that does not grow with its length (`DraftCost.round`)
 
   @classmethod
   def of(cls, cost: DraftCost, forward_costs: tuple[tuple[int, float], ...], gamma: int, rows: int,
@@ -264,10 +265,12 @@ class RoundCosts:
       # Depth 1 is one draft step over the pending token; each of depths 2..gamma one over the TOP_K nodes a row
       # expands, a draft step scaled as the target's forward over as many rows (the module docstring, rule 5).
       expansion = forward_cost(forward_costs, rows * TOP_K) / plain
-      trees = dict(tree_nodes=int(tree_nodes), tree_draft_cost=float(cost.step) * (1.0 + (gamma - 1) * expansion),
+      trees = dict(tree_nodes=int(tree_nodes),
+                   tree_draft_cost=float(cost.round) + float(cost.step) * (1.0 + (gamma - 1) * expansion),
                    tree_verify_cost=forward_cost(forward_costs, rows * (tree_nodes + 1)) / plain)
     return cls(draft_cost=float(cost.step), plain_cost=1.0 + cost.plain_step, widths=widths,
-               verify_costs=verify_costs, refill_cost=float(cost.reused), rows=int(rows), **trees)
+               verify_costs=verify_costs, refill_cost=float(cost.reused), rows=int(rows), round_cost=float(cost.round),
+               **trees)
 
   @property
   def gamma(self) -> int:
@@ -318,7 +321,7 @@ def expected_rounds(costs: RoundCosts, alpha, continues):
     reach = jnp.where(gammas >= lo, some_row[lo], 0.0) - jnp.where(gammas >= hi, below_hi, 0.0)
     verify = verify + reach * costs.verify_costs[i]
   cost = jnp.where(gammas == 0, costs.plain_cost,
-                   steps * costs.draft_cost + verify + costs.refill_cost * some_row[1])
+                   costs.round_cost + steps * costs.draft_cost + verify + costs.refill_cost * some_row[1])
   return tokens, cost
 
 

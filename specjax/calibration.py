@@ -53,6 +53,7 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
+from specjax import compilation
 from specjax.config import cache_dir as cache_root
 from specjax.adaptive import AdaptiveDrafting, default_forward_costs, priced_tokens
 
@@ -261,7 +262,8 @@ def measure(model, rows: int, tokens: Sequence[int], *, repeats: int = REPEATS
     state = {"cache": init_cache(config, b, cache_len)}
     args = (jnp.ones((b, t), jnp.int32), jnp.full((b,), position, jnp.int32))
     start = time.perf_counter()
-    compiled = _forward_loop.lower(params, state["cache"], *args, 1, config=config).compile()
+    compiled = _forward_loop.lower(params, state["cache"], *args, 1, config=config).compile(
+        compiler_options=compilation.COMPILER_OPTIONS)  # as generate compiles
     compile_seconds += time.perf_counter() - start
 
     def run(calls, compiled=compiled, state=state, args=args):

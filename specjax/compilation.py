@@ -7,6 +7,13 @@ shapes, dtypes and shardings, and returns how long compiling took, so that `gene
 `compile_seconds` apart from the decoding time. It logs (absl, INFO) when it starts compiling, since a new
 shape bucket makes a call pause for as long as compiling takes.
 
+Every program is compiled with `COMPILER_OPTIONS`: XLA rounds each operation's result to its declared type. By
+default XLA may keep a fusion's intermediate bfloat16 values in float32 ("excess precision"), and which values it
+keeps depends on how it fuses, which depends on the shapes: a bfloat16 target's logits for a token then differed
+between a 1-token decode step and a 5-token verification, and greedy speculative decoding of Gemma-3-270M diverged
+from autoregressive decoding at a near tie (a Spec-Bench prompt, prompt lookup, token 26). Float32 programs are
+unaffected.
+
 `count()` counts every program XLA builds in this process (ours and any other jit), so that a caller can
 tell whether a timed call had to build one.
 
@@ -39,6 +46,8 @@ _count = [0]
 _programs: "weakref.WeakSet[Program]" = weakref.WeakSet()
 _clock = itertools.count()  # orders the uses of executables across programs
 MAP_BUDGET = 0.6  # share of vm.max_map_count the executables may bring the process to before the oldest go
+# Every result rounded to its type whatever the fusion, so a program's numbers do not depend on its shapes.
+COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
 
 
 def _map_count() -> int | None:
@@ -128,7 +137,7 @@ class Program:
       _make_room()
       logging.info("compiling %s for a new shape bucket (%s); calls with these shapes reuse it", self.name, describe)
       start = time.perf_counter()
-      compiled = self.jitted.lower(*args, **static).compile()
+      compiled = self.jitted.lower(*args, **static).compile(compiler_options=COMPILER_OPTIONS)
       compile_seconds = time.perf_counter() - start
       logging.info("compiled %s in %.1f s", self.name, compile_seconds)
       while len(self._compiled) >= self.max_programs:

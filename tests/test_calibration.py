@@ -207,7 +207,7 @@ def test_the_typed_table_is_the_fallback_and_an_explicit_table_wins(tiny, calibr
 
 def test_the_calibrated_costs_config_pairs_each_drafter_calibrated_and_typed():
   questions = spec_bench.load_questions()
-  for arg, model, chat, prompts in (("smollm2", "smollm2-135m", True, 26), ("gemma3", "gemma3-270m", False, 26),
+  for arg, model, chat, prompts in (("smollm2", "smollm2-135m", True, 13), ("gemma3", "gemma3-270m", False, 13),
                                     ("gemma3,small", "gemma3-270m", False, 3)):
     config = calibrated_costs.get_config(arg)
     assert (config.model, config.chat) == (model, chat)

@@ -61,6 +61,33 @@ def test_select_rejects_impossible_selections(kwargs, message):
     spec_bench.select(spec_bench.load_questions(), **kwargs)
 
 
+class _WordTokenizer:
+  """Words as tokens: enough to count a prompt's length."""
+
+  def encode(self, text):
+    return list(range(len(text.split())))
+
+
+def test_a_least_prompt_length_puts_the_questions_before_it_first():
+  questions = spec_bench.load_questions()
+  tokenizer = _WordTokenizer()
+  question = questions[1]
+  alone = spec_bench.prompt_text(question)
+  assert alone == question.turns[0]
+  text = spec_bench.prompt_text(question, min_tokens=600, tokenizer=tokenizer, questions=questions)
+  assert text.endswith("\n\n" + question.turns[0]) and len(text.split()) >= 600
+  # the nearest earlier question next to it (questions[0]), then wrapping around to the end of the file
+  assert text.endswith(questions[0].turns[0] + "\n\n" + question.turns[0])
+  assert questions[-1].turns[0] + "\n\n" + questions[0].turns[0] in text
+  # and no more of them than it takes
+  first = next(q.turns[0] for q in reversed(questions) if text.startswith(q.turns[0] + "\n\n"))
+  assert len(text[len(first) + 2:].split()) < 600
+  with pytest.raises(ValueError, match="needs the tokenizer"):
+    spec_bench.prompt_text(question, min_tokens=10)
+  with pytest.raises(ValueError, match="fewer than"):
+    spec_bench.prompt_text(question, min_tokens=10**7, tokenizer=tokenizer, questions=questions)
+
+
 @pytest.mark.slow
 def test_prompt_ids_use_the_chat_template_on_the_first_turn_only(smollm2):
   question = spec_bench.select(spec_bench.load_questions(), question_ids=[81])[0]
@@ -92,6 +119,7 @@ CONFIGS = [
     (adaptive_optimism, "small", 14, 64),
     (bench_peers, None, 26, 128),
     (bench_peers, "small", 13, 64),
+    (bench_peers, "gemma", 13, 128),
     (trees, None, 65, 128),
     (trees, "small", 13, 64),
     (trees, "mtp", 65, 128),

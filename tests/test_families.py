@@ -108,6 +108,7 @@ DRAFTERS = {
     "mtp_parallel": ("mtp_parallel", dict(path=None, num_heads=3, token_map=TOKEN_MAP)),
     "mtp_sequential": ("mtp_sequential", dict(path=None, depth=3, token_map=TOKEN_MAP)),
     "draft_model": ("draft_model", dict(draft="fresh", num_layers=2, token_map=TOKEN_MAP)),
+    "block": ("block", dict(path=None, block_size=4, token_map=TOKEN_MAP)),
 }
 # Trees: every tree-drafting drafter on the Gemma 3 and Llama models (fast), and one on each other family (slow).
 TREES = {"mtp_sequential": 6, "draft_model": 6, "layer_skip_skip": 5}

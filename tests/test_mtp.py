@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax.drafters import draft_head
+from specjax.drafters import DraftInputs, PromptInfo, block, draft_head
 from specjax.loading import CheckpointError
 from specjax.train_drafter import train_drafter
 from tests.task_drafters import VOCAB, assert_greedy_lossless, fewer_layers, perturbed, progression
@@ -26,6 +26,8 @@ MTP_DRAFTERS = {
     "sequential_recurrent": ("mtp_sequential", dict(depth=2, recurrent=True)),
     "sequential_eagle3_truncated": ("mtp_sequential", dict(depth=5, eagle3=True,
                                                            token_map=list(range(1, VOCAB, 3)))),
+    "block": ("block", dict(block_size=5)),
+    "block_two_layers_truncated": ("block", dict(block_size=5, layers=2, token_map=list(range(0, VOCAB, 2)))),
 }
 
 
@@ -35,10 +37,10 @@ def make(name, target, seed=1):
 
 
 # Every drafter at gamma 1, 3 and 5; its variants (truncated vocabulary, recurrent, EAGLE-3) at gamma 3.
-GREEDY_GRID = [(name, gamma) for name in ("parallel", "sequential") for gamma in (1, 3, 5)] + [
-    (name, 3) for name in sorted(MTP_DRAFTERS) if name not in ("parallel", "sequential")]
+GREEDY_GRID = [(name, gamma) for name in ("parallel", "sequential", "block") for gamma in (1, 3, 5)] + [
+    (name, 3) for name in sorted(MTP_DRAFTERS) if name not in ("parallel", "sequential", "block")]
 # One of each kind, each over a truncated vocabulary (the sequential one on EAGLE-3 features); the rest are slow.
-FAST = {("parallel_truncated", 3), ("sequential_eagle3_truncated", 3)}
+FAST = {("parallel_truncated", 3), ("sequential_eagle3_truncated", 3), ("block_two_layers_truncated", 3)}
 
 
 @pytest.mark.parametrize("name, gamma", [row if row in FAST else pytest.param(*row, marks=pytest.mark.slow)
@@ -88,6 +90,7 @@ def test_truncated_vocabulary_drafts_only_mapped_tokens_and_q_is_zero_elsewhere(
 
 @pytest.mark.parametrize("name, options", [
     ("mtp_parallel", dict(num_heads=3)),
+    pytest.param("block", dict(block_size=3), marks=pytest.mark.slow),
     pytest.param("mtp_sequential", dict(depth=3), marks=pytest.mark.slow),
     pytest.param("mtp_sequential", dict(depth=3, recurrent=True, eagle3=True), marks=pytest.mark.slow),
 ])
@@ -189,3 +192,38 @@ def test_killed_training_resumes_to_the_same_drafter(task_target, task_caches, t
   for a, b in zip(jax.tree.leaves(resumed.drafter.params), jax.tree.leaves(unbroken.drafter.params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert resumed.final_eval == unbroken.final_eval
+
+
+def test_a_block_drafts_every_slot_in_one_forward(random_target):
+  """One draft forward per drafting round, whatever gamma: `draft_calls` equals the rounds that drafted, and the
+  policy prices the forward once a round (`DraftCost.round`), not per token."""
+  drafter = make("block", random_target)
+  assert drafter.cost.round > 0.0 and drafter.cost.step == 0.0
+  out = specjax.generate(random_target, [[1, 2, 3, 4], [5, 6, 7]], max_new_tokens=12, drafter=drafter, gamma=4,
+                         stop_ids=[], adaptive=False)
+  assert out.stats["draft_calls"] == out.stats["rounds"] > 0, out.stats
+
+
+def test_the_block_drafters_loss_reads_the_context_before_each_anchor_only(random_target):
+  """Slot outputs at anchor t depend on the features at positions < t and the tokens at t, never later ones."""
+  drafter = make("block", random_target)
+  rng = np.random.default_rng(0)
+  b, t, f = 2, 10, len(drafter.feature_layers)
+  d = random_target.config.hidden_size
+  batch = {"tokens": jnp.asarray(rng.integers(0, VOCAB, (b, t)), jnp.int32),
+           "features": jnp.asarray(rng.standard_normal((b, t, f, d)), jnp.float32)}
+  g = block.block_outputs(random_target.params, drafter.params, drafter.options, batch)
+  changed = dict(batch, tokens=batch["tokens"].at[:, 6:].set(0),
+                 features=batch["features"].at[:, 6:].set(1.0))  # anchor 6's own token changes too
+  g2 = block.block_outputs(random_target.params, drafter.params, drafter.options, changed)
+  np.testing.assert_allclose(np.asarray(g[:, :6]), np.asarray(g2[:, :6]), rtol=1e-5, atol=1e-5)
+  assert not np.allclose(np.asarray(g[:, 6:]), np.asarray(g2[:, 6:]))
+  # and the decoding forward gives what training gives at the same anchor
+  state = drafter.init(random_target.params, drafter.params, drafter.options, PromptInfo(
+      tokens=batch["tokens"], lengths=jnp.full((b,), t, jnp.int32), first_token=batch["tokens"][:, -1],
+      last_hidden=jnp.zeros((b, d)), features=batch["features"], cache_len=16))
+  inputs = DraftInputs(sequence=jnp.pad(batch["tokens"], ((0, 0), (0, 6))), position=jnp.full((b,), 5, jnp.int32),
+                       target_cache=None, key=jax.random.PRNGKey(0))
+  logits = block.draft_logits(random_target.params, drafter.params, drafter.options, state, inputs, 5)
+  want = draft_head.logits(random_target.params, drafter.params, g[:, 5], random_target.config)
+  np.testing.assert_allclose(np.asarray(logits), np.asarray(want), rtol=1e-4, atol=1e-4)

@@ -95,6 +95,8 @@ DRAFTERS = {
         "mtp_parallel", target, path=None, num_heads=3, token_map=list(range(3, VOCAB))), seed=3, scale=0.1),
     "mtp_sequential": lambda target, draft: perturbed(specjax.make_drafter(
         "mtp_sequential", target, path=None, depth=2, recurrent=True), seed=3, scale=0.5),
+    "block_truncated": lambda target, draft: perturbed(specjax.make_drafter(
+        "block", target, path=None, block_size=3, token_map=list(range(3, VOCAB))), seed=3, scale=0.1),
 }
 
 
@@ -109,7 +111,7 @@ ADAPTIVE = specjax.AdaptiveDrafting(min_confidence=0.3, prior_alpha=0.5, forward
 def speculative_samples(target, draft, sampling, seed=0, gamma=3, samples=SAMPLES, drafter="draft_model",
                         adaptive=ADAPTIVE, tree_nodes=None):
   drafter = DRAFTERS[drafter](target, draft) if isinstance(drafter, str) else drafter
-  drafter = dataclasses.replace(drafter, cost=dataclasses.replace(drafter.cost, step=0.1))
+  drafter = dataclasses.replace(drafter, cost=dataclasses.replace(drafter.cost, step=0.1, round=0.0))
   out = specjax.generate(target, [PROMPT] * samples, max_new_tokens=3, drafter=drafter, gamma=gamma, seed=seed,
                          temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, stop_ids=[],
                          max_len=16, adaptive=adaptive, tree_nodes=tree_nodes)
@@ -208,7 +210,7 @@ TREE_DRAFTERS = {**DRAFTERS, "prompt_lookup": lambda target, draft: specjax.make
 
 @pytest.mark.slow
 @pytest.mark.parametrize("drafter", ["mtp_parallel_truncated", "mtp_sequential", "draft_model",
-                                     "layer_skip_adapter_truncated", "prompt_lookup"])
+                                     "layer_skip_adapter_truncated", "prompt_lookup", "block_truncated"])
 def test_tree_speculative_sampling_matches_the_target_distribution(drafter, target, draft):
   samples, s = speculative_samples(target, draft, SETTINGS[1], drafter=TREE_DRAFTERS[drafter](target, draft), gamma=2,
                                    adaptive=False, tree_nodes=6)

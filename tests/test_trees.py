@@ -11,7 +11,7 @@ import pytest
 
 import specjax
 from specjax import trees, verify
-from specjax.drafters import DraftInputs, mtp_parallel
+from specjax.drafters import DraftInputs, draft_head, draft_tree, mtp_parallel
 from specjax.model import KVCache, forward, forward_nodes, init_cache, lm_head
 from specjax.sampling import sample_from_probs
 
@@ -205,12 +205,12 @@ def test_the_sibling_rule_test_detects_a_residual_not_updated_after_a_rejected_s
 def test_a_static_tree_keeps_the_rank_paths_of_highest_expected_acceptance():
   """Values: (0) .6, (0, 0) .3, (1) .2, (0, 1) .18, then (0, 2) .06: four nodes, depth by depth, parents first."""
   accuracy = [[0.6, 0.2, 0.1], [0.5, 0.3, 0.1]]
-  parents, heads, ranks = mtp_parallel.static_tree(accuracy, depth=2, nodes=4)
+  parents, heads, ranks = draft_tree.static_tree(accuracy, depth=2, nodes=4)
   assert (parents, heads, ranks) == ((0, 0, 1, 1), (0, 0, 1, 1), (0, 1, 0, 1))
-  parents, heads, ranks = mtp_parallel.static_tree(accuracy, depth=1, nodes=3)  # one level: the heads' ranks
+  parents, heads, ranks = draft_tree.static_tree(accuracy, depth=1, nodes=3)  # one level: the heads' ranks
   assert (parents, heads, ranks) == ((0, 0, 0), (0, 0, 0), (0, 1, 2))
   with pytest.raises(ValueError, match="holds 3 nodes, got tree_nodes=4"):
-    mtp_parallel.static_tree(accuracy, depth=1, nodes=4)
+    draft_tree.static_tree(accuracy, depth=1, nodes=4)
 
 
 def test_rank_accuracy_counts_each_heads_rank_that_is_the_targets_next_token(tiny):
@@ -249,7 +249,7 @@ def test_a_checkpoints_measured_rank_accuracy_makes_its_trees_static(tiny, tmp_p
   fresh = specjax.make_drafter("mtp_parallel", tiny, path=None, num_heads=2)
   path = draft_head.save(fresh, str(tmp_path / "heads.safetensors"), tiny)
   assert specjax.make_drafter("mtp_parallel", tiny, path=path).options.rank_accuracy is None  # grown: EAGLE-2
-  stored = mtp_parallel.save_rank_accuracy(path, [[0.5, 0.25], [0.4, 0.125]], source="a test")
+  stored = draft_head.save_rank_accuracy(path, [[0.5, 0.25], [0.4, 0.125]], source="a test")
   assert stored == str(tmp_path / "heads.ranks.json")
   loaded = specjax.make_drafter("mtp_parallel", tiny, path=path)
   assert loaded.options.rank_accuracy == ((0.5, 0.25), (0.4, 0.125))

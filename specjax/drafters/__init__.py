@@ -29,8 +29,9 @@ A drafter that runs the target's own first k layers on [pending, x_1, ...] (`reu
 writes the target's K/V for those layers as it drafts and hands over their output (`Proposal.hidden`), so
 verification runs layers 0..k-1 only for the token the draft did not process (LayerSkip's cache reuse).
 
-A drafter describes what it costs in one `DraftCost` (a draft step, following a plain step, the target layers it
-reuses), which the drafting policy plans rounds with (`specjax.adaptive`).
+A drafter describes what it costs in one `DraftCost` (a draft step, a round's part that does not grow with its
+length, following a plain step, the target layers it reuses), which the drafting policy plans rounds with
+(`specjax.adaptive`).
 
 A trainable drafter also has `loss(target_params, params, options, batch) -> (loss, metrics)` over a batch
 of cached target features (`specjax.data.features`); `specjax.train` trains `params` with the target frozen.
@@ -121,11 +122,12 @@ class DraftCost:
   step: float = 0.0  # c: one draft step
   plain_step: float = 0.0  # following a plain target step: `update` over its one token (`RoundResult.drafted` False)
   reused: float = 0.0  # the target's layers 0..k-1 the drafter runs itself (`Drafter.reuse_layers` = k)
+  round: float = 0.0  # a drafting round's part that does not grow with its length (a forward that drafts them all)
 
   def __post_init__(self):
-    if not (self.step >= 0.0 and self.plain_step >= 0.0 and 0.0 <= self.reused < 1.0):
-      raise ValueError(f"draft costs are shares of a target step: step, plain_step >= 0 and reused in [0, 1); got "
-                       f"{self}")
+    if not (self.step >= 0.0 and self.plain_step >= 0.0 and self.round >= 0.0 and 0.0 <= self.reused < 1.0):
+      raise ValueError(f"draft costs are shares of a target step: step, plain_step, round >= 0 and reused in "
+                       f"[0, 1); got {self}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,6 +309,7 @@ _FACTORIES = {
     "draft_model": "specjax.drafters.draft_model",
     "layer_skip": "specjax.drafters.layer_skip",
     "mtp_parallel": "specjax.drafters.mtp_parallel",
+    "block": "specjax.drafters.block",
     "mtp_sequential": "specjax.drafters.mtp_sequential",
     "prompt_lookup": "specjax.drafters.prompt_lookup",
 }
@@ -317,7 +320,7 @@ def available() -> list[str]:
 
 
 # The option through which each trained drafter takes a checkpoint file (`make_drafter(name, model, <it>=file)`).
-_CHECKPOINT_OPTION = {"draft_model": "draft", "layer_skip": "adapter", "mtp_parallel": "path", "mtp_sequential": "path"}
+_CHECKPOINT_OPTION = {"block": "path", "draft_model": "draft", "layer_skip": "adapter", "mtp_parallel": "path", "mtp_sequential": "path"}
 
 
 def checkpoint_option(name: str) -> str:

@@ -16,6 +16,8 @@ distribution and the target's next-token distribution there, given as its top-K 
 from __future__ import annotations
 
 import importlib.resources
+import json
+import os
 import pathlib
 
 import jax
@@ -169,3 +171,39 @@ def as_token_map(token_map, vocab_size: int) -> np.ndarray:
   if np.unique(token_map).size != token_map.size:
     raise ValueError("token_map has repeated ids")
   return token_map
+
+
+# ----------------------------------------------------------------------------------- measured rank accuracy
+
+
+def ranks_path(checkpoint_path: str) -> str:
+  """Where a checkpoint's measured rank accuracy lives: beside it, <name>.ranks.json."""
+  return os.path.splitext(checkpoint_path)[0] + ".ranks.json"
+
+
+def save_rank_accuracy(checkpoint_path: str, accuracy, source: str) -> str:
+  """Writes `accuracy` [K, R] beside the checkpoint (`ranks_path`), with the data it was measured on."""
+  path = ranks_path(checkpoint_path)
+  with open(path + ".tmp", "w") as f:
+    json.dump({"rank_accuracy": np.asarray(accuracy, np.float64).round(6).tolist(), "measured_on": source}, f,
+              indent=1)
+  os.replace(path + ".tmp", path)  # atomic: a killed write leaves the old file
+  return path
+
+
+def stored_rank_accuracy(model, name: str, path: str | None, rank_accuracy, depth: int):
+  """A drafter's per-(depth, rank) accuracy as a tuple of tuples: `rank_accuracy` as given, else what was measured
+  beside its checkpoint (`ranks_path`; `path` "default": the shipped one), else None (trees grown). `depth`: the
+  distributions a round drafts (parallel heads, block slots), one row of ranks each."""
+  if rank_accuracy is None and path is not None:
+    stored = ranks_path(shipped_checkpoint(model, name) if path == "default" else str(path))
+    if os.path.exists(stored):
+      with open(stored) as f:
+        rank_accuracy = json.load(f)["rank_accuracy"]
+  if rank_accuracy is None:
+    return None
+  rank_accuracy = tuple(tuple(float(a) for a in row) for row in rank_accuracy)
+  if len(rank_accuracy) != depth or len({len(row) for row in rank_accuracy}) != 1:
+    raise ValueError(f"rank_accuracy holds a row of ranks per draft depth ({depth}), got "
+                     f"{[len(row) for row in rank_accuracy]}")
+  return rank_accuracy

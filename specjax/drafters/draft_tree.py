@@ -16,10 +16,12 @@ renormalised). The tree's shape depends on the draft alone, never on the target'
 
 from __future__ import annotations
 
+import heapq
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.sampling import SamplingParams
 
@@ -74,3 +76,42 @@ def grow(first_logits: jax.Array, payload: Any, expand: Callable, depth: int, no
   parents = jnp.where(parent_ids < 0, 0, 1 + jnp.sum(selected[:, None, :] < parent_ids[:, :, None], axis=2))
   probs = None if sampling.greedy else jax.nn.one_hot(tokens, vocab_size or vocab, dtype=jnp.float32)
   return tokens.astype(jnp.int32), probs, parents.astype(jnp.int32)
+
+
+def static_tree(accuracy, depth: int, nodes: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+  """Medusa's static tree (Cai et al. 2024, section 2.1.2) from accuracy [K][R] (a drafter's k-th distribution of a
+  round, a parallel head's or a block slot's: its rank-r token is the target's): the `nodes` rank paths (r_1..r_d), d <= depth, of highest expected acceptance prod_k accuracy[k][r_k].
+
+  Best first from the root: a path's value never exceeds its prefix's, and a path is a candidate only once its prefix
+  is chosen, so the chosen paths hold each one's parent (equal values: the path found first). Returns per node, in
+  the order of depth then choice (every parent before its children): its parent's block index (0: the pending
+  token, node i at i + 1; `specjax.trees`), its head (depth - 1) and its rank."""
+  depth = min(depth, len(accuracy))
+  frontier = [(-float(a), (r,)) for r, a in enumerate(accuracy[0])]
+  heapq.heapify(frontier)
+  chosen = []
+  while frontier and len(chosen) < nodes:
+    value, path = heapq.heappop(frontier)
+    chosen.append(path)
+    if len(path) < depth:
+      for r, a in enumerate(accuracy[len(path)]):
+        heapq.heappush(frontier, (value * float(a), path + (r,)))
+  if len(chosen) < nodes:
+    raise ValueError(f"a static tree {depth} deep over {len(accuracy[0])} ranks holds {len(chosen)} nodes, got "
+                     f"tree_nodes={nodes}")
+  ordered = sorted(chosen, key=lambda path: (len(path), chosen.index(path)))
+  block = {path: i + 1 for i, path in enumerate(ordered)}
+  return (tuple(block.get(path[:-1], 0) for path in ordered), tuple(len(path) - 1 for path in ordered),
+          tuple(path[-1] for path in ordered))
+
+
+def static_tree_tokens(logits: jax.Array, accuracy, depth: int, nodes: int, sampling: SamplingParams,
+                       token_map: jax.Array | None = None, vocab_size: int | None = None):
+  """`static_tree`'s nodes from a round's per-depth draft logits [B, depth, V'] (over `token_map` when truncated):
+  (tokens [B, N], probs [B, N, V] one-hot at them (None when greedy), parents [B, N])."""
+  parents, node_depths, node_ranks = static_tree(accuracy, depth, nodes)
+  top = jax.lax.top_k(logits, len(accuracy[0]))[1]  # [B, depth, R] draft-vocabulary indices
+  tokens = top[:, np.asarray(node_depths), np.asarray(node_ranks)]
+  tokens = (tokens if token_map is None else token_map[tokens]).astype(jnp.int32)
+  probs = None if sampling.greedy else jax.nn.one_hot(tokens, vocab_size, dtype=jnp.float32)
+  return tokens, probs, jnp.broadcast_to(jnp.asarray(parents, jnp.int32), tokens.shape)

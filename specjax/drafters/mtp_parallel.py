@@ -13,8 +13,8 @@ position), so drafting costs K small matrix-vector products and one head over V'
 
 Trees (Medusa's): head k's top tokens are the candidates at depth k under every node of depth k - 1. With a measured
 per-(head, rank) accuracy (`rank_accuracy` on held-out cached features, stored beside the checkpoint as
-<checkpoint>.ranks.json, `save_rank_accuracy`), the tree is Medusa's static one: the N rank paths (r_1..r_d) of
-highest expected acceptance prod_k accuracy[k][r_k] (`static_tree`), each node the rank-r_d token of head d. Until
+<checkpoint>.ranks.json, `draft_head.save_rank_accuracy`), the tree is Medusa's static one: the N rank paths (r_1..r_d) of
+highest expected acceptance prod_k accuracy[k][r_k] (`draft_tree.static_tree`), each node the rank-r_d token of head d. Until
 such a measurement exists, the tree keeps the N paths of highest product of the heads' own probabilities
 (`draft_tree.grow`, EAGLE-2's rule; the heads read one hidden state, so expanding a node costs nothing).
 
@@ -26,9 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import heapq
-import json
-import os
 
 import jax
 import jax.numpy as jnp
@@ -90,14 +87,11 @@ def propose(target_params, params, options: Options, hidden, inputs: DraftInputs
     raise ValueError(f"{NAME} has {options.num_heads} heads, gamma={gamma}")
   logits = draft_head.logits(target_params, params, heads(params, hidden, gamma), options.config)  # [B, g, V']
   if inputs.tree_nodes and options.rank_accuracy is not None:
-    parents, node_heads, node_ranks = static_tree(options.rank_accuracy, gamma, inputs.tree_nodes)
-    top = jax.lax.top_k(logits, len(options.rank_accuracy[0]))[1]  # [B, g, R] draft-vocabulary indices
-    tokens = top[:, np.asarray(node_heads), np.asarray(node_ranks)]
-    tokens = (tokens if "token_map" not in params else params["token_map"][tokens]).astype(jnp.int32)
-    probs = None if sampling.greedy else jax.nn.one_hot(tokens, options.config.vocab_size, dtype=jnp.float32)
+    tokens, probs, parents = draft_tree.static_tree_tokens(logits, options.rank_accuracy, gamma, inputs.tree_nodes,
+                                                           sampling, params.get("token_map"),
+                                                           options.config.vocab_size)
     return Proposal(tokens=tokens, probs=probs, state=hidden, target_cache=inputs.target_cache,
-                    steps=jnp.ones((), jnp.int32),
-                    parents=jnp.broadcast_to(jnp.asarray(parents, jnp.int32), tokens.shape))
+                    steps=jnp.ones((), jnp.int32), parents=parents)
   if inputs.tree_nodes:
     def expand(d, tokens, payload):  # head d scores the children of every node of depth d - 1 alike
       return jnp.broadcast_to(logits[:, None, d - 1], tokens.shape + logits.shape[-1:]), payload
@@ -110,33 +104,6 @@ def propose(target_params, params, options: Options, hidden, inputs: DraftInputs
   # All heads run at once (one small product each), so stopping early trims the verification, not drafting.
   return Proposal(tokens=tokens, probs=probs, state=hidden, target_cache=inputs.target_cache,
                   lengths=draft_lengths(confidence(logits, probs), inputs, gamma), steps=jnp.ones((), jnp.int32))
-
-
-def static_tree(accuracy, depth: int, nodes: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-  """Medusa's static tree (Cai et al. 2024, section 2.1.2) from accuracy [K][R] (head k's rank-r token is the
-  target's): the `nodes` rank paths (r_1..r_d), d <= depth, of highest expected acceptance prod_k accuracy[k][r_k].
-
-  Best first from the root: a path's value never exceeds its prefix's, and a path is a candidate only once its prefix
-  is chosen, so the chosen paths hold each one's parent (equal values: the path found first). Returns per node, in
-  the order of depth then choice (every parent before its children): its parent's block index (0: the pending
-  token, node i at i + 1; `specjax.trees`), its head (depth - 1) and its rank."""
-  depth = min(depth, len(accuracy))
-  frontier = [(-float(a), (r,)) for r, a in enumerate(accuracy[0])]
-  heapq.heapify(frontier)
-  chosen = []
-  while frontier and len(chosen) < nodes:
-    value, path = heapq.heappop(frontier)
-    chosen.append(path)
-    if len(path) < depth:
-      for r, a in enumerate(accuracy[len(path)]):
-        heapq.heappush(frontier, (value * float(a), path + (r,)))
-  if len(chosen) < nodes:
-    raise ValueError(f"a static tree {depth} deep over {len(accuracy[0])} ranks holds {len(chosen)} nodes, got "
-                     f"tree_nodes={nodes}")
-  ordered = sorted(chosen, key=lambda path: (len(path), chosen.index(path)))
-  block = {path: i + 1 for i, path in enumerate(ordered)}
-  return (tuple(block.get(path[:-1], 0) for path in ordered), tuple(len(path) - 1 for path in ordered),
-          tuple(path[-1] for path in ordered))
 
 
 def rank_hits(target_params, params, options: Options, batch, ranks: int = draft_tree.TOP_K):
@@ -158,7 +125,7 @@ def rank_hits(target_params, params, options: Options, batch, ranks: int = draft
 def rank_accuracy(model, drafter, cache, batch_size: int = 16) -> tuple[np.ndarray, np.ndarray]:
   """(accuracy [K, R], counted [K]): the share of the positions of `cache` (cached features, `FeatureCache`, that
   hold the target's last layer) where head k's rank-r token is the target's greedy token (`rank_hits`), what
-  `static_tree` builds Medusa's tree from; and the positions compared per head."""
+  `draft_tree.static_tree` builds Medusa's tree from; and the positions compared per head."""
   layers = list(cache.meta["feature_layers"])
   last = model.config.num_layers - 1
   if last not in layers:
@@ -171,21 +138,6 @@ def rank_accuracy(model, drafter, cache, batch_size: int = 16) -> tuple[np.ndarr
     h, c = hits_of(model.params, drafter.params, batch=batch)
     hits, counted = hits + np.asarray(h, np.int64), counted + np.asarray(c, np.int64)
   return hits / np.maximum(counted, 1)[:, None], counted
-
-
-def ranks_path(checkpoint_path: str) -> str:
-  """Where a checkpoint's measured rank accuracy lives: beside it, <name>.ranks.json."""
-  return os.path.splitext(checkpoint_path)[0] + ".ranks.json"
-
-
-def save_rank_accuracy(checkpoint_path: str, accuracy, source: str) -> str:
-  """Writes `accuracy` [K, R] beside the checkpoint (`ranks_path`), with the data it was measured on."""
-  path = ranks_path(checkpoint_path)
-  with open(path + ".tmp", "w") as f:
-    json.dump({"rank_accuracy": np.asarray(accuracy, np.float64).round(6).tolist(), "measured_on": source}, f,
-              indent=1)
-  os.replace(path + ".tmp", path)  # atomic: a killed write leaves the old file
-  return path
 
 
 def update(target_params, params, options: Options, hidden, result: RoundResult):
@@ -228,7 +180,8 @@ def make(model, path: str | None = "default", num_heads: int = 4, token_map=None
 
   num_heads and token_map (the draft vocabulary: token ids, most frequent first) apply to fresh heads;
   a checkpoint brings its own. rank_accuracy [K][R] (head k's rank-r token is the target's) makes trees Medusa's
-  static ones (`static_tree`); None reads it from beside the checkpoint (`ranks_path`) where one was measured.
+  static ones (`draft_tree.static_tree`); None reads it from beside the checkpoint (`draft_head.ranks_path`)
+  where one was measured.
   """
   config = model.config
   if path is None:
@@ -241,16 +194,8 @@ def make(model, path: str | None = "default", num_heads: int = 4, token_map=None
   else:
     options, params = draft_head.load(model, NAME, path, saved_specs, lambda saved: Options(
         config=config, num_heads=int(saved["num_heads"]), draft_vocab=saved["draft_vocab"]))
-  if rank_accuracy is None and path is not None:
-    stored = ranks_path(draft_head.shipped_checkpoint(model, NAME) if path == "default" else str(path))
-    if os.path.exists(stored):
-      with open(stored) as f:
-        rank_accuracy = json.load(f)["rank_accuracy"]
+  rank_accuracy = draft_head.stored_rank_accuracy(model, NAME, path, rank_accuracy, options.num_heads)
   if rank_accuracy is not None:
-    rank_accuracy = tuple(tuple(float(a) for a in head) for head in rank_accuracy)
-    if len(rank_accuracy) != options.num_heads or len({len(head) for head in rank_accuracy}) != 1:
-      raise ValueError(f"rank_accuracy holds a row of ranks per head ({options.num_heads} heads), got "
-                       f"{[len(head) for head in rank_accuracy]}")
     options = dataclasses.replace(options, rank_accuracy=rank_accuracy)
   if options.draft_vocab is not None:
     params["head"] = draft_head.head_columns(model.params, config, params["token_map"])
@@ -260,9 +205,9 @@ def make(model, path: str | None = "default", num_heads: int = 4, token_map=None
 
 
 def cost(model, options: Options, params) -> DraftCost:
-  """c per draft token: one round reads the (truncated) head once for all its heads, so each of num_heads
-  tokens costs a share of it, plus its own head block. Following a plain step keeps a hidden state: free."""
+  """A round reads the (truncated) head once for all its heads (`round`), and each draft token its own head block
+  (`step`). Following a plain step keeps a hidden state: free."""
   head = leviathan.draft_cost(model.params, model.config, (), head_columns=options.draft_vocab)
   block = leviathan.draft_cost(model.params, model.config, (), {"w": params["w"][0]}, head_columns=0)
-  return DraftCost(step=head / options.num_heads + block)
+  return DraftCost(step=block, round=head)
 
