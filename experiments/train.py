@@ -247,7 +247,8 @@ def run(config: ml_collections.ConfigDict, command: str) -> dict[str, Any]:
       weight_decay=config.weight_decay, clip_norm=config.clip_norm, seed=config.seed, log_every=config.log_every,
       eval_every=config.eval_every, eval_steps=plan["eval_steps"], eval_sequences=config.eval_sequences,
       save_every=config.save_every, num_sequences=plan["num_sequences"],
-      evaluate_drafter=spec_bench_metrics if along_the_way else None, mesh=mesh)
+      evaluate_drafter=spec_bench_metrics if along_the_way else None, mesh=mesh,
+      objective=config.get("objective", "kl"))
   print("held-out:", {k: round(v, 4) for k, v in result.final_eval.items()})
   card = {
       "drafter": config.drafter, "target": config.model, "options": result.drafter.options.saved(),

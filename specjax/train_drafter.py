@@ -158,16 +158,19 @@ def _write_records(path: str, records: list[dict[str, Any]]) -> None:
   os.replace(tmp, path)
 
 
-def training_split(drafter: Drafter, target_params, drafter_params):
+def training_split(drafter: Drafter, target_params, drafter_params, objective: str = "kl"):
   """(trainable, frozen, loss_fn): the drafter's trainable arrays (`draft_head.is_trainable`), everything the loss
   reads but does not train ({"target": target_params, "drafter": the drafter's fixed arrays}), and
-  loss_fn(trainable, frozen, batch) -> (loss, metrics) for `train.make_train_step(..., has_aux=True)`."""
+  loss_fn(trainable, frozen, batch) -> (loss, metrics) for `train.make_train_step(..., has_aux=True)`, the drafter's
+  loss under `objective` (`draft_head.OBJECTIVES`)."""
+  if objective not in draft_head.OBJECTIVES:
+    raise ValueError(f"unknown training objective {objective!r}; objectives: {', '.join(draft_head.OBJECTIVES)}")
   trainable, fixed = train.split_params(drafter_params, lambda path, leaf: draft_head.is_trainable(path))
   options = drafter.options
 
   def loss_fn(trainable_params, frozen_params, batch):
     params = train.merge_params(trainable_params, frozen_params["drafter"])
-    return drafter.loss(frozen_params["target"], params, options, batch)
+    return drafter.loss(frozen_params["target"], params, options, batch, objective=objective)
 
   return trainable, {"target": target_params, "drafter": fixed}, loss_fn
 
@@ -178,11 +181,12 @@ def train_drafter(model, drafter: Drafter, train_cache, held_out_cache, *, workd
                   eval_every: int = 200, eval_steps: Collection[int] | None = None, eval_sequences: int = 64,
                   save_every: int = 100, num_sequences: int | None = None,
                   evaluate_drafter: Callable[[Drafter], dict[str, Any]] | None = None, mesh=None,
-                  progress: bool = True) -> TrainResult:
+                  progress: bool = True, objective: str = "kl") -> TrainResult:
   """Trains `drafter`'s trainable arrays (see the module doc); returns the trained drafter and its metrics.
 
   Evaluation runs at `eval_steps` (default: every `eval_every` steps) and after the last step; batches are drawn
-  from the first `num_sequences` sequences of `train_cache` (default all, see `pool_sequences`).
+  from the first `num_sequences` sequences of `train_cache` (default all, see `pool_sequences`). `objective`: the
+  loss trained (`draft_head.OBJECTIVES`); evaluation reports the same loss and the per-depth top-1.
   """
   if drafter.loss is None:
     raise ValueError(f"drafter {drafter.name!r} has no loss: it is not trainable")
@@ -205,7 +209,7 @@ def train_drafter(model, drafter: Drafter, train_cache, held_out_cache, *, workd
   if mesh is not None:
     target_params = sharding.shard_params(target_params, model.config, mesh)
     drafter_params = sharding.shard_tree(drafter_params, drafter.param_specs, mesh)
-  trainable, frozen, loss_fn = training_split(drafter, target_params, drafter_params)
+  trainable, frozen, loss_fn = training_split(drafter, target_params, drafter_params, objective)
   fixed = frozen["drafter"]
 
   def batch_fn(step: int):

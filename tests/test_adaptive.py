@@ -388,9 +388,24 @@ def test_drafters_describe_their_costs(random_target):
   for rows in (1, 2, 8):
     assert RoundCosts.of(draft, ((1, 1.0), (4, 1.0), (8, 1.6)), 4, rows).plain_cost == pytest.approx(
         1.0 + draft.plain_step)
-  for bad in (dict(step=-0.1), dict(plain_step=-1.0), dict(reused=1.0)):
+  for bad in (dict(step=-0.1), dict(plain_step=-1.0), dict(reused=1.0), dict(round=-0.5)):
     with pytest.raises(ValueError, match="draft costs"):
       DraftCost(**bad)
+  # A block drafter's forward (and the parallel heads' head) is paid once a drafting round, whatever its length.
+  block = specjax.make_drafter("block", random_target, path=None, block_size=4).cost
+  heads = specjax.make_drafter("mtp_parallel", random_target, path=None, num_heads=4).cost
+  assert block.round > 0.0 and block.step == 0.0 and 0.0 < block.plain_step < block.round
+  assert heads.round > heads.step > 0.0
+
+
+def test_a_rounds_fixed_cost_is_paid_once_a_drafting_round():
+  points = ((1, 1.0), (2, 1.1), (5, 1.4))
+  per_step = RoundCosts.of(DraftCost(step=0.3), points, 4, 1)
+  with_round = RoundCosts.of(DraftCost(step=0.3, round=0.5), points, 4, 1)
+  assert with_round.round_costs[0] == per_step.round_costs[0] == 1.0  # a plain step does not draft
+  assert with_round.round_costs[1:] == pytest.approx([c + 0.5 for c in per_step.round_costs[1:]])
+  trees = [RoundCosts.of(DraftCost(step=0.3, round=r), points, 4, 1, tree_nodes=8) for r in (0.0, 0.5)]
+  assert trees[1].tree_cost == pytest.approx(trees[0].tree_cost + 0.5)
 
 
 def test_the_default_costs_draft_at_batch_1_and_not_at_batch_8(random_target):

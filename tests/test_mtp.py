@@ -227,3 +227,43 @@ def test_the_block_drafters_loss_reads_the_context_before_each_anchor_only(rando
   logits = block.draft_logits(random_target.params, drafter.params, drafter.options, state, inputs, 5)
   want = draft_head.logits(random_target.params, drafter.params, g[:, 5], random_target.config)
   np.testing.assert_allclose(np.asarray(logits), np.asarray(want), rtol=1e-4, atol=1e-4)
+
+
+def test_the_lk_objective_is_the_negative_log_of_the_acceptance_bound():
+  """"lk": -log sum_k min(p_k, q_k) over the target's top-K (q over the draft vocabulary, p as the target gave it);
+  "kl": the cross-entropy against p renormalised over the reachable tokens; an unknown objective is an error."""
+  logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.2, 0.0]]) + 1e-30)
+  ids, probs = jnp.asarray([[1, 0, 3]]), jnp.asarray([[0.6, 0.3, 0.1]])
+  valid = jnp.asarray([True])
+  lk, top1 = draft_head.distill_loss(logits, ids, probs, valid, {}, 4, "lk")
+  np.testing.assert_allclose(float(lk), -np.log(0.3 + 0.3 + 0.0 + 1e-6), rtol=1e-5)
+  assert float(top1) == 0.0  # the draft's argmax (0) is not the target's (1)
+  kl, _ = draft_head.distill_loss(logits, ids, probs, valid, {}, 4, "kl")
+  np.testing.assert_allclose(float(kl), -(0.6 * np.log(0.3) + 0.3 * np.log(0.5) + 0.1 * np.log(1e-30)), rtol=1e-4)
+  with pytest.raises(ValueError, match="unknown training objective"):
+    draft_head.distill_loss(logits, ids, probs, valid, {}, 4, "mse")
+
+
+def test_training_on_the_lk_objective_raises_the_acceptance_bound(random_target):
+  from specjax.train_drafter import training_split
+  from specjax import train
+  drafter = make("block", random_target)
+  rng = np.random.default_rng(1)
+  b, t, f = 4, 12, len(drafter.feature_layers)
+  d = random_target.config.hidden_size
+  teacher = rng.dirichlet(np.ones(4), (b, t)).astype(np.float32)
+  batch = {"tokens": jnp.asarray(rng.integers(0, VOCAB, (b, t)), jnp.int32),
+           "features": jnp.asarray(rng.standard_normal((b, t, f, d)), jnp.float32),
+           "teacher_ids": jnp.asarray(np.argsort(-teacher, -1) * 5 % VOCAB, jnp.int32),
+           "teacher_probs": jnp.asarray(-np.sort(-teacher, -1)), "mask": jnp.ones((b, t), bool)}
+  trainable, frozen, loss_fn = training_split(drafter, random_target.params, drafter.params, "lk")
+  optimizer = train.make_optimizer(3e-3, 1, 40)
+  step = train.make_train_step(loss_fn, optimizer, has_aux=True)
+  state = train.init_train_state(trainable, optimizer)
+  first = float(loss_fn(trainable, frozen, batch)[0])
+  for _ in range(40):
+    state, _ = step(state, frozen, batch)
+  last = float(loss_fn(state.params, frozen, batch)[0])
+  assert last < first - 0.1, (first, last)
+  with pytest.raises(ValueError, match="unknown training objective"):
+    training_split(drafter, random_target.params, drafter.params, "mse")

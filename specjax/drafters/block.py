@@ -218,7 +218,7 @@ def block_outputs(target_params, params, options: Options, batch) -> jax.Array:
   return g.reshape(b, t, gamma + 1, -1)[:, :, 1:]
 
 
-def loss(target_params, params, options: Options, batch):
+def loss(target_params, params, options: Options, batch, objective: str = "kl"):
   """Self-distillation over cached features (the module docstring): slot i at anchor t learns the target's
   distribution at position t + i - 1 (teacher_ids/probs [B, T, K]), over the batch's mask [B, T].
   Returns (sum_i 0.8^(i-1) loss_i, {"loss_i", "top1_i" per slot})."""
@@ -228,7 +228,7 @@ def loss(target_params, params, options: Options, batch):
     logits = draft_head.logits(target_params, params, g[:, :, i - 1], options.config)
     loss_i, top1_i = draft_head.distill_loss(
         logits, draft_head.shifted(batch["teacher_ids"], i - 1), draft_head.shifted(batch["teacher_probs"], i - 1),
-        draft_head.shifted(batch["mask"], i - 1, False), params, options.config.vocab_size)
+        draft_head.shifted(batch["mask"], i - 1, False), params, options.config.vocab_size, objective)
     total = total + DEPTH_DECAY ** (i - 1) * loss_i
     metrics[f"loss_{i}"], metrics[f"top1_{i}"] = loss_i, top1_i
   return total, metrics

@@ -60,13 +60,22 @@ def token_ids(params, draft_index: jax.Array) -> jax.Array:
   return params["token_map"][draft_index] if "token_map" in params else draft_index.astype(jnp.int32)
 
 
+# Training objectives (`distill_loss`): "kl", the soft cross-entropy against the target's top-K distribution
+# (renormalised over the tokens the draft vocabulary holds: KL up to a constant); "lk", the acceptance itself: the
+# negative log of sum_k min(p_k, q_k) over the target's top-K tokens, a lower bound on the chance that speculative
+# sampling accepts a draft, sum_x min(p(x), q(x)) (LK losses: optimise acceptance rather than a divergence).
+OBJECTIVES = ("kl", "lk")
+
+
 def distill_loss(draft_logits: jax.Array, teacher_ids: jax.Array, teacher_probs: jax.Array, valid: jax.Array,
-                 params, vocab_size: int):
-  """(mean soft cross-entropy, top-1 agreement) over valid positions.
+                 params, vocab_size: int, objective: str = "kl"):
+  """(mean loss, top-1 agreement) over valid positions, the loss `objective` (one of `OBJECTIVES`).
 
   draft_logits [..., V']; teacher_ids/probs [..., K] (the target's top-K next-token distribution);
   valid [...]. Top-1 agreement: the draft's argmax token equals the target's greedy token (teacher_ids[..., 0]).
   """
+  if objective not in OBJECTIVES:
+    raise ValueError(f"unknown training objective {objective!r}; objectives: {', '.join(OBJECTIVES)}")
   log_q = jax.nn.log_softmax(draft_logits.astype(jnp.float32), axis=-1)
   if "token_map" in params:
     token_map = params["token_map"]
@@ -75,14 +84,18 @@ def distill_loss(draft_logits: jax.Array, teacher_ids: jax.Array, teacher_probs:
   else:
     index = teacher_ids
   reachable = index >= 0
+  log_q_teacher = jnp.take_along_axis(log_q, jnp.maximum(index, 0), axis=-1)  # [..., K]
   p = jnp.where(reachable, teacher_probs.astype(jnp.float32), 0.0)
-  p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-9)
-  ce = -jnp.sum(p * jnp.take_along_axis(log_q, jnp.maximum(index, 0), axis=-1), axis=-1)
+  if objective == "kl":
+    p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-9)
+    per_position = -jnp.sum(p * log_q_teacher, axis=-1)
+  else:  # the target's own probabilities (not renormalised): what acceptance weighs
+    per_position = -jnp.log(jnp.sum(jnp.minimum(p, jnp.exp(log_q_teacher)), axis=-1) + 1e-6)
   valid = valid & jnp.any(reachable, axis=-1)
   weight = valid.astype(jnp.float32)
   count = jnp.maximum(jnp.sum(weight), 1.0)
   top1 = token_ids(params, jnp.argmax(draft_logits, axis=-1)) == teacher_ids[..., 0]
-  return jnp.sum(ce * weight) / count, jnp.sum(top1 * weight) / count
+  return jnp.sum(per_position * weight) / count, jnp.sum(top1 * weight) / count
 
 
 def shifted(x: jax.Array, k: int, fill=0) -> jax.Array:

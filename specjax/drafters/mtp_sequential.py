@@ -258,7 +258,7 @@ def update(target_params, params, options: Options, state, result: RoundResult):
   return {**state, "hidden": first[rows, result.accepted]}
 
 
-def loss(target_params, params, options: Options, batch):
+def loss(target_params, params, options: Options, batch, objective: str = "kl"):
   """Self-distillation with training-time test (see the module docstring) over cached features.
 
   batch: tokens/mask [B, T], features [B, T, F, D] (the drafter's feature layers), teacher_ids/probs [B, T, K].
@@ -303,7 +303,7 @@ def loss(target_params, params, options: Options, batch):
       hidden = finish(mp, x, attention_output(mp, attn, config), config)
     valid = target_mask & (slots[None, :] >= k - 1)
     loss_k, top1_k = draft_head.distill_loss(draft_head.logits(target_params, params, hidden, config), teacher_ids,
-                                             teacher_probs, valid, params, config.vocab_size)
+                                             teacher_probs, valid, params, config.vocab_size, objective)
     total = total + DEPTH_DECAY ** (k - 1) * loss_k
     metrics[f"loss_{k}"], metrics[f"top1_{k}"] = loss_k, top1_k
   return total, metrics
