@@ -111,8 +111,13 @@ class Run:
 
   @property
   def config(self) -> str:
-    """results.json's `name` (config file and variant); a folder without one is a config of its own."""
-    return self.results["name"] if self.results else self.name
+    """results.json's `name` (config file and variant), with the dtype where a timed run overrode float32 (a
+    bfloat16 run times other programs, and supersedes none of float32's); a folder without one is a config of its
+    own."""
+    if not self.results:
+      return self.name
+    dtype = self.results["config"].get("dtype", "float32") if self.timed else "float32"
+    return self.results["name"] + ("" if dtype == "float32" else f" ({dtype})")
 
   @property
   def timed(self) -> bool:
