@@ -106,6 +106,7 @@ def spec_bench_run(*, per_category: int, max_new_tokens: int, adaptive: bool = T
   config.prompts.per_category = per_category  # the first N of each category (0: all)
   config.prompts.question_ids = ()  # explicit ids instead of categories/per_category
   config.prompts.max_prompts = 0  # 0: no cap
+  config.prompts.split = ""  # "dev" / "test": one side of the dev/test split (experiments/spec_bench.py in_split)
   config.chat = True  # apply the model's chat template to the first turn
   # N > 0: each question preceded by the questions before it in the file until its prompt holds >= N tokens
   # (experiments/spec_bench.py `prompt_text`): a long context ending with the question (sliding windows exercised)

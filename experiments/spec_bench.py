@@ -37,22 +37,44 @@ def load_questions(path: str = QUESTIONS_PATH) -> list[Question]:
   return [Question(int(r["question_id"]), r["category"], tuple(r["turns"])) for r in rows]
 
 
+SPLITS = ("", "dev", "test")
+
+
+def in_split(question: Question, questions: Sequence[Question], split: str) -> bool:
+  """Whether `question` is on the `split` side of the dev/test split: within its category, in file order, the
+  questions at even places (0, 2, 4, ...) are dev and those at odd places test (MT-bench's categories: 5 and 5;
+  the others: 40 and 40). Constants are tuned on dev and reported on test; "" is every question."""
+  if split not in SPLITS:
+    raise ValueError(f"unknown split {split!r}; splits: dev, test, or '' for every question")
+  if not split:
+    return True
+  place = [q.question_id for q in questions if q.category == question.category].index(question.question_id)
+  return (place % 2 == 0) == (split == "dev")
+
+
 def select(questions: Sequence[Question], *, categories: Sequence[str] = (), per_category: int = 0,
-           question_ids: Sequence[int] = (), max_prompts: int = 0) -> list[Question]:
+           question_ids: Sequence[int] = (), max_prompts: int = 0, split: str = "") -> list[Question]:
   """Picks questions deterministically (file order).
 
   Args:
     categories: categories to draw from, in this order (empty: all thirteen).
-    per_category: the first this many questions of each category (0: all of them).
-    question_ids: explicit ids; when given, `categories` and `per_category` are ignored.
+    per_category: the first this many questions of each category (0: all of them), of the split's side.
+    question_ids: explicit ids; when given, `categories` and `per_category` are ignored (each must be on the
+      split's side).
     max_prompts: cap on the total (0: no cap).
+    split: "dev" or "test" (`in_split`), or "" for every question.
   """
+  if split not in SPLITS:
+    raise ValueError(f"unknown split {split!r}; splits: dev, test, or '' for every question")
   if question_ids:
     by_id = {q.question_id: q for q in questions}
     unknown = [i for i in question_ids if i not in by_id]
     if unknown:
       raise ValueError(f"unknown Spec-Bench question ids: {unknown}")
     chosen = [by_id[i] for i in question_ids]
+    outside = [q.question_id for q in chosen if not in_split(q, questions, split)]
+    if outside:
+      raise ValueError(f"question ids {outside} are not on the {split} side of the dev/test split")
   else:
     categories = tuple(categories) or CATEGORIES
     unknown = [c for c in categories if c not in CATEGORIES]
@@ -60,7 +82,7 @@ def select(questions: Sequence[Question], *, categories: Sequence[str] = (), per
       raise ValueError(f"unknown Spec-Bench categories {unknown}; choose from {', '.join(CATEGORIES)}")
     chosen = []
     for category in categories:
-      pool = [q for q in questions if q.category == category]
+      pool = [q for q in questions if q.category == category and in_split(q, questions, split)]
       if per_category > len(pool):
         raise ValueError(f"category {category!r} has {len(pool)} questions, asked for {per_category}")
       chosen += pool[:per_category or len(pool)]

@@ -27,7 +27,7 @@ from absl import app, flags, logging
 import specjax
 from specjax import drafters, export, sharding, train_drafter
 from specjax.data import features
-from specjax.drafters import draft_head, draft_model, mtp_parallel
+from specjax.drafters import draft_head, draft_model
 from specjax.loading import CheckpointError
 from experiments import cli, curves, prepare_data, rank_accuracy, spec_bench
 from experiments.cli import code_commit, environment, parse_flags
@@ -150,7 +150,7 @@ def model_card(card: dict[str, Any]) -> str:
     lines += [f"Spec-Bench ({sb['prompts']} prompts, one per category, greedy, gamma {sb['gamma']}, "
               f"{sb['max_new_tokens']} new tokens): mean_accepted **{sb['mean_accepted']:.2f}** tokens per target "
               f"forward, alpha {sb['alpha']:.3f}, output identical to autoregressive decoding: {sb['lossless']}.", ""]
-  if card["drafter"] == "mtp_parallel":
+  if hasattr(drafters.module(card["drafter"]), "depth_logits"):  # parallel heads, a block
     lines += [TREES_NOTE.format(name=card["drafter"]), ""]
   c = card.get("shipped_comparison")
   if c:  # experiments.compare_checkpoints' verdict, added to the card when the checkpoint was shipped
@@ -183,11 +183,12 @@ def _export_note(card: dict[str, Any]) -> list[str]:
                                      if card["config"].get("export_hf") else "") + ".", ""]
 
 
-# How parallel heads draft trees, in their model card.
+# How drafters that draft every depth from one forward (parallel heads, a block) draft trees, in their model card.
 TREES_NOTE = ("## Trees\n\nDraft trees (`generate(..., tree_nodes=N)`) are Medusa's static ones, built from "
-              "{name}.ranks.json beside this file: how often head k's rank-r token is the target's greedy token, "
-              "measured on held-out answers (`python -m experiments.rank_accuracy --checkpoint=<this file> "
-              "--cache=<a feature cache's held_out>`; training writes it on its held-out split).")
+              "{name}.ranks.json beside this file: how often depth k's rank-r draft token is the target's greedy "
+              "token, measured on held-out answers (`python -m experiments.rank_accuracy --drafter={name} "
+              "--checkpoint=<this file> --cache=<a feature cache's held_out>`; training writes it on its held-out "
+              "split).")
 
 
 def check_answers(cache: features.FeatureCache, answers: str) -> None:
@@ -277,7 +278,7 @@ def run(config: ml_collections.ConfigDict, command: str) -> dict[str, Any]:
   with open(card_path, "w") as f:
     f.write(model_card(card))
   print(f"exported {path} ({os.path.getsize(path) / 1e6:.1f} MB) and its model card {card_path}")
-  if config.drafter == mtp_parallel.NAME:  # Medusa's static trees come from the heads' measured rank accuracy
+  if hasattr(drafters.module(config.drafter), "depth_logits"):  # Medusa's static trees: the measured rank accuracy
     ranks, _ = rank_accuracy.measure_and_save(model, result.drafter, caches["held_out"], path)
     print(f"rank accuracy on the held-out split: {ranks}")
   if config.get("export_hf"):

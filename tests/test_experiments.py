@@ -46,6 +46,24 @@ def test_select_takes_the_first_per_category_in_the_given_order():
   assert len(spec_bench.select(questions, categories=["qa"])) == 80
 
 
+def test_the_dev_and_test_splits_halve_every_category():
+  questions = spec_bench.load_questions()
+  dev, test = (spec_bench.select(questions, split=s) for s in ("dev", "test"))
+  assert not {q.question_id for q in dev} & {q.question_id for q in test} and len(dev) + len(test) == 480
+  for category in spec_bench.CATEGORIES:
+    ids = [q.question_id for q in questions if q.category == category]
+    assert [q.question_id for q in dev if q.category == category] == ids[0::2]
+    assert [q.question_id for q in test if q.category == category] == ids[1::2]
+    assert len(ids[1::2]) >= 5
+  firsts = spec_bench.select(questions, categories=["writing"], per_category=2, split="test")
+  writing = [q.question_id for q in questions if q.category == "writing"]
+  assert [q.question_id for q in firsts] == [writing[1], writing[3]]  # per_category counts within the split
+  with pytest.raises(ValueError, match="not on the dev side"):
+    spec_bench.select(questions, question_ids=[firsts[0].question_id], split="dev")
+  with pytest.raises(ValueError, match="unknown split"):
+    spec_bench.select(questions, split="train")
+
+
 def test_select_by_question_ids_keeps_their_order():
   chosen = spec_bench.select(spec_bench.load_questions(), question_ids=[130, 81], categories=["rag"])
   assert [(q.question_id, q.category) for q in chosen] == [(130, "coding"), (81, "writing")]

@@ -13,6 +13,7 @@ import specjax
 from specjax import trees, verify
 from specjax.drafters import DraftInputs, draft_head, draft_tree, mtp_parallel
 from specjax.model import KVCache, forward, forward_nodes, init_cache, lm_head
+from tests.task_drafters import perturbed
 from specjax.sampling import sample_from_probs
 
 # Two rows, each its own tree over 7 nodes (block indices of the parents: 0 is the pending token).
@@ -227,7 +228,8 @@ def test_rank_accuracy_counts_each_heads_rank_that_is_the_targets_next_token(tin
   mask = np.ones((1, length), bool)
   mask[0, 5] = False  # what head 1 compares at position 4
   batch = {"features": features, "teacher_ids": teacher, "mask": mask}
-  hits, counted = mtp_parallel.rank_hits(tiny.params, drafter.params, drafter.options, batch, ranks=4)
+  depths = mtp_parallel.depth_logits(tiny.params, drafter.params, drafter.options, batch)
+  hits, counted = draft_tree.rank_hits(depths, drafter.params, batch, ranks=4)
   assert int(counted[0]) == length - 2  # the last position has no next token, position 4's is masked
   np.testing.assert_array_equal(hits[0], [4, 3, 3, 0])  # t in 0..10 but 4: residues 0, 1, 2 four, three, three times
 
@@ -239,9 +241,39 @@ def test_rank_accuracy_counts_each_heads_rank_that_is_the_targets_next_token(tin
 
     def batch(self, indices):
       return {"features": np.concatenate([-features, features], axis=2), "teacher_ids": teacher, "mask": mask}
-  accuracy, compared = mtp_parallel.rank_accuracy(tiny, drafter, Cache())
+  accuracy, compared = draft_tree.rank_accuracy(tiny, drafter, Cache())
   assert int(compared[0]) == length - 2
   np.testing.assert_allclose(accuracy[0, :4], np.asarray([4, 3, 3, 0]) / (length - 2))
+
+
+def test_a_blocks_rank_accuracy_compares_slot_i_with_the_targets_token_i_ahead(tiny):
+  """Block slot i at anchor t drafts token t + i: the target's greedy token at t + i - 1. With the teacher's greedy
+  tokens set to the block's own rank-0 tokens at every slot, every rank-0 hit counts and no other rank does."""
+  drafter = perturbed(specjax.make_drafter("block", tiny, path=None, block_size=2), seed=2)
+  from specjax.drafters import block
+  rng = np.random.default_rng(3)
+  length, layers = 10, len(drafter.feature_layers)
+  batch = {"tokens": rng.integers(0, 32, (1, length)).astype(np.int32),
+           "features": rng.standard_normal((1, length, layers, tiny.config.hidden_size)).astype(np.float32),
+           "mask": np.ones((1, length), bool)}
+  depths = block.depth_logits(tiny.params, drafter.params, drafter.options, batch)
+  assert [shift for _, shift in depths] == [0, 1]
+  top = np.asarray(jnp.argmax(depths[0][0], -1))  # slot 1 at t: the target's token at t
+  batch["teacher_ids"] = np.zeros((1, length, 4), np.int32)
+  batch["teacher_ids"][0, :, 0] = top[0]
+  hits, counted = draft_tree.rank_hits(depths[:1], drafter.params, batch, ranks=3)
+  assert int(counted[0]) == length and list(np.asarray(hits[0])) == [length, 0, 0]
+
+  class Cache:
+    path, meta = "a test", {"feature_layers": list(drafter.feature_layers)}
+
+    def __len__(self):
+      return 1
+
+    def batch(self, indices):
+      return batch
+  accuracy, compared = draft_tree.rank_accuracy(tiny, drafter, Cache())
+  assert accuracy.shape[0] == 2 and accuracy[0, 0] == 1.0 and list(compared) == [length, length - 1]
 
 
 def test_a_checkpoints_measured_rank_accuracy_makes_its_trees_static(tiny, tmp_path):
@@ -253,7 +285,7 @@ def test_a_checkpoints_measured_rank_accuracy_makes_its_trees_static(tiny, tmp_p
   assert stored == str(tmp_path / "heads.ranks.json")
   loaded = specjax.make_drafter("mtp_parallel", tiny, path=path)
   assert loaded.options.rank_accuracy == ((0.5, 0.25), (0.4, 0.125))
-  with pytest.raises(ValueError, match="a row of ranks per head"):
+  with pytest.raises(ValueError, match="a row of ranks per draft depth"):
     specjax.make_drafter("mtp_parallel", tiny, path=path, rank_accuracy=[[0.5, 0.25]])
 
 

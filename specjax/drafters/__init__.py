@@ -319,6 +319,13 @@ def available() -> list[str]:
   return sorted(_FACTORIES)
 
 
+def module(name: str):
+  """The module that defines drafter `name`."""
+  if name not in _FACTORIES:
+    raise ValueError(f"unknown drafter {name!r}; available: {', '.join(available())}")
+  return importlib.import_module(_FACTORIES[name])
+
+
 # The option through which each trained drafter takes a checkpoint file (`make_drafter(name, model, <it>=file)`).
 _CHECKPOINT_OPTION = {"block": "path", "draft_model": "draft", "layer_skip": "adapter", "mtp_parallel": "path", "mtp_sequential": "path"}
 

@@ -21,7 +21,8 @@ projected and written at their positions. Slots past a row's committed length ar
 before a query reads them (a query at pending p reads slots 0 .. p - 1 only).
 
 Trees: the slots' distributions depend on the context, not on each other's tokens, so a tree is built as the
-parallel heads' are: Medusa's static tree from measured per-(slot, rank) accuracy (`rank_accuracy`), else EAGLE-2's
+parallel heads' are: Medusa's static tree from measured per-(slot, rank) accuracy (`draft_tree.rank_accuracy`,
+`depth_logits`), else EAGLE-2's
 rule over the slots' distributions (`draft_tree.grow`), expanding a node costing nothing.
 
 Training (`loss`, self-distillation on cached features): every position t of a sequence is an anchor at once: its
@@ -216,6 +217,14 @@ def block_outputs(target_params, params, options: Options, batch) -> jax.Array:
   g = run_block(params, options, x.reshape(b, t * (gamma + 1), -1), block_positions.reshape(b, -1), positions - 1,
                 caches)
   return g.reshape(b, t, gamma + 1, -1)[:, :, 1:]
+
+
+def depth_logits(target_params, params, options: Options, batch) -> list[tuple[jax.Array, int]]:
+  """Per slot i, (logits [B, T, V'] of the block anchored at every position t of a batch of cached features, i - 1):
+  slot i at t drafts token t + i, the target's greedy token at t + i - 1 (`draft_tree.rank_accuracy`)."""
+  g = block_outputs(target_params, params, options, batch)
+  return [(draft_head.logits(target_params, params, g[:, :, i - 1], options.config), i - 1)
+          for i in range(1, options.block_size + 1)]
 
 
 def loss(target_params, params, options: Options, batch, objective: str = "kl"):

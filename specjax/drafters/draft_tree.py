@@ -115,3 +115,56 @@ def static_tree_tokens(logits: jax.Array, accuracy, depth: int, nodes: int, samp
   tokens = (tokens if token_map is None else token_map[tokens]).astype(jnp.int32)
   probs = None if sampling.greedy else jax.nn.one_hot(tokens, vocab_size, dtype=jnp.float32)
   return tokens, probs, jnp.broadcast_to(jnp.asarray(parents, jnp.int32), tokens.shape)
+
+
+# ------------------------------------------------------------------------------- measured rank accuracy
+
+
+def rank_hits(depths, params, batch, ranks: int = TOP_K) -> tuple[jax.Array, jax.Array]:
+  """(hits [D, R], counted [D]) over a batch of cached features (`specjax.data.features.FeatureCache.batch`): for
+  each of a drafter's depths, (logits [B, T, V'] over its draft vocabulary, shift) from its module's `depth_logits`,
+  the positions t where its rank-r token is the target's greedy token at t + shift, and the positions compared."""
+  hits, counted = [], []
+  for logits, shift in depths:
+    top = jax.lax.top_k(logits, ranks)[1]
+    top = top if "token_map" not in params else params["token_map"][top]
+    target = _shifted(jnp.asarray(batch["teacher_ids"])[..., 0], shift, 0)
+    valid = _shifted(jnp.asarray(batch["mask"]), shift, False)
+    hits.append(jnp.sum((top == target[..., None]) & valid[..., None], axis=(0, 1)))
+    counted.append(jnp.sum(valid))
+  return jnp.stack(hits), jnp.stack(counted)
+
+
+def _shifted(x, k, fill):
+  return x if k == 0 else jnp.pad(x[:, k:], [(0, 0), (0, k)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+
+
+def rank_accuracy(model, drafter, cache, batch_size: int = 16) -> tuple[np.ndarray, np.ndarray]:
+  """(accuracy [D, R], counted [D]): the share of the positions of `cache` (cached features, `FeatureCache`, holding
+  the layers the drafter reads: its `feature_layers`, or the target's last) where depth d's rank-r draft token is
+  the target's greedy token (`rank_hits` over its module's `depth_logits`: parallel heads, block slots), what
+  `static_tree` builds Medusa's tree from; and the positions compared per depth."""
+  from specjax import drafters  # the drafters' modules import this one
+  module = drafters.module(drafter.name)
+  if not hasattr(module, "depth_logits"):
+    raise ValueError(f"drafter {drafter.name!r} drafts no per-depth distributions from one forward: it has no static "
+                     "tree to measure")
+  layers = [int(i) for i in cache.meta["feature_layers"]]
+  wanted = list(drafter.feature_layers or (model.config.num_layers - 1,))
+  missing = [i for i in wanted if i not in layers]
+  if missing:
+    raise ValueError(f"{drafter.name} reads target layers {wanted}, but {cache.path} holds layers {layers}")
+  index = [layers.index(i) for i in wanted]
+
+  @jax.jit
+  def hits_of(target_params, params, batch):
+    return rank_hits(module.depth_logits(target_params, params, drafter.options, batch), params, batch)
+
+  hits, counted = 0, 0
+  for start in range(0, len(cache), batch_size):
+    batch = cache.batch(np.arange(start, min(start + batch_size, len(cache))))
+    batch = {k: batch[k] for k in ("tokens", "teacher_ids", "mask") if k in batch} | {
+        "features": np.asarray(batch["features"])[:, :, index]}
+    h, c = hits_of(model.params, drafter.params, batch)
+    hits, counted = hits + np.asarray(h, np.int64), counted + np.asarray(c, np.int64)
+  return hits / np.maximum(counted, 1)[:, None], counted

@@ -12,7 +12,7 @@ hidden state the verification forward already produced (`RoundResult.verify_hidd
 position), so drafting costs K small matrix-vector products and one head over V' tokens: no target call.
 
 Trees (Medusa's): head k's top tokens are the candidates at depth k under every node of depth k - 1. With a measured
-per-(head, rank) accuracy (`rank_accuracy` on held-out cached features, stored beside the checkpoint as
+per-(head, rank) accuracy (`draft_tree.rank_accuracy` on held-out cached features, stored beside the checkpoint as
 <checkpoint>.ranks.json, `draft_head.save_rank_accuracy`), the tree is Medusa's static one: the N rank paths (r_1..r_d) of
 highest expected acceptance prod_k accuracy[k][r_k] (`draft_tree.static_tree`), each node the rank-r_d token of head d. Until
 such a measurement exists, the tree keeps the N paths of highest product of the heads' own probabilities
@@ -25,11 +25,9 @@ next-token distribution at position t+k, with loss weight 0.8^(k-1) (Medusa's de
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from specjax.config import ModelConfig
 from specjax import leviathan
@@ -106,38 +104,12 @@ def propose(target_params, params, options: Options, hidden, inputs: DraftInputs
                   lengths=draft_lengths(confidence(logits, probs), inputs, gamma), steps=jnp.ones((), jnp.int32))
 
 
-def rank_hits(target_params, params, options: Options, batch, ranks: int = draft_tree.TOP_K):
-  """(hits [K, R], counted [K]) over a batch of cached features (`specjax.data.features.FeatureCache.batch`): the
-  positions where head k's rank-r token is the target's greedy token t+1+k, and the positions compared."""
+def depth_logits(target_params, params, options: Options, batch) -> list[tuple[jax.Array, int]]:
+  """Per head k, (logits [B, T, V'] at every position t of a batch of cached features, k): head k at t drafts token
+  t + 1 + k, the target's greedy token at t + k (`draft_tree.rank_accuracy`)."""
   h = heads(params, jnp.asarray(batch["features"][:, :, 0, :], jnp.float32), options.num_heads)
-  hits, counted = [], []
-  for k in range(1, options.num_heads + 1):
-    logits = draft_head.logits(target_params, params, h[:, :, k - 1], options.config)
-    top = jax.lax.top_k(logits, ranks)[1]
-    top = top if "token_map" not in params else params["token_map"][top]
-    target = draft_head.shifted(jnp.asarray(batch["teacher_ids"])[..., 0], k)
-    valid = draft_head.shifted(jnp.asarray(batch["mask"]), k, False)
-    hits.append(jnp.sum((top == target[..., None]) & valid[..., None], axis=(0, 1)))
-    counted.append(jnp.sum(valid))
-  return jnp.stack(hits), jnp.stack(counted)
-
-
-def rank_accuracy(model, drafter, cache, batch_size: int = 16) -> tuple[np.ndarray, np.ndarray]:
-  """(accuracy [K, R], counted [K]): the share of the positions of `cache` (cached features, `FeatureCache`, that
-  hold the target's last layer) where head k's rank-r token is the target's greedy token (`rank_hits`), what
-  `draft_tree.static_tree` builds Medusa's tree from; and the positions compared per head."""
-  layers = list(cache.meta["feature_layers"])
-  last = model.config.num_layers - 1
-  if last not in layers:
-    raise ValueError(f"{NAME} reads the target's last layer ({last}), but {cache.path} holds layers {layers}")
-  hits_of = jax.jit(functools.partial(rank_hits, options=drafter.options))
-  hits, counted = 0, 0
-  for start in range(0, len(cache), batch_size):
-    batch = cache.batch(np.arange(start, min(start + batch_size, len(cache))))
-    batch["features"] = batch["features"][:, :, [layers.index(last)]]
-    h, c = hits_of(model.params, drafter.params, batch=batch)
-    hits, counted = hits + np.asarray(h, np.int64), counted + np.asarray(c, np.int64)
-  return hits / np.maximum(counted, 1)[:, None], counted
+  return [(draft_head.logits(target_params, params, h[:, :, k - 1], options.config), k)
+          for k in range(1, options.num_heads + 1)]
 
 
 def update(target_params, params, options: Options, hidden, result: RoundResult):
