@@ -8,9 +8,9 @@ The prompts are the prompt parts (everything before the first answer position) o
 a held-out feature cache: conversations no drafter was trained on, and no evaluation prompt either. Each drafter
 decodes every prompt greedily with a chain of `--gamma` drafts per round (`--max_new_tokens` new tokens, output
 checked against autoregressive decoding), and is scored by Leviathan et al. (2023)'s speedup with the measured
-tokens per target forward E in place of E(alpha): E / (gamma c + 1), c the drafter's cost per draft step over a
-target step (`Drafter.cost`: a round's part and gamma steps). For two drafters of one cost that ranks them by tokens per forward; an exit
-adapter after fewer layers drafts more cheaply and is credited for it. The candidate replaces the shipped checkpoint
+tokens per target forward E in place of E(alpha): E / (gamma c + 1), c the drafter's cost per draft token over a
+target step (`Drafter.cost`: a round's part and gamma steps, over gamma). For two drafters of one cost that ranks
+them by tokens per forward; an exit adapter after fewer layers drafts more cheaply and is credited for it. The candidate replaces the shipped checkpoint
 only if it scores higher; this command says which, and with `--ship` replaces it then (`ship`: the checkpoint, its
 rank accuracy file and a model card that records this comparison).
 """

@@ -2,9 +2,10 @@
 
 Each is plain jnp, which is what runs on TPU and GPU and what a reader should read. Where a program is compiled for
 a CPU, `specjax.backends.cpu`'s kernels serve the cases they take (products over weights packed as column panels,
-causal attention of a few new tokens per row over a cache, writes into a cache in place). The choice follows the platform a program is compiled
-for, not the process: `jax.lax.platform_dependent` traces both branches and lowers only the branch of the platform
-a program is lowered for, so a program lowered for a TPU from a CPU host holds no CPU custom call.
+causal attention of a few new tokens per row over a cache, writes into a cache in place). The choice follows the
+platform a program is compiled for, not the process: `jax.lax.platform_dependent` traces both branches and lowers
+only the branch of the platform a program is lowered for, so a program lowered for a TPU from a CPU host holds no CPU
+custom call.
 """
 
 from __future__ import annotations
@@ -77,13 +78,13 @@ def attention(q: jax.Array, keys: jax.Array, values: jax.Array, positions: jax.A
   return merged.astype(out.dtype)
 
 
-def cache_write(cache: jax.Array, update: jax.Array, positions: jax.Array, *, kernel: bool = True) -> jax.Array:
+def cache_write(cache: jax.Array, update: jax.Array, positions: jax.Array, *, in_place: bool = True) -> jax.Array:
   """cache [B, S, ...] with slot positions[b, t] of row b set to update[b, t] [B, T, ...] (cast to the cache's
   dtype); a position outside the cache is dropped. On a CPU, in place by the kernel (XLA's scatter into a
-  bfloat16 cache widens the whole cache to float32 and back, and copies it). kernel=False: XLA's scatter always,
+  bfloat16 cache widens the whole cache to float32 and back, and copies it). in_place=False: XLA's scatter always,
   for a cache sliced out of a stacked array (XLA writes its slice of the stack in place; the kernel's operand would
   be copied out of the stack and back every write)."""
-  if kernel and cpu.cache_write_applies(cache, update):
+  if in_place and cpu.cache_write_applies(cache, update):
     kernel = functools.partial(cpu.cache_write, reference=_cache_write)
     return jax.lax.platform_dependent(cache, update, positions, cpu=kernel, default=_cache_write)
   return _cache_write(cache, update, positions)

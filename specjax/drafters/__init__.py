@@ -327,7 +327,8 @@ def module(name: str):
 
 
 # The option through which each trained drafter takes a checkpoint file (`make_drafter(name, model, <it>=file)`).
-_CHECKPOINT_OPTION = {"block": "path", "draft_model": "draft", "layer_skip": "adapter", "mtp_parallel": "path", "mtp_sequential": "path"}
+_CHECKPOINT_OPTION = {"block": "path", "draft_model": "draft", "layer_skip": "adapter", "mtp_parallel": "path",
+                      "mtp_sequential": "path"}
 
 
 def checkpoint_option(name: str) -> str:

@@ -162,7 +162,8 @@ def loss(target_params, params, options: Options, batch, objective: str = "kl"):
   out = forward(model_params(target_params, params, options), tokens, cache, jnp.zeros(tokens.shape[0], jnp.int32),
                 options.config, compute_logits=False)
   value, top1 = draft_head.distill_loss(logits(target_params, params, options, out.hidden), batch["teacher_ids"],
-                                        batch["teacher_probs"], batch["mask"], params, options.config.vocab_size, objective)
+                                        batch["teacher_probs"], batch["mask"], params, options.config.vocab_size,
+                                        objective)
   return value, {"loss_1": value, "top1_1": top1}
 
 

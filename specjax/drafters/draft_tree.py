@@ -80,12 +80,13 @@ def grow(first_logits: jax.Array, payload: Any, expand: Callable, depth: int, no
 
 def static_tree(accuracy, depth: int, nodes: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
   """Medusa's static tree (Cai et al. 2024, section 2.1.2) from accuracy [K][R] (a drafter's k-th distribution of a
-  round, a parallel head's or a block slot's: its rank-r token is the target's): the `nodes` rank paths (r_1..r_d), d <= depth, of highest expected acceptance prod_k accuracy[k][r_k].
+  round, a parallel head's or a block slot's: its rank-r token is the target's): the `nodes` rank paths (r_1..r_d),
+  d <= depth, of highest expected acceptance prod_k accuracy[k][r_k].
 
   Best first from the root: a path's value never exceeds its prefix's, and a path is a candidate only once its prefix
   is chosen, so the chosen paths hold each one's parent (equal values: the path found first). Returns per node, in
   the order of depth then choice (every parent before its children): its parent's block index (0: the pending
-  token, node i at i + 1; `specjax.trees`), its head (depth - 1) and its rank."""
+  token, node i at i + 1; `specjax.trees`), its depth - 1 and its rank."""
   depth = min(depth, len(accuracy))
   frontier = [(-float(a), (r,)) for r, a in enumerate(accuracy[0])]
   heapq.heapify(frontier)

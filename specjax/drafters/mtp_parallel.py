@@ -12,10 +12,10 @@ hidden state the verification forward already produced (`RoundResult.verify_hidd
 position), so drafting costs K small matrix-vector products and one head over V' tokens: no target call.
 
 Trees (Medusa's): head k's top tokens are the candidates at depth k under every node of depth k - 1. With a measured
-per-(head, rank) accuracy (`draft_tree.rank_accuracy` on held-out cached features, stored beside the checkpoint as
-<checkpoint>.ranks.json, `draft_head.save_rank_accuracy`), the tree is Medusa's static one: the N rank paths (r_1..r_d) of
-highest expected acceptance prod_k accuracy[k][r_k] (`draft_tree.static_tree`), each node the rank-r_d token of head d. Until
-such a measurement exists, the tree keeps the N paths of highest product of the heads' own probabilities
+per-(head, rank) accuracy (`draft_tree.rank_accuracy` on held-out cached features, stored beside the checkpoint
+as <checkpoint>.ranks.json, `draft_head.save_rank_accuracy`), the tree is Medusa's static one: the N rank paths
+(r_1..r_d) of highest expected acceptance prod_k accuracy[k][r_k] (`draft_tree.static_tree`), each node the rank-r_d
+token of head d. Until such a measurement exists, the tree keeps the N paths of highest product of the heads' own probabilities
 (`draft_tree.grow`, EAGLE-2's rule; the heads read one hidden state, so expanding a node costs nothing).
 
 Training (self-distillation, `loss`): at every position t of a cached sequence, head k learns the target's

@@ -136,8 +136,8 @@ def _run_true(target_params, params, options: Options, state, next_tokens, featu
     mp = _module(params, m, config)
     x = module_input(mp, token_emb, hidden, config)
     q, k, v = qkv(mp, x, positions, config)
-    k_cache, v_cache = (ops.cache_write(state["k"][m], k, positions, kernel=False),
-                        ops.cache_write(state["v"][m], v, positions, kernel=False))
+    k_cache, v_cache = (ops.cache_write(state["k"][m], k, positions, in_place=False),
+                        ops.cache_write(state["v"][m], v, positions, in_place=False))
     if m == 0:  # causal over the committed slots
       first = finish(mp, x, attention_output(mp, attend(q, k_cache, v_cache, positions, config), config), config)
     k_caches.append(k_cache)
@@ -185,8 +185,8 @@ def propose(target_params, params, options: Options, state, inputs: DraftInputs,
     position = (p + step - 2)[:, None]  # [B, 1]
     x = module_input(mp, embed(target_params, token[:, None], config), hidden[:, None], config)
     q_, k, v = qkv(mp, x, position, config)
-    k_cache, v_cache = (ops.cache_write(k_all[m], k, position, kernel=False),
-                        ops.cache_write(v_all[m], v, position, kernel=False))
+    k_cache, v_cache = (ops.cache_write(k_all[m], k, position, in_place=False),
+                        ops.cache_write(v_all[m], v, position, in_place=False))
     if options.recurrent:  # committed slots and this round's drafts p..q, all written by this module: causal
       attn = attend(q_, k_cache, v_cache, position, config)
     else:  # committed slots and this module's own position

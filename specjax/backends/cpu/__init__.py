@@ -3,6 +3,7 @@
 weights when the process decodes on its CPU."""
 
 from specjax.backends.cpu.kernels import (MAX_QUERY_TOKENS, attention, attention_applies, available, build,
-                                          cache_write, cache_write_applies, enabled, library_path, matmul_applies, packed_matmul, set_enabled, status, usable)
+                                          cache_write, cache_write_applies, enabled, library_path, matmul_applies,
+                                          packed_matmul, set_enabled, status, usable)
 from specjax.backends.cpu.packing import (PANEL, Packed, matmul_panels, pack, pack_draft_params, pack_layer,
                                           pack_params)
