@@ -707,6 +707,13 @@ def bench_peers_block(runs: Runs, prefix: str, folder: str = "bench_peers") -> s
   return text
 
 
+def forward_costs_block(runs: Runs, prefix: str, folder: str) -> str:
+  """configs/calibrated_costs.py's run in `folder`: each adaptive method's forward costs f(n) and where they came
+  from, its rounds by draft length, its speedup, and calibrated against typed (`report.forward_costs_table`)."""
+  run = runs[folder]
+  return run_line(run, prefix) + "\n\n" + report.forward_costs_table(run.results["summary"])
+
+
 def layer_skip_deep_block(runs: Runs, prefix: str) -> str:
   """The teacher-forced search's greedy path (configs/layer_skip_sets/smollm2-135m-deep.json)."""
   path = "configs/layer_skip_sets/smollm2-135m-deep.json"
@@ -1002,6 +1009,10 @@ BLOCKS: dict[str, tuple[str, Callable[[Runs, str], str]]] = {
     "bench-peers-gemma-bf16": ("docs/results.md",
                                lambda runs, prefix: bench_peers_block(runs, prefix, "bench_peers-gemma-bf16")),
     "layer-skip-deep": ("docs/results.md", layer_skip_deep_block),
+    "calibrated-costs-smollm2": ("docs/results.md",
+                                 lambda runs, prefix: forward_costs_block(runs, prefix, "calibrated_costs-smollm2")),
+    "calibrated-costs-gemma3": ("docs/results.md",
+                                lambda runs, prefix: forward_costs_block(runs, prefix, "calibrated_costs-gemma3")),
     "bench-autoregressive": ("docs/benchmarks.md", _verbatim("benchmarks", "bench_autoregressive.txt",
                                                              "`benchmarks/bench_autoregressive.py --repeats=3`")),
     "bench-verify": ("docs/benchmarks.md", _verbatim("bench_verify", "bench_verify.txt",

@@ -304,3 +304,12 @@ def test_a_compile_run_resumed_from_its_records_gives_its_programs_compile_time_
   results["resumed_records"] = 2
   assert "(commit abc1234, 2026-12-05 10:00 UTC, 90 min of compiling summed over its programs, in sittings resumed " \
          "from its records, on 2 shared cores, libtpu 0.1)" in publish.compile_run_line(run, "../results/")
+
+
+def test_a_bfloat16_run_of_a_config_supersedes_none_of_its_float32_runs():
+  """A timed run's dtype is part of its config: bench_peers:gemma in bfloat16 times other programs than in
+  float32, so both are current."""
+  runs = publish.load_runs()
+  f32, bf16 = runs["bench_peers-gemma"], runs["bench_peers-gemma-bf16"]
+  assert f32.results["name"] == bf16.results["name"] and f32.config != bf16.config
+  assert not publish.status(f32, runs).superseded and not publish.status(bf16, runs).superseded
