@@ -166,7 +166,8 @@ class Run:
     """Whether the method drafted adaptively: its own `adaptive`, else the config's (experiments.run's rule)."""
     spec = self.method_spec(method)
     own = spec.get("adaptive")
-    return bool(spec.get("drafter")) and bool(self.results["config"]["adaptive"] if own is None else own)
+    value = self.results["config"]["adaptive"] if own is None else own
+    return bool(spec.get("drafter")) and (isinstance(value, dict) or bool(value))  # a dict: its options
 
   def cells(self) -> set[tuple[str, int]]:
     """(method, question id) of every timed call but the baseline's."""
