@@ -395,7 +395,7 @@ def test_drafters_describe_their_costs(random_target):
   block = specjax.make_drafter("block", random_target, path=None, block_size=4).cost
   heads = specjax.make_drafter("mtp_parallel", random_target, path=None, num_heads=4).cost
   assert block.round > 0.0 and block.step == 0.0 and 0.0 < block.plain_step < block.round
-  assert heads.round > heads.step > 0.0
+  assert heads.round > 0.0 and heads.step > 0.0
 
 
 def test_a_rounds_fixed_cost_is_paid_once_a_drafting_round():

@@ -151,6 +151,9 @@ TREE_DRAFTERS = {
     "layer_skip_skip": ("layer_skip", lambda draft: dict(skip_layers=[1, 2])),
     "layer_skip_adapter": ("layer_skip", lambda draft: dict(adapter="fresh", exit_layer=1)),
     "prompt_lookup": ("prompt_lookup", lambda draft: dict(ngram_sizes=(3, 2, 1))),
+    # one forward drafts every depth; Medusa's static tree from a made-up rank accuracy
+    "block_static": ("block", lambda draft: dict(path=None, block_size=3, rank_accuracy=[
+        [0.5, 0.2, 0.1, 0.05], [0.4, 0.2, 0.1, 0.05], [0.3, 0.2, 0.1, 0.05]])),
 }
 # (drafter, gamma: the depth, tree_nodes, batch): trees of one level, of a chain's size, and bushy ones.
 # The fast tier runs the first two: EAGLE-2's grow over a drafter's expansion of nodes by a forward of its layers over
@@ -164,7 +167,7 @@ TREE_GRID = [("draft_model", 3, 10, 4), ("mtp_sequential_recurrent", 2, 6, 1), (
              ("mtp_parallel", 3, 20, 4), ("mtp_sequential", 3, 3, 4), ("mtp_parallel", 1, 8, 1),
              ("mtp_sequential_recurrent", 3, 32, 4), ("mtp_parallel_static", 3, 12, 4),
              ("draft_model_distilled", 2, 12, 1), ("layer_skip_exit", 3, 16, 4), ("layer_skip_skip", 3, 8, 1),
-             ("prompt_lookup", 3, 9, 1), ("prompt_lookup", 1, 3, 4)]
+             ("prompt_lookup", 3, 9, 1), ("prompt_lookup", 1, 3, 4), ("block_static", 3, 12, 4)]
 FAST_TREE_ROWS = 2
 
 
