@@ -40,7 +40,8 @@ def make(name, target, seed=1):
 GREEDY_GRID = [(name, gamma) for name in ("parallel", "sequential", "block") for gamma in (1, 3, 5)] + [
     (name, 3) for name in sorted(MTP_DRAFTERS) if name not in ("parallel", "sequential", "block")]
 # One of each kind, each over a truncated vocabulary (the sequential one on EAGLE-3 features); the rest are slow.
-FAST = {("parallel_truncated", 3), ("sequential_eagle3_truncated", 3), ("block_two_layers_truncated", 3)}
+# The block drafter's fast cases are in tests/test_families.py (over a truncated vocabulary, on Gemma 3 and Llama).
+FAST = {("parallel_truncated", 3), ("sequential_eagle3_truncated", 3)}
 
 
 @pytest.mark.parametrize("name, gamma", [row if row in FAST else pytest.param(*row, marks=pytest.mark.slow)
@@ -244,6 +245,7 @@ def test_the_lk_objective_is_the_negative_log_of_the_acceptance_bound():
     draft_head.distill_loss(logits, ids, probs, valid, {}, 4, "mse")
 
 
+@pytest.mark.slow
 def test_training_on_the_lk_objective_raises_the_acceptance_bound(random_target):
   from specjax.train_drafter import training_split
   from specjax import train

@@ -210,7 +210,7 @@ TREE_DRAFTERS = {**DRAFTERS, "prompt_lookup": lambda target, draft: specjax.make
 
 @pytest.mark.slow
 @pytest.mark.parametrize("drafter", ["mtp_parallel_truncated", "mtp_sequential", "draft_model",
-                                     "layer_skip_adapter_truncated", "prompt_lookup", "block_truncated"])
+                                     "layer_skip_adapter_truncated", "prompt_lookup"])
 def test_tree_speculative_sampling_matches_the_target_distribution(drafter, target, draft):
   samples, s = speculative_samples(target, draft, SETTINGS[1], drafter=TREE_DRAFTERS[drafter](target, draft), gamma=2,
                                    adaptive=False, tree_nodes=6)

@@ -246,6 +246,7 @@ def test_rank_accuracy_counts_each_heads_rank_that_is_the_targets_next_token(tin
   np.testing.assert_allclose(accuracy[0, :4], np.asarray([4, 3, 3, 0]) / (length - 2))
 
 
+@pytest.mark.slow
 def test_a_blocks_rank_accuracy_compares_slot_i_with_the_targets_token_i_ahead(tiny):
   """Block slot i at anchor t drafts token t + i: the target's greedy token at t + i - 1. With the teacher's greedy
   tokens set to the block's own rank-0 tokens at every slot, every rank-0 hit counts and no other rank does."""
