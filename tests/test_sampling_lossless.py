@@ -121,11 +121,17 @@ def speculative_samples(target, draft, sampling, seed=0, gamma=3, samples=SAMPLE
 SETTINGS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=6, top_p=0.9)]
 
 
+# Every drafter at both settings; the block drafter (whose slots' q are one forward's, as the parallel heads' are) at
+# the filtered one only.
+SAMPLING_CASES = [(drafter, sampling) for drafter in sorted(DRAFTERS) for sampling in ("t1", "topk_topp")
+                  if not (drafter == "block_truncated" and sampling == "t1")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("sampling", SETTINGS, ids=["t1", "topk_topp"])
-@pytest.mark.parametrize("drafter", sorted(DRAFTERS))
+@pytest.mark.parametrize("drafter, sampling", SAMPLING_CASES)
 def test_speculative_sampling_matches_the_target_distribution(drafter, sampling, target, draft):
   """With adaptive drafting: a chosen draft length, rows stopping early."""
+  sampling = SETTINGS[("t1", "topk_topp").index(sampling)]
   samples, s = speculative_samples(target, draft, sampling, drafter=drafter)
   # Both branches of the rule run many times: accepted drafts, and rounds ending at a rejection.
   assert sum(s["accepted_per_row"]) >= 300 and sum(s["rejections_per_row"]) >= 300
