@@ -702,7 +702,8 @@ def bench_peers_block(runs: Runs, prefix: str, folder: str = "bench_peers") -> s
              f"{1e3 * costs['target_seconds']['1']:.1f} ms for {costs['target_step_bytes'] / 1e6:.0f} MB read (the "
              f"weights and the KV cache its layers attend), {costs['roofline_fraction']:.0%} of the read bandwidth "
              f"measured in the run ({costs['read_bandwidth'] / 1e9:.1f} GB/s).")
-  skipped = summary.get("skipped_methods") or {}
+  skipped = {**{m: f"checkpoint {', '.join(missing)} missing" for m, missing in
+                (summary.get("skipped_methods") or {}).items()}, **(summary.get("unavailable_peers") or {})}
   if skipped:
     text += " Left out: " + "; ".join(f"`{m}` ({reason})" for m, reason in skipped.items()) + "."
   return text

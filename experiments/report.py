@@ -694,6 +694,9 @@ def write(workdir: str, results: dict[str, Any]) -> str:
   if skipped:
     lines += ["", "Left out (shipped checkpoint missing): " +
               "; ".join(f"{m} ({', '.join(c)})" for m, c in skipped.items()) + "."]
+  unavailable = summary.get("unavailable_peers") or {}
+  if unavailable:
+    lines += ["", "Peers left out: " + "; ".join(f"{m} ({reason})" for m, reason in unavailable.items()) + "."]
   agreement = agreement_table(summary)
   if agreement:
     lines += ["", f"Greedy agreement with {summary['baseline']} (lossless methods agree fully; peers run other "

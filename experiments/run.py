@@ -70,7 +70,8 @@ Methods that need a shipped checkpoint name it (`"needs": ("exit_adapter",)`: sp
 exit_adapter.safetensors); a method may instead draft with a checkpoint file of its own (`"checkpoint":
 "workdirs/budget/parallel/mtp_parallel.safetensors"`, a path from the repository root, passed as the drafter's
 checkpoint option). While a checkpoint is missing, the method is left out with a warning in the log, and the
-results list it under `summary.skipped_methods`. A layer-skip method may name a searched skip set instead of its
+results list it under `summary.skipped_methods`; a peer whose library is not installed is left out likewise, under
+`summary.unavailable_peers` with the reason. A layer-skip method may name a searched skip set instead of its
 options (`"skip_set": "configs/layer_skip_sets/<model>.json"`, a path from the repository root, written by
 experiments/search_layer_skip.py): it drafts with the set's options, at the gamma the set was searched for unless
 it sets its own. Configs only declare these (configs/common.py); the runner looks them up.
@@ -171,8 +172,10 @@ def check_methods(config: ml_collections.ConfigDict) -> list[dict]:
   return chosen
 
 
-def make_methods(config: ml_collections.ConfigDict, model: specjax.Model) -> list[Method]:
-  """The methods to run (`check_methods`' specs), the autoregressive baseline first."""
+def make_methods(config: ml_collections.ConfigDict, model: specjax.Model,
+                 unavailable: dict[str, str] | None = None) -> list[Method]:
+  """The methods to run (`check_methods`' specs), the autoregressive baseline first. A peer whose library is not
+  installed is left out; `unavailable`, when given, receives its name and the reason."""
   chosen = check_methods(config)
   unshipped = missing_checkpoints(chosen, model)
   for method, missing in unshipped.items():
@@ -191,6 +194,8 @@ def make_methods(config: ml_collections.ConfigDict, model: specjax.Model) -> lis
       except peers.Unavailable as e:
         print(f"leaving out {spec['name']}: {e}")
         logging.warning("leaving out %s: %s", spec["name"], e)
+        if unavailable is not None:
+          unavailable[spec["name"]] = str(e)
         continue
       methods.append(Method(spec["name"], None, gamma, spec["name"], options, peer=peer))
       continue
@@ -303,7 +308,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model: specjax.Model
   if config.mesh_shape:
     mesh = sharding.make_mesh(*config.mesh_shape)
     model = sharding.shard_model(model, mesh)  # place the parameters once, not in every timed call
-  methods = make_methods(config, model)
+  unavailable_peers: dict[str, str] = {}
+  methods = make_methods(config, model, unavailable_peers)
   baseline = methods[0].name
   temperatures = [float(t) for t in config.get("temperatures", ())] or [float(config.temperature)]
 
@@ -432,6 +438,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model: specjax.Model
   if summary["lossless_failures"]:
     summary["all_lossless"] = False
   summary["skipped_methods"] = missing_checkpoints([dict(m) for m in config.methods], model)
+  summary["unavailable_peers"] = unavailable_peers  # peers left out, with why (a library not installed)
   results = {
       "name": name,
       "config": config.to_dict(),

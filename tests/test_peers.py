@@ -140,6 +140,10 @@ def test_runner_times_peers_and_reports_their_agreement(tiny_chat_dir, tmp_path,
   results = run.run(config, str(tmp_path), name="peers")
 
   assert "leaving out llamacpp_autoregressive: llama-cpp-python is not installed" in capsys.readouterr().out
+  left_out = json.loads((tmp_path / "results.json").read_text())["summary"]["unavailable_peers"]
+  assert list(left_out) == ["llamacpp_autoregressive"] and "not installed" in left_out["llamacpp_autoregressive"]
+  assert "Peers left out: llamacpp_autoregressive (llama-cpp-python is not installed" in (
+      tmp_path / "results.md").read_text()
   summary = json.loads((tmp_path / "results.json").read_text())["summary"]["methods"]
   assert list(summary) == ["autoregressive", "hf_autoregressive"]
   assert summary["autoregressive"]["lossless"] is True and summary["hf_autoregressive"]["lossless"] is None
