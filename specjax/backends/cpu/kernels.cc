@@ -18,7 +18,7 @@
 //
 // XLA:CPU turns decode attention (per row and KV head, a handful of queries against the cache) into many tiny
 // batched matrix products that each cost more in overhead than in arithmetic: at batch 8 on SmolLM2 they took
-// half of a decode step. The kernel reads each row's cache once per KV head for up to 16 of the head's queries
+// half of a decode step. The kernel reads each row's cache once per KV head for up to kLanes of the head's queries
 // at a time (one query per vector lane, so scores need no horizontal sums), and only the positions a query may
 // see: a query sees a range of slots, starts..positions (a sliding window's last W slots, or the whole prefix),
 // so a windowed query reads W slots whatever the cache's length. Each query's scores, softmax and weighted sum
@@ -26,7 +26,9 @@
 // equal a decode step's for it.
 //
 // Written with GCC/Clang vector extensions (no intrinsics): compiled with -march=native on the machine that
-// runs it.
+// runs it, with vectors of the host's width (kLanes floats: 16 with AVX-512, else 8). A generic vector wider than
+// the host's registers is emulated through the stack: 64-byte vectors on an AVX2 host (AMD EPYC Zen 3) ran the
+// product at 4.3 GFLOP/s whatever the rows, a quarter of XLA's dot.
 
 #include <atomic>
 #include <cmath>
@@ -42,62 +44,77 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
 
-inline v16 Load(const float* p) {
-  v16 v;
+typedef float vf __attribute__((vector_size(4 * kLanes)));
+
+inline vf Load(const float* p) {
+  vf v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
 
-inline void Store(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
+inline void Store(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
 
 // Weights are float32 or bfloat16 (the top 16 bits of a float32: widening is a shift).
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint16_t vu16 __attribute__((vector_size(2 * kLanes)));
+typedef uint32_t vu32 __attribute__((vector_size(4 * kLanes)));
 
-inline v16 LoadW(const float* p) { return Load(p); }
+inline vf LoadW(const float* p) { return Load(p); }
 
-inline v16 LoadW(const uint16_t* p) {
-  u16x16 h;
+inline vf LoadW(const uint16_t* p) {
+  vu16 h;
   std::memcpy(&h, p, sizeof(h));
-  const u32x16 wide = __builtin_convertvector(h, u32x16) << 16;
-  v16 v;
+  const vu32 wide = __builtin_convertvector(h, vu32) << 16;
+  vf v;
   std::memcpy(&v, &wide, sizeof(v));
   return v;
 }
 
 // Must equal packing.PANEL.
-constexpr int kVecs = 2;
-constexpr int64_t kPanel = 16 * kVecs;
+constexpr int64_t kPanel = 32;
+constexpr int kVecs = kPanel / kLanes;
 // Software prefetch kPrefetchBytes ahead of the panel row being read, into L2 (locality 2: prefetcht1). Measured on
 // the LM head of Gemma-3-270M (640 x 262,144) at 1 and 5 rows, Intel Xeon host: prefetching into L1 (prefetcht0)
 // streamed bfloat16 panels at 20-21 GB/s against 25-27 GB/s into L2 (float32: 22-28 against 25-28); 4, 8 or 16 KB
 // ahead within noise of each other; non-temporal prefetch (locality 0) halved float32.
 constexpr int64_t kPrefetchBytes = 8192;
 constexpr int kPrefetchLocality = 2;
-constexpr int64_t kGroup = 8;              // rows whose accumulators stay in registers
+// A block is MR rows x NV vectors of a panel's columns, its MR x NV accumulators, NV weight vectors and a broadcast
+// row value held in the host's vector registers (32 with AVX-512, 16 with AVX2) over all of K. With AVX-512 a block
+// is a whole panel (2 vectors) of up to 8 rows. With AVX2 a panel is 4 vectors: a whole panel takes 2 rows per
+// block, or half a panel (2 vectors) takes 6; more rows pass over the panel, which then comes from L2.
+constexpr int kWideRows = kLanes == 16 ? 8 : 2;    // rows of a block over the whole panel
+constexpr int kNarrowVecs = kLanes == 16 ? kVecs : 2;
+constexpr int kNarrowRows = kLanes == 16 ? 8 : 6;  // rows of a block over kNarrowVecs vectors
 
-// MR rows x kPanel columns of out, over all K; wp is one panel, [K, kPanel] contiguous.
-template <typename W, int MR>
-void PanelBlock(const float* __restrict x, int64_t K, const W* __restrict wp, float* __restrict out, int64_t ldo) {
-  v16 acc[MR][kVecs];
+// MR rows x NV vectors of out (columns kLanes * NV from `wp`'s first), over all K; wp points into one panel,
+// [K, kPanel] contiguous, so its rows are kPanel apart. Its one multiply-add is fused (an FMA) in every
+// instantiation, where the rest of the file is compiled unfused (kernels.py: _FLAGS): unfused, 5 rows ran at
+// two thirds of the speed on an AVX2 host.
+template <typename W, int MR, int NV>
+__attribute__((optimize("fp-contract=fast"))) void PanelBlock(const float* __restrict x, int64_t K, const W* __restrict wp, float* __restrict out, int64_t ldo) {
+  vf acc[MR][NV];
   for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < kVecs; ++j) acc[m][j] = v16{};
+    for (int j = 0; j < NV; ++j) acc[m][j] = vf{};
   for (int64_t k = 0; k < K; ++k) {
     const W* row = wp + k * kPanel;
     constexpr int64_t ahead = kPrefetchBytes / sizeof(W);
     __builtin_prefetch(row + ahead, 0, kPrefetchLocality);
-    if (sizeof(W) * kPanel > 64) __builtin_prefetch(row + ahead + 64 / sizeof(W), 0, kPrefetchLocality);
-    v16 wv[kVecs];
-    for (int j = 0; j < kVecs; ++j) wv[j] = LoadW(row + 16 * j);
+    if (sizeof(W) * kLanes * NV > 64) __builtin_prefetch(row + ahead + 64 / sizeof(W), 0, kPrefetchLocality);
+    vf wv[NV];
+    for (int j = 0; j < NV; ++j) wv[j] = LoadW(row + kLanes * j);
     for (int m = 0; m < MR; ++m) {
       const float xv = x[m * K + k];
-      for (int j = 0; j < kVecs; ++j) acc[m][j] += xv * wv[j];
+      for (int j = 0; j < NV; ++j) acc[m][j] += xv * wv[j];
     }
   }
   for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < kVecs; ++j) Store(out + m * ldo + 16 * j, acc[m][j]);
+    for (int j = 0; j < NV; ++j) Store(out + m * ldo + kLanes * j, acc[m][j]);
 }
 
 // Calls f(std::integral_constant<int, V>) for the V among Vs that equals the runtime `value` (callers pass only
@@ -107,18 +124,32 @@ void WithConstant(int64_t value, F f) {
   (void)((value == Vs && (f(std::integral_constant<int, Vs>{}), true)) || ...);
 }
 
-// All rows of panels [b0, b1): rows in groups of at most kGroup, as even as possible (16 rows: 8 + 8).
+// All rows of panels [b0, b1): rows in groups of at most kWideRows over whole panels, or, for more rows on an
+// AVX2 host, of at most kNarrowRows over kNarrowVecs vectors at a time; groups as even as possible (16 rows:
+// 8 + 8). Each output element sums over k in the same order whichever block computes it.
 template <typename W>
 void Panels(const float* x, int64_t M, int64_t K, const W* w, float* out, int64_t N, int64_t b0, int64_t b1) {
-  const int64_t groups = (M + kGroup - 1) / kGroup;
+  const bool wide = M <= kWideRows || kNarrowVecs == kVecs;
+  const int64_t most = wide ? kWideRows : kNarrowRows;
+  const int64_t groups = (M + most - 1) / most;
   for (int64_t b = b0; b < b1; ++b) {
-    int64_t m0 = 0;
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t mr = (M - m0) / (groups - g);
-      WithConstant<1, 2, 3, 4, 5, 6, 7, 8>(mr, [&](auto rows) {
-        PanelBlock<W, decltype(rows)::value>(x + m0 * K, K, w + b * K * kPanel, out + m0 * N + b * kPanel, N);
-      });
-      m0 += mr;
+    for (int64_t v0 = 0; v0 < kVecs; v0 += wide ? kVecs : kNarrowVecs) {
+      const W* wp = w + b * K * kPanel + kLanes * v0;
+      int64_t m0 = 0;
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t mr = (M - m0) / (groups - g);
+        float* o = out + m0 * N + b * kPanel + kLanes * v0;
+        if (wide) {
+          WithConstant<1, 2, 3, 4, 5, 6, 7, 8>(mr, [&](auto rows) {
+            PanelBlock<W, decltype(rows)::value, kVecs>(x + m0 * K, K, wp, o, N);
+          });
+        } else {
+          WithConstant<1, 2, 3, 4, 5, 6, 7, 8>(mr, [&](auto rows) {
+            PanelBlock<W, decltype(rows)::value, kNarrowVecs>(x + m0 * K, K, wp, o, N);
+          });
+        }
+        m0 += mr;
+      }
     }
   }
 }
@@ -200,33 +231,33 @@ struct Attention {
   float scale;
 };
 
-typedef int32_t i16v __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(4 * kLanes)));
 
-inline v16 Select(i16v mask, v16 yes, v16 no) {  // mask lanes are all ones or all zeros
-  i16v y, n;
+inline vf Select(vi mask, vf yes, vf no) {  // mask lanes are all ones or all zeros
+  vi y, n;
   std::memcpy(&y, &yes, sizeof(y));
   std::memcpy(&n, &no, sizeof(n));
-  const i16v r = (y & mask) | (n & ~mask);
-  v16 out;
+  const vi r = (y & mask) | (n & ~mask);
+  vf out;
   std::memcpy(&out, &r, sizeof(out));
   return out;
 }
 
 // exp(x) for x <= 0 (a softmax's x - max), lanes below -87 flushed to 2^-126; Cephes' expf polynomial, ~1 ulp.
-inline v16 Exp(v16 x) {
-  x = Select(x < -87.f, v16{} - 87.f, x);
-  const v16 round = v16{} + 12582912.f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
-  const v16 n = (x * 1.44269504088896341f + round) - round;
-  const v16 r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  v16 p = v16{} + 1.9875691500e-4f;
+inline vf Exp(vf x) {
+  x = Select(x < -87.f, vf{} - 87.f, x);
+  const vf round = vf{} + 12582912.f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
+  const vf n = (x * 1.44269504088896341f + round) - round;
+  const vf r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  vf p = vf{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
-  const i16v bits = (__builtin_convertvector(n, i16v) + 127) << 23;
-  v16 scale;
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
 }
@@ -240,26 +271,27 @@ inline float ScalarW(const uint16_t* p) {
   return f;
 }
 
-constexpr int64_t kQueryLanes = 16;    // queries per pass: query l of a pass is lane l of every vector
+constexpr int64_t kQueryLanes = kLanes;  // queries per pass: query l of a pass is lane l of every vector
 constexpr int64_t kScoreRows = 8;      // cache positions whose scores accumulate together (independent chains)
-constexpr int64_t kValueQueries = 6;   // queries whose value sums share a pass over the values (6 x 4 vectors)
+// Queries whose value sums share a pass over the values: QN x 4 accumulators and 4 value vectors in registers.
+constexpr int64_t kValueQueries = kLanes == 16 ? 6 : 2;
 
-// Scores of up to 16 queries (the lanes of qt, which holds them transposed: qt[d * 16 + l] is query l's d-th
-// value) against NP consecutive cache positions: out[j * 16 + l] = sum over d, in order, of q_l[d] k_j[d].
+// Scores of up to kLanes queries (the lanes of qt, which holds them transposed: qt[d * kLanes + l] is query l's
+// d-th value) against NP consecutive cache positions: out[j * kLanes + l] = sum over d, in order, of q_l[d] k_j[d].
 template <typename W, int NP>
 void ScoreRows(const float* __restrict qt, const W* __restrict krow, int64_t kv_stride, int64_t D, float scale,
                float* __restrict out) {
-  v16 acc[NP];
-  for (int j = 0; j < NP; ++j) acc[j] = v16{};
+  vf acc[NP];
+  for (int j = 0; j < NP; ++j) acc[j] = vf{};
   for (int64_t d = 0; d < D; ++d) {
-    const v16 qd = Load(qt + d * kQueryLanes);
+    const vf qd = Load(qt + d * kQueryLanes);
     for (int j = 0; j < NP; ++j) acc[j] += qd * ScalarW(krow + j * kv_stride + d);
   }
   for (int j = 0; j < NP; ++j) Store(out + j * kQueryLanes, acc[j] * scale);
 }
 
 // o_q = sum over positions s, in order, of weight_q(s) v_s / sums_q for QN queries whose weights are lanes of
-// `weights` ([position][16]) and whose positions are [first_q, end_q), 64 dimensions (4 vectors) at a time: a
+// `weights` ([position][kLanes]) and whose positions are [first_q, end_q), 4 vectors of dimensions at a time: a
 // value row is read once for all of them and their accumulators are independent chains. Positions that all of the
 // queries see go together, after each query alone over its own positions before them and before each query alone
 // over its own after them: every query sums over exactly its positions, in order, as it would alone, and reads
@@ -267,7 +299,7 @@ void ScoreRows(const float* __restrict qt, const W* __restrict krow, int64_t kv_
 template <typename W, int QN>
 void ValueRows(const float* __restrict weights, const int32_t* first, const int32_t* end, const float* sums,
                const W* vbase, int64_t kv_stride, int64_t D, float* const* out) {
-  const int64_t vecs = D / 16;
+  const int64_t vecs = D / kLanes;
   int64_t common_first = 0, common_end = -1;  // over the queries that see a slot (-1: none yet)
   for (int q = 0; q < QN; ++q) {
     if (first[q] >= end[q]) continue;
@@ -278,20 +310,20 @@ void ValueRows(const float* __restrict weights, const int32_t* first, const int3
   if (common_end < common_first) common_end = common_first;  // none in common: each query alone, before or after
   for (int64_t j0 = 0; j0 < vecs; j0 += 4) {
     const int64_t nv = vecs - j0 < 4 ? vecs - j0 : 4;
-    v16 acc[QN][4];
+    vf acc[QN][4];
     for (int q = 0; q < QN; ++q)
-      for (int j = 0; j < 4; ++j) acc[q][j] = v16{};
+      for (int j = 0; j < 4; ++j) acc[q][j] = vf{};
     auto alone = [&](int q, int64_t s_begin, int64_t s_end) {
       for (int64_t s = s_begin; s < s_end; ++s) {
-        const W* vr = vbase + s * kv_stride + 16 * j0;
-        for (int j = 0; j < nv; ++j) acc[q][j] += weights[s * kQueryLanes + q] * LoadW(vr + 16 * j);
+        const W* vr = vbase + s * kv_stride + kLanes * j0;
+        for (int j = 0; j < nv; ++j) acc[q][j] += weights[s * kQueryLanes + q] * LoadW(vr + kLanes * j);
       }
     };
     for (int q = 0; q < QN; ++q) alone(q, first[q], end[q] < common_first ? end[q] : common_first);
     for (int64_t s = common_first; s < common_end; ++s) {
-      const W* vr = vbase + s * kv_stride + 16 * j0;
-      v16 vv[4];
-      for (int j = 0; j < 4; ++j) vv[j] = j < nv ? LoadW(vr + 16 * j) : v16{};
+      const W* vr = vbase + s * kv_stride + kLanes * j0;
+      vf vv[4];
+      for (int j = 0; j < 4; ++j) vv[j] = j < nv ? LoadW(vr + kLanes * j) : vf{};
       for (int q = 0; q < QN; ++q) {
         const float w = weights[s * kQueryLanes + q];
         for (int j = 0; j < 4; ++j) acc[q][j] += w * vv[j];
@@ -301,12 +333,12 @@ void ValueRows(const float* __restrict weights, const int32_t* first, const int3
       alone(q, first[q] > common_end ? first[q] : common_end, end[q]);
       // A query that sees no slot gets zeros (its accumulators took the other queries' common values, weighed 0).
       const float inv = end[q] > first[q] ? 1.f / sums[q] : 0.f;
-      for (int j = 0; j < nv; ++j) Store(out[q] + 16 * (j0 + j), end[q] > first[q] ? acc[q][j] * inv : v16{});
+      for (int j = 0; j < nv; ++j) Store(out[q] + kLanes * (j0 + j), end[q] > first[q] ? acc[q][j] * inv : vf{});
     }
   }
 }
 
-// Floats of scratch one task needs: queries transposed, [D][16], and their scores, [S][16].
+// Floats of scratch one task needs: queries transposed, [D][kLanes], and their scores, [S][kLanes].
 inline int64_t ScratchFloats(int64_t S, int64_t D) { return (D + S) * kQueryLanes; }
 
 // This thread's scratch, kept between calls; zeros when it grows, so every value in it is finite.
@@ -316,9 +348,9 @@ inline float* TaskScratch(int64_t floats) {
   return buffer.data();
 }
 
-// One (row, KV head, chunk of tokens): all of its H / KV query heads for tokens [t_begin, t_end), 16 queries at
-// a time, one per vector lane. The keys any of the 16 sees are read for all 16 at once (ScoreRows), the softmax
-// runs across the 16 lanes, each over its own range, and the values are read once per kValueQueries queries
+// One (row, KV head, chunk of tokens): all of its H / KV query heads for tokens [t_begin, t_end), kLanes queries
+// at a time, one per vector lane. The keys any of them sees are read for all of them at once (ScoreRows), the
+// softmax runs across the lanes, each over its own range, and the values are read once per kValueQueries queries
 // (ValueRows), each query's over its own range.
 template <typename W>
 void AttendTask(const Attention<W>& a, int64_t b, int64_t kh, int64_t t_begin, int64_t t_end, float* scratch) {
@@ -351,7 +383,7 @@ void AttendTask(const Attention<W>& a, int64_t b, int64_t kh, int64_t t_begin, i
       __builtin_prefetch(reinterpret_cast<const char*>(vbase + s * kv_stride) + byte);
     }
   float* qt = scratch;
-  float* sc = scratch + a.D * kQueryLanes;  // [S][16]: slot s's scores at sc + s * 16
+  float* sc = scratch + a.D * kQueryLanes;  // [S][kLanes]: slot s's scores at sc + s * kLanes
   const int64_t queries = (t_end - t_begin) * groups;  // query i: token t_begin + i / groups, head i % groups
   for (int64_t i0 = 0; i0 < queries; i0 += kQueryLanes) {
     const int64_t nq = queries - i0 < kQueryLanes ? queries - i0 : kQueryLanes;
@@ -383,20 +415,20 @@ void AttendTask(const Attention<W>& a, int64_t b, int64_t kh, int64_t t_begin, i
     }
     // Softmax down each lane: positions a query does not see weigh 0 (a query that sees none gets zeros). A lane's
     // total adds exact zeros outside its range, so it equals the total over its range alone.
-    i16v lo, hi;
+    vi lo, hi;
     std::memcpy(&lo, first, sizeof(lo));
     std::memcpy(&hi, end, sizeof(hi));
-    v16 best = v16{} - __builtin_inff();
+    vf best = vf{} - __builtin_inff();
     for (int64_t s = lowest; s < most; ++s) {
-      const i16v seen = (lo <= static_cast<int32_t>(s)) & (hi > static_cast<int32_t>(s));
-      const v16 x = Load(sc + s * kQueryLanes);
+      const vi seen = (lo <= static_cast<int32_t>(s)) & (hi > static_cast<int32_t>(s));
+      const vf x = Load(sc + s * kQueryLanes);
       best = Select(seen, Select(x > best, x, best), best);
     }
-    best = Select(hi > lo, best, v16{});
-    v16 total = v16{};
+    best = Select(hi > lo, best, vf{});
+    vf total = vf{};
     for (int64_t s = lowest; s < most; ++s) {
-      const i16v seen = (lo <= static_cast<int32_t>(s)) & (hi > static_cast<int32_t>(s));
-      const v16 e = Select(seen, Exp(Load(sc + s * kQueryLanes) - best), v16{});
+      const vi seen = (lo <= static_cast<int32_t>(s)) & (hi > static_cast<int32_t>(s));
+      const vf e = Select(seen, Exp(Load(sc + s * kQueryLanes) - best), vf{});
       Store(sc + s * kQueryLanes, e);
       total += e;
     }

@@ -92,11 +92,18 @@ def _cpu_key() -> str:
   return flags + platform.machine() + platform.processor()
 
 
+# -ffp-contract=off: a multiply-add is fused into an FMA wherever the compiler chooses, which differs between the
+# kernels' instantiations for different row and query counts on an AVX2 host (a query's attention output then moved
+# by an ulp with the other queries of its call); unfused, an element's arithmetic is the same in every one.
+_FLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
+
+
 def library_path() -> str:
-  """Where the compiled kernel lives for this source, jaxlib and CPU."""
+  """Where the compiled kernel lives for this source, its flags, jaxlib and CPU."""
   import jaxlib
   with open(_SOURCE, "rb") as f:
-    digest = hashlib.sha256(f.read() + jaxlib.__version__.encode() + _cpu_key().encode()).hexdigest()[:16]
+    key = f.read() + " ".join(_FLAGS).encode() + jaxlib.__version__.encode() + _cpu_key().encode()
+    digest = hashlib.sha256(key).hexdigest()[:16]
   return cache_dir(f"cpu_kernels-{digest}.so")
 
 
@@ -105,8 +112,7 @@ def _compile(path: str) -> None:
   if not compiler:
     raise RuntimeError("no C++ compiler found (set CXX)")
   os.makedirs(os.path.dirname(path), exist_ok=True)
-  base = [compiler, "-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-I", jax.ffi.include_dir(),
-          _SOURCE]
+  base = [compiler, *_FLAGS, "-I", jax.ffi.include_dir(), _SOURCE]
   fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
   os.close(fd)
   try:
