@@ -83,9 +83,13 @@ def split_cache(config: ml_collections.ConfigDict, model: specjax.Model, convers
     prompts = sequences.make_prompts(model, conversations, seq_len=config.seq_len,
                                      max_pairs_per_conversation=config.max_pairs_per_conversation)
     rendered = time.perf_counter() - start
+    sampled = f"-temperature{config.regenerate_temperature:g}-seed{config.regenerate_seed}"
+    answers_path = os.path.join(config.answers_dir or workdir,
+                                f"{split}.answers{sampled if config.regenerate_temperature else ''}.npz")
     return regenerate.build_regenerated_cache(
         model, prompts, out_dir, batch_size=config.regenerate_batch_size,
-        temperature=config.regenerate_temperature, seed=config.regenerate_seed, **kwargs), rendered
+        temperature=config.regenerate_temperature, seed=config.regenerate_seed, answers_path=answers_path,
+        **kwargs), rendered
   seqs = split_sequences(config, model, conversations, source, os.path.join(workdir, f"{split}.sequences.npz"))
   rendered = time.perf_counter() - start
   return features.build_feature_cache(model, seqs, out_dir, batch_size=config.batch_size,

@@ -347,6 +347,38 @@ def test_a_killed_regeneration_resumes_after_its_last_batch_to_the_same_bytes(ti
     assert filecmp.cmp(tmp_path / "whole" / f"{name}.npy", tmp_path / "resumed" / f"{name}.npy", shallow=False), name
 
 
+def test_an_answers_file_lets_a_rebuild_run_one_forward_instead_of_decoding(tiny, tmp_path, monkeypatch):
+  answers = tmp_path / "train.answers.npz"
+  decoded = _regenerate(tiny, PROMPTS, tmp_path / "decoded", answers_path=str(answers))
+  real, calls = regenerate.generate_recorded, []
+
+  def counted(model, prompts, *args, **kwargs):
+    calls.append(len(prompts))
+    return real(model, prompts, *args, **kwargs)
+
+  monkeypatch.setattr(regenerate, "generate_recorded", counted)
+  rebuilt = _regenerate(tiny, PROMPTS, tmp_path / "rebuilt", answers_path=str(answers))
+  assert calls == []  # every batch from the answers file
+  for name in ("tokens", "lengths", "mask", "token_counts"):
+    np.testing.assert_array_equal(getattr(rebuilt, name), getattr(decoded, name), err_msg=name)
+  np.testing.assert_allclose(rebuilt.features.astype(np.float32), decoded.features.astype(np.float32), rtol=2e-3,
+                             atol=2e-3)
+  # Answers are keyed by prompt: in other batches, with a new prompt beside them, only the batch that holds the new
+  # prompt decodes (3 of 7 prompts), and the file then holds its answer too.
+  more = [*PROMPTS, [4, 4, 4, 4]]
+  _regenerate(tiny, more, tmp_path / "more", answers_path=str(answers), batch_size=3)
+  assert calls == [3]
+  kept = regenerate.load_answers(str(answers), regenerate.answers_identity(
+      tiny, more, SEQ_LEN, {"temperature": 0.0, "seed": None, "stop_ids": [3]}, 3))
+  assert len(kept) == len(more)
+  # Another generation's answers are refused by name; a damaged file says what to do.
+  with pytest.raises(CheckpointError, match="holds other answers: generation"):
+    _regenerate(tiny, PROMPTS, tmp_path / "sampled", answers_path=str(answers), temperature=1.0)
+  answers.write_bytes(answers.read_bytes()[:100])
+  with pytest.raises(CheckpointError, match="cannot read the answers file .* delete it"):
+    _regenerate(tiny, PROMPTS, tmp_path / "damaged", answers_path=str(answers))
+
+
 def test_top_token_map_holds_the_most_frequent_ids_and_the_stop_tokens():
   counts = np.zeros(100, np.int64)
   counts[[40, 7, 90, 13, 55]] = [50, 30, 30, 20, 1]

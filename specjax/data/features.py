@@ -310,21 +310,31 @@ def build_feature_cache(model: Model, sequences: Sequence, out_dir: str, *, seq_
                sequences_fingerprint=sequences_fingerprint(sequences))
 
   def second_forward(number: int, rows: np.ndarray) -> dict[str, np.ndarray]:
-    tokens = np.zeros((batch_size, seq_len), np.int32)  # the last batch is padded to the compiled shape
-    mask = np.zeros((len(rows), seq_len), bool)
-    lengths = np.asarray([len(sequences[i][0]) for i in rows], np.int32)
-    for j, i in enumerate(rows):
-      tokens[j, :lengths[j]], mask[j, :lengths[j]] = sequences[i]
-    features, top_ids, top_probs = jax.device_get(_target_outputs(
-        model.params, jnp.asarray(tokens), config=config, feature_layers=feature_layers, top_k=top_k, dtype=dtype))
-    valid = np.arange(seq_len)[None, :] < lengths[:, None]  # [rows, T]
-    return {"tokens": tokens[:len(rows)], "lengths": lengths, "mask": mask,
-            "features": np.where(valid[:, :, None, None], features[:len(rows)], 0),
-            "teacher_ids": np.where(valid[:, :, None], top_ids[:len(rows)], 0),
-            "teacher_probs": np.where(valid[:, :, None], top_probs[:len(rows)], 0)}
+    return forward_rows(model, [sequences[i] for i in rows], seq_len=seq_len, batch_size=batch_size,
+                        feature_layers=feature_layers, top_k=top_k, dtype=dtype)
 
   batches = [range(first, min(first + batch_size, len(sequences))) for first in range(0, len(sequences), batch_size)]
   return write_cache(out_dir, meta, batches, second_forward, f"features {os.path.basename(out_dir)}")
+
+
+def forward_rows(model: Model, sequences: Sequence, *, seq_len: int, batch_size: int, feature_layers: tuple[int, ...],
+                 top_k: int, dtype: str) -> dict[str, np.ndarray]:
+  """A cache's arrays (but token_counts) for up to batch_size sequences, from one forward of the target over them
+  (padded to the compiled shape [batch_size, seq_len]); zeros past each row's length."""
+  tokens = np.zeros((batch_size, seq_len), np.int32)
+  mask = np.zeros((len(sequences), seq_len), bool)
+  lengths = np.asarray([len(sequence[0]) for sequence in sequences], np.int32)
+  for j, sequence in enumerate(sequences):
+    tokens[j, :lengths[j]], mask[j, :lengths[j]] = sequence
+  features, top_ids, top_probs = jax.device_get(_target_outputs(
+      model.params, jnp.asarray(tokens), config=model.config, feature_layers=feature_layers, top_k=top_k,
+      dtype=dtype))
+  n = len(sequences)
+  valid = np.arange(seq_len)[None, :] < lengths[:, None]  # [rows, T]
+  return {"tokens": tokens[:n], "lengths": lengths, "mask": mask,
+          "features": np.where(valid[:, :, None, None], features[:n], 0),
+          "teacher_ids": np.where(valid[:, :, None], top_ids[:n], 0),
+          "teacher_probs": np.where(valid[:, :, None], top_probs[:n], 0)}
 
 
 @dataclasses.dataclass(frozen=True)
