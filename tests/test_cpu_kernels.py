@@ -219,7 +219,7 @@ def test_turned_off_by_environment(tmp_path):
 
 @pytest.mark.parametrize("b,t,h,kv,s,d", [(1, 1, 9, 3, 64, 64), (2, 5, 9, 3, 128, 64), (3, 16, 4, 2, 40, 32),
                                           (2, 3, 4, 4, 20, 16), (1, 16, 9, 3, 200, 64), (8, 5, 9, 3, 160, 64),
-                                          (1, 16, 32, 2, 50, 96), (2, 33, 9, 3, 128, 64)])
+                                          (1, 16, 32, 2, 50, 96), (2, 33, 9, 3, 128, 64), (2, 4, 9, 3, 700, 64)])
 def test_attention_equals_xla(b, t, h, kv, s, d):
   """Positions anywhere in the cache, past its end too (such a query sees every slot), and rows of one call
   at different positions; with few (row, KV head) pairs a call's tokens are split over the threads; a task's
@@ -367,7 +367,8 @@ def _kernel_attention(q, k, v, positions, starts):
 @pytest.mark.parametrize("b,t,h,kv,s,d,dtype", [
     (4, 1, 4, 1, 300, 256, "float32"), (3, 1, 4, 1, 300, 256, "bfloat16"),  # Gemma-3-270M's heads, decode
     (2, 5, 9, 3, 128, 64, "float32"), (2, 17, 4, 1, 96, 256, "bfloat16"), (1, 16, 32, 2, 50, 96, "float32"),
-    (2, cpu.MAX_QUERY_TOKENS, 4, 1, 140, 256, "float32"), (1, cpu.MAX_QUERY_TOKENS, 8, 2, 80, 32, "bfloat16")])
+    (2, cpu.MAX_QUERY_TOKENS, 4, 1, 140, 256, "float32"), (1, cpu.MAX_QUERY_TOKENS, 8, 2, 80, 32, "bfloat16"),
+    (1, 5, 4, 1, 900, 256, "bfloat16"), (2, 3, 9, 3, 600, 64, "float32")])  # cut into parts of the cache
 def test_windowed_attention_equals_the_reference(b, t, h, kv, s, d, dtype):
   """The kernel's (out, lse) equal `ops._cache_attention`'s with starts for every query that sees a slot; one that
   sees none (starts > positions, or a range past the cache's ends) gets zeros and -inf, where the reference's lse

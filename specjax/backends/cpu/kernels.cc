@@ -217,6 +217,7 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
 // values are read over its own range only.
 
 constexpr int64_t kMaxHeadVecs = 16;  // head_dim <= 256
+constexpr int64_t kPartSlots = 256;   // cache slots per part (AttentionImpl)
 
 template <typename W>
 struct Attention {
@@ -338,7 +339,7 @@ void ValueRows(const float* __restrict weights, const int32_t* first, const int3
   }
 }
 
-// Floats of scratch one task needs: queries transposed, [D][kLanes], and their scores, [S][kLanes].
+// Floats of scratch one task needs: queries transposed, [D][kLanes], and their scores, [S][kLanes] for S slots.
 inline int64_t ScratchFloats(int64_t S, int64_t D) { return (D + S) * kQueryLanes; }
 
 // This thread's scratch, kept between calls; zeros when it grows, so every value in it is finite.
@@ -353,15 +354,19 @@ inline float* TaskScratch(int64_t floats) {
 // softmax runs across the lanes, each over its own range, and the values are read once per kValueQueries queries
 // (ValueRows), each query's over its own range.
 template <typename W>
-void AttendTask(const Attention<W>& a, int64_t b, int64_t kh, int64_t t_begin, int64_t t_end, float* scratch) {
+void AttendTask(const Attention<W>& a, int64_t b, int64_t kh, int64_t t_begin, int64_t t_end, int64_t slot_lo,
+                int64_t slot_hi, float* out_base, float* lse_base, float* scratch) {
   const int64_t groups = a.H / a.KV;
   const int64_t kv_stride = a.KV * a.D;  // elements between consecutive positions of one head
   const W* kbase = a.k + (b * a.S * a.KV + kh) * a.D;
   const W* vbase = a.v + (b * a.S * a.KV + kh) * a.D;
-  // Token t sees slots [first, end): starts..positions clipped to the cache; empty (first = end) when it sees none.
+  // Token t sees slots [first, end): starts..positions clipped to the cache and to this task's part of it
+  // [slot_lo, slot_hi); empty (first = end) when it sees none there.
   auto range_of = [&](int64_t t, int32_t* first, int32_t* end) {
-    const int64_t hi = static_cast<int64_t>(a.pos[b * a.T + t]) + 1;
-    const int64_t lo = a.start[b * a.T + t];
+    int64_t hi = static_cast<int64_t>(a.pos[b * a.T + t]) + 1;
+    int64_t lo = a.start[b * a.T + t];
+    hi = hi < slot_hi ? hi : slot_hi;
+    lo = lo > slot_lo ? lo : slot_lo;
     const int64_t e = hi > a.S ? a.S : (hi < 0 ? 0 : hi);
     const int64_t f = lo < 0 ? 0 : (lo > e ? e : lo);
     *first = static_cast<int32_t>(f), *end = static_cast<int32_t>(e);
@@ -383,7 +388,8 @@ void AttendTask(const Attention<W>& a, int64_t b, int64_t kh, int64_t t_begin, i
       __builtin_prefetch(reinterpret_cast<const char*>(vbase + s * kv_stride) + byte);
     }
   float* qt = scratch;
-  float* sc = scratch + a.D * kQueryLanes;  // [S][kLanes]: slot s's scores at sc + s * kLanes
+  // [kPartSlots][kLanes]: slot s's scores at sc + s * kLanes, s in [slot_lo, slot_hi)
+  float* sc = scratch + (a.D - slot_lo) * kQueryLanes;
   const int64_t queries = (t_end - t_begin) * groups;  // query i: token t_begin + i / groups, head i % groups
   for (int64_t i0 = 0; i0 < queries; i0 += kQueryLanes) {
     const int64_t nq = queries - i0 < kQueryLanes ? queries - i0 : kQueryLanes;
@@ -398,7 +404,7 @@ void AttendTask(const Attention<W>& a, int64_t b, int64_t kh, int64_t t_begin, i
         for (int64_t d = 0; d < a.D; ++d) qt[d * kQueryLanes + l] = qv[d];
         range_of(t, &first[l], &end[l]);
         query_index[l] = (b * a.T + t) * a.H + head;
-        out[l] = a.out + query_index[l] * a.D;
+        out[l] = out_base + query_index[l] * a.D;
         if (first[l] < end[l]) {
           lowest = first[l] < lowest ? first[l] : lowest;
           most = end[l] > most ? end[l] : most;
@@ -436,7 +442,7 @@ void AttendTask(const Attention<W>& a, int64_t b, int64_t kh, int64_t t_begin, i
     Store(sums, total);
     Store(bests, best);
     for (int64_t l = 0; l < nq; ++l)
-      a.lse[query_index[l]] = end[l] > first[l] ? bests[l] + std::log(sums[l]) : -__builtin_inff();
+      lse_base[query_index[l]] = end[l] > first[l] ? bests[l] + std::log(sums[l]) : -__builtin_inff();
     for (int64_t q0 = 0; q0 < nq; q0 += kValueQueries) {
       const int64_t n = nq - q0 < kValueQueries ? nq - q0 : kValueQueries;
       WithConstant<1, 2, 3, 4, 5, 6>(n, [&](auto count) {
@@ -468,19 +474,58 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   a.start = start.typed_data();
   a.out = out->typed_data(), a.lse = lse->typed_data();
   a.scale = 1.f / __builtin_sqrtf(static_cast<float>(a.D));
-  // Tasks are (row, KV head, chunk of tokens). With fewer (row, KV head) pairs than 4 per thread (SmolLM2 at batch
-  // 1: 3 KV heads on 2 cores), a verification's tokens are split over the threads too, or one thread would take
-  // two heads' queries while the other took one (16 tokens: 54 us per layer on 2 cores).
+  // Tasks are (row, KV head, chunk of tokens, part of the cache). With fewer (row, KV head) pairs than 4 per thread
+  // (SmolLM2 at batch 1: 3 KV heads on 2 cores), a verification's tokens are split over the threads too, or one
+  // thread would take two heads' queries while the other took one (16 tokens: 54 us per layer on 2 cores). The
+  // cache is cut into parts of kPartSlots slots at fixed slot numbers: each part's attention is computed apart
+  // (out and lse of the part's slots) and the parts merged in order by their softmax denominators, so a single
+  // (row, KV head) (Gemma 3's one KV head at batch 1) spreads over the threads, and a query's result depends only on
+  // its own range, never on the call's other queries or the cache's length.
   const int64_t threads = pool.num_threads() > 1 ? pool.num_threads() : 1;
   const int64_t pairs = a.B * a.KV;
   const int64_t chunks = pairs < 4 * threads ? (a.T < threads ? a.T : threads) : 1;
-  ParallelFor(pool, pairs * chunks, [&a, chunks](int64_t t0, int64_t t1) {
-    float* scratch = TaskScratch(ScratchFloats(a.S, a.D));
+  const int64_t parts = (a.S + kPartSlots - 1) / kPartSlots;
+  const int64_t queries = a.B * a.T * a.H;
+  std::vector<float> part_out(parts > 1 ? parts * queries * a.D : 0), part_lse(parts > 1 ? parts * queries : 0);
+  ParallelFor(pool, pairs * chunks * parts, [&](int64_t t0, int64_t t1) {
+    float* scratch = TaskScratch(ScratchFloats(kPartSlots, a.D));
     for (int64_t task = t0; task < t1; ++task) {
-      const int64_t pair = task / chunks, chunk = task % chunks;
-      AttendTask(a, pair / a.KV, pair % a.KV, a.T * chunk / chunks, a.T * (chunk + 1) / chunks, scratch);
+      const int64_t part = task % parts, chunk = task / parts % chunks, pair = task / parts / chunks;
+      float* out_base = parts > 1 ? part_out.data() + part * queries * a.D : a.out;
+      float* lse_base = parts > 1 ? part_lse.data() + part * queries : a.lse;
+      AttendTask(a, pair / a.KV, pair % a.KV, a.T * chunk / chunks, a.T * (chunk + 1) / chunks, part * kPartSlots,
+                 (part + 1) * kPartSlots, out_base, lse_base, scratch);
     }
   });
+  if (parts > 1) {
+    // o = sum over parts p, in order, of exp(lse_p - L) o_p / Z, Z = sum of exp(lse_p - L), L the largest lse_p;
+    // lse = L + log Z. A part the query does not see has lse_p = -inf and o_p = 0: weight 0.
+    ParallelFor(pool, queries, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        float most = -__builtin_inff();
+        for (int64_t p = 0; p < parts; ++p) most = part_lse[p * queries + i] > most ? part_lse[p * queries + i] : most;
+        float* o = a.out + i * a.D;
+        if (most == -__builtin_inff()) {
+          std::memset(o, 0, a.D * sizeof(float));
+          a.lse[i] = most;
+          continue;
+        }
+        float total = 0.f;
+        std::memset(o, 0, a.D * sizeof(float));
+        for (int64_t p = 0; p < parts; ++p) {
+          const float l = part_lse[p * queries + i];
+          if (l == -__builtin_inff()) continue;
+          const float w = std::exp(l - most);
+          total += w;
+          const float* op = part_out.data() + (p * queries + i) * a.D;
+          for (int64_t d = 0; d < a.D; ++d) o[d] += w * op[d];
+        }
+        const float inv = 1.f / total;
+        for (int64_t d = 0; d < a.D; ++d) o[d] *= inv;
+        a.lse[i] = most + std::log(total);
+      }
+    });
+  }
   return ffi::Error::Success();
 }
 
