@@ -95,9 +95,11 @@ constexpr int kNarrowRows = kLanes == 16 ? 8 : 6;  // rows of a block over kNarr
 // MR rows x NV vectors of out (columns kLanes * NV from `wp`'s first), over all K; wp points into one panel,
 // [K, kPanel] contiguous, so its rows are kPanel apart. Its one multiply-add is fused (an FMA) in every
 // instantiation, where the rest of the file is compiled unfused (kernels.py: _FLAGS): unfused, 5 rows ran at
-// two thirds of the speed on an AVX2 host.
+// two thirds of the speed on an AVX2 host. (GCC's attribute; Clang ignores it and leaves the block unfused.)
 template <typename W, int MR, int NV>
-__attribute__((optimize("fp-contract=fast"))) void PanelBlock(const float* __restrict x, int64_t K, const W* __restrict wp, float* __restrict out, int64_t ldo) {
+__attribute__((optimize("fp-contract=fast"))) void PanelBlock(const float* __restrict x, int64_t K,
+                                                              const W* __restrict wp, float* __restrict out,
+                                                              int64_t ldo) {
   vf acc[MR][NV];
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < NV; ++j) acc[m][j] = vf{};
