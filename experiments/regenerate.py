@@ -24,9 +24,8 @@ import numpy as np
 from absl import logging
 
 from specjax.data import features, sequences
-from specjax.loading import CheckpointError
 from specjax.generate import RecordSpec, generate_recorded
-from specjax.loading import Model
+from specjax.loading import CheckpointError, Model
 
 
 def prompts_fingerprint(prompts: Sequence[Sequence[int]]) -> str:
