@@ -126,6 +126,9 @@ def spec_bench_run(*, per_category: int, max_new_tokens: int, adaptive: bool = T
   config.mesh_shape = ml_collections.config_dict.placeholder(tuple)  # (data, model); None: one device
 
   config.only = ""  # comma-separated method names to run (the autoregressive baseline always runs)
+  # A never-drafting control: autoregressive decoding again as the method `control`, timed like the others; its paired
+  # speedup (1.00x but for the machine) shows the measurement floor beside theirs.
+  config.control = True
   config.repeats = repeats  # timed runs of every method per prompt batch
   config.warmup = True  # one untimed (compile + run) call per method on the first batch
   return config

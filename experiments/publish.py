@@ -15,8 +15,8 @@ once newer runs of its config cover every (method, prompt) it measured, and curr
 some; a superseded run's folder moves to results/archive/ (`git mv`; the check fails until it has). Code changes
 after a run (`CODE_CHANGES`: the ones that change what the runs measure) are listed beside it.
 
-Speedups are the median of paired speedups (each call against autoregressive decoding's call on the same prompts
-and repeat) with a distribution-free 90% interval (`report.paired_speedups`, `report.median_interval`).
+Speedups are the median over prompts of paired speedups (each prompt's tokens/s against autoregressive decoding's
+on it, the calls interleaved, repeats averaged before pairing) with a distribution-free 90% interval (`report.paired_speedups`, `report.median_interval`).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import numpy as np
 from absl import app, flags
 
 from experiments import curves, projection, report
+from specjax.config import shaped_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ARCHIVE = "archive"
@@ -149,6 +150,8 @@ class Run:
     return [m for m in self.results["summary"]["methods"] if m != self.baseline]
 
   def method_spec(self, method: str) -> dict:
+    if method == report.CONTROL and self.results["config"].get("control"):
+      return {"name": method}  # added by the runner (experiments/run.py check_methods)
     return next(m for m in self.results["config"]["methods"] if m["name"] == method)
 
   def training_run(self, method: str, runs: Runs) -> dict:
@@ -322,11 +325,11 @@ def _link(run: Run, prefix: str) -> str:
 
 def speedup_cell(ratios: Sequence[float]) -> str:
   """The median of paired speedups and its 90% interval: "1.23x (1.20–1.25)"; the number of pairs where they are
-  too few for an interval."""
+  too few for an interval (each ratio is one prompt batch: `report.paired_speedups`)."""
   if not ratios:
     return "–"
   interval = report.median_interval(ratios)
-  bounds = f"{interval[0]:.2f}–{interval[1]:.2f}" if interval else f"{len(ratios)} pairs"
+  bounds = f"{interval[0]:.2f}–{interval[1]:.2f}" if interval else f"{len(ratios)} prompts"
   return f"{np.median(ratios):.2f}x ({bounds})"
 
 
@@ -528,7 +531,7 @@ def category_block(run: Run, prefix: str, methods: Sequence[str] | None = None) 
   methods = list(methods or run.methods())
   per_cell = len(methods) <= 3
   intervals = {m: report.category_intervals(run.records, m, run.baseline) for m in methods}
-  rows = ["| category (pairs) | " + " | ".join(f"`{m}`" for m in methods) + " |", "|---|" + "---:|" * len(methods)]
+  rows = ["| category (prompts) | " + " | ".join(f"`{m}`" for m in methods) + " |", "|---|" + "---:|" * len(methods)]
 
   def plain(records: Sequence[dict]) -> str:
     share = report.plain_share(records)
@@ -545,7 +548,7 @@ def category_block(run: Run, prefix: str, methods: Sequence[str] | None = None) 
       cells.append(cell)
     rows.append(f"| {category} ({pairs}) | " + " | ".join(cells) + " |")
   pairs = max(len(_paired(run, m)) for m in methods)
-  rows.append(f"| all {pairs} pairs | " + " | ".join(speedup_cell(_paired(run, m)) for m in methods) + " |")
+  rows.append(f"| all {pairs} prompts | " + " | ".join(speedup_cell(_paired(run, m)) for m in methods) + " |")
   shares = [report.plain_share([r for r in run.records if r["method"] == m]) for m in methods]
   rows.append("| plain rounds | " + " | ".join(
       "–" if s is None else "100% (never drafts)" if s == 1 else f"{s:.0%}" for s in shares) + " |")
@@ -598,7 +601,7 @@ def data_block(runs: Runs, prefix: str, folder: str = "compare_drafters-data") -
           for name, r in (("own", own_run), ("other", other_run))}
   ratios = report.paired_speedups(run.records, own, other)
   return (compare_drafters_block(runs, prefix, folder) + "\n\n" +
-          f"Paired in this run, `{own}` over `{other}` (median of {len(ratios)} pairs, 90% interval): "
+          f"Paired in this run, `{own}` over `{other}` (median over {len(ratios)} prompts, 90% interval): "
           f"{speedup_cell(ratios)}. Held-out top-1 by depth on the target's own answers "
           f"({_link(runs['train_budget'], prefix)}), at {own_run['positions']:,} and {other_run['positions']:,} "
           f"training positions: {top1['own']} ({own_run['answers']} answers) against {top1['other']} "
@@ -893,7 +896,7 @@ def readme_results_block(runs: Runs, prefix: str) -> str:
     lossless = run.results["summary"].get("all_lossless")
     if lossless is not True:
       note += "; NOT every output equal to autoregressive decoding's"
-    groups.append(f"{_join(parts)} ({'/'.join(map(str, sorted(pairs)))} pairs each, {_link(run, prefix)} at commit "
+    groups.append(f"{_join(parts)} ({'/'.join(map(str, sorted(pairs)))} prompts each, {_link(run, prefix)} at commit "
                   f"{run.commit}{note})")
   config = candidates[0].results["config"]
   cpu_counts = {runs[name].results["environment"]["cpu_count"] for name in chosen}
@@ -909,14 +912,20 @@ def readme_results_block(runs: Runs, prefix: str) -> str:
 
 
 # The answer at one training budget: the drafters of configs/compare_drafters.py:budget (methods budget_<run>, each
-# from its run of configs/train_budget.py), adaptive on this CPU and at fixed gamma for the accelerator projection.
+# from its run of configs/train_budget.py), adaptive on this CPU and at fixed gamma for the accelerator projection,
+# beside the untrained drafters of the same run.
 BUDGET_LABELS = {"budget_sequential": "the sequential MTP module", "budget_parallel": "the parallel MTP heads",
                  "budget_deepseek": "DeepSeek-style chained MTP modules",
                  "budget_exit": "the trained exit adapter (after 3 layers)",
                  "budget_exit16": "the trained exit adapter after 16 layers",
                  "budget_draft": "the distilled draft model",
                  "budget_sequential_sharegpt": "the sequential MTP module trained on ShareGPT's answers"}
-ANSWER_CONFIGS = ("compare_drafters-budget,adaptive", "compare_drafters-budget")  # (CPU speedups, projection)
+UNTRAINED_LABELS = {"prompt_lookup": "prompt lookup", "layer_skip_best_set": "layer skip with its searched skip set",
+                    "layer_skip_exit24": "layer skip's exit after 24 layers",
+                    "layer_skip_exit12": "layer skip's exit after 12 layers"}
+# Per target, the runs the answer reads: (CPU speedups with adaptive drafting, the fixed-γ run for the projection).
+ANSWER_CONFIGS = {"smollm2-135m": ("compare_drafters-budget,adaptive", "compare_drafters-budget")}
+ANSWER_TARGETS = {"smollm2-135m": "SmolLM2-135M", "gemma3-270m": "Gemma-3-270M"}
 
 
 def _newest(runs: Runs, config: str) -> Run:
@@ -931,47 +940,90 @@ def _millions(values: Sequence[float]) -> str:
   return f"{low}M" if low == high else f"{low}–{high}M"
 
 
+def head_share(model: str) -> float:
+  """The LM head's share of the weights a decode step reads (`specjax.config.MODEL_SHAPES`' config)."""
+  config = shaped_config(model)
+  return config.vocab_size * config.hidden_size / config.num_params
+
+
 def readme_answer_block(runs: Runs, prefix: str) -> str:
-  """Two sentences: the family that wins at one training budget with adaptive drafting on this CPU (its median
-  paired speedup over autoregressive decoding and over the runner-up, with 90% intervals), and the families ranked
-  by the accelerator projection (experiments/projection.py) at the tokens per forward of the fixed-gamma run."""
-  adaptive, fixed = (_newest(runs, config) for config in ANSWER_CONFIGS)
+  """Per target of `ANSWER_CONFIGS`, one paragraph from its adaptive run on this CPU: the fastest method overall,
+  the fastest drafter trained on the budget (with the runner-up and their head-to-head ratio), the untrained drafters
+  and the never-drafting control where the run has one, each with its median paired speedup over autoregressive
+  decoding and its 90% interval; then the reason in that run's numbers (the LM head's share of a step, the draft cost
+  per token c, the verification cost r, tokens per target forward), and the families ranked by the accelerator
+  projection (experiments/projection.py) at the tokens per forward of the fixed-γ run."""
+  return "\n\n".join(_answer(runs, prefix, model, *(_newest(runs, c) for c in configs))
+                      for model, configs in ANSWER_CONFIGS.items())
+
+
+def _answer(runs: Runs, prefix: str, model: str, adaptive: Run, fixed: Run) -> str:
   families = [m for m in adaptive.methods() if m in BUDGET_LABELS]
   if len(families) < 2:
     raise ValueError(f"{adaptive.name} compares {families}: the answer needs two families trained on the budget")
-  ranked = sorted(families, key=lambda m: -float(np.median(_paired(adaptive, m))))
+  untrained = [m for m in adaptive.methods() if m in UNTRAINED_LABELS]
+  labels = {**BUDGET_LABELS, **UNTRAINED_LABELS}
+  median = {m: float(np.median(_paired(adaptive, m))) for m in families + untrained}
+  ranked = sorted(families, key=lambda m: -median[m])
   first, second = ranked[:2]
+  fastest = max(families + untrained, key=lambda m: median[m])
   positions = _millions([adaptive.training_run(m, runs)["positions"] for m in families])
-  pairs = "/".join(map(str, sorted({len(_paired(adaptive, m)) for m in families})))
-  head_to_head = speedup_cell(report.paired_speedups(adaptive.records, first, second))
-  notes = [f"{pairs} pairs each", f"{_link(adaptive, prefix)} at commit {adaptive.commit}"]
+  pairs = "/".join(map(str, sorted({len(_paired(adaptive, m)) for m in families + untrained})))
+  config, summary = adaptive.results["config"], adaptive.results["summary"]["methods"]
+  notes = [f"{pairs} prompts each", f"{_link(adaptive, prefix)} at commit {adaptive.commit}"]
   changed = [c.commit for c in CODE_CHANGES if adaptive.concerned_by(c)]
   if changed:
     notes.append(f"code changed since: {', '.join(changed)}")
-  if adaptive.results["summary"].get("all_lossless") is not True:
-    notes.append("NOT every output equal to autoregressive decoding's")
-  cpu = (f"Trained on one budget ({positions} training positions each), {BUDGET_LABELS[first]} is the fastest of "
-         f"the {len(families)} drafters trained on it with adaptive drafting on "
-         f"{adaptive.results['environment']['cpu_count']} CPU cores: its median paired speedup, with its 90% "
-         f"interval, is {speedup_cell(_paired(adaptive, first))} over autoregressive decoding and {head_to_head} over "
-         f"the runner-up, {BUDGET_LABELS[second]} at {speedup_cell(_paired(adaptive, second))} "
-         f"({'; '.join(notes)}).")
+  notes.append("every output equal to autoregressive decoding's" if adaptive.results["summary"].get("all_lossless")
+               is True else "NOT every output equal to autoregressive decoding's")
+  setting = (f"**{ANSWER_TARGETS.get(model, model)}** ({config['dtype']}, adaptive drafting, "
+             f"{adaptive.results['environment']['cpu_count']} CPU cores; {'; '.join(notes)})")
+
+  def cell(m: str) -> str:
+    return f"{labels[m]} at {speedup_cell(_paired(adaptive, m))}"
+
+  if fastest == first:
+    lead = (f"the fastest method is a trained drafter, {cell(first)} over autoregressive decoding, and "
+            f"{speedup_cell(report.paired_speedups(adaptive.records, first, second))} over the runner-up of the "
+            f"{len(families)} trained on one budget ({positions} training positions each), {cell(second)}")
+  else:
+    lead = (f"the fastest method is {cell(fastest)} over autoregressive decoding, untrained; the fastest of the "
+            f"{len(families)} drafters trained on one budget ({positions} training positions each) is {cell(first)}, "
+            f"{speedup_cell(report.paired_speedups(adaptive.records, first, fastest))} against {labels[fastest]} and "
+            f"{speedup_cell(report.paired_speedups(adaptive.records, first, second))} over the runner-up, "
+            f"{cell(second)}")
+  others = [cell(m) for m in untrained if m != fastest]
+  if others:
+    lead += f"; untrained, {_join(others)}"
+  if report.CONTROL in adaptive.methods():
+    lead += f"; the never-drafting control, the measurement floor, at {speedup_cell(_paired(adaptive, report.CONTROL))}"
+  shown = list(dict.fromkeys([fastest, first, *untrained]))
+  def numbers(m: str) -> str:
+    s = summary[m]
+    costs = (f"c = {max(s['draft_cost'], 0.0):.3f}, r = {s['verify_cost']:.2f} at γ = {s['gamma']}, "
+             if s.get("draft_cost") is not None else "")
+    return f"{labels[m]} {costs}{s['mean_accepted']:.2f} tokens per forward"
+
+  reason = (f"Why, in this run's numbers: the LM head is {head_share(config['model']):.0%} of the weights a target "
+            f"step reads; per drafter, the cost of a draft token c and of verifying γ + 1 tokens r in target steps, "
+            f"and the tokens per target forward: " + "; ".join(map(numbers, shown)) + ".")
+  text = f"{setting}: {lead}. {reason}"
   costs = projection.read()
-  summary = fixed.results["summary"]["methods"]
-  projected = {m: projection.project(summary[m], costs, m) for m in families if m in summary}
+  fixed_summary = fixed.results["summary"]["methods"]
+  projected = {m: projection.project(fixed_summary[m], costs, m) for m in families if m in fixed_summary}
   projected = {m: p for m, p in projected.items() if p is not None}
   if not projected:
-    return cpu
+    return text
   order = sorted(projected, key=lambda m: -projected[m])
   shown = order[:2] if first in order[:2] else [order[0], first]
   missing = [BUDGET_LABELS[m] for m in families if m not in projected]
   source = next(iter(costs.values()))["source"]
   ordinals = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh")
   accelerator = (f"Projected for a memory-bound accelerator (round costs compiled by XLA, {source}, at the tokens per "
-                 f"target forward of the fixed-γ run {_link(fixed, prefix)}), the ranking puts "
+                 f"target forward of the fixed-γ run {_link(fixed, prefix)}), the ranking of the trained drafters puts "
                  + _join([f"{BUDGET_LABELS[m]} {ordinals[order.index(m)]} at {projected[m]:.2f}x" for m in shown])
                  + (f" ({_join(missing)} not projected)" if missing else "") + ".")
-  return f"{cpu} {accelerator}"
+  return f"{text} {accelerator}"
 
 
 def _join(parts: Sequence[str]) -> str:

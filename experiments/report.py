@@ -1,10 +1,13 @@
 """Summary, Markdown table and plots of a run's timing records.
 
 Per method and prompt batch, the batch's time is the median over repeats; tokens/s of a method is the median
-over batches of (new tokens / batch time). There is one speedup: the median of the paired speedups, each call's
-tokens/s over the baseline's interleaved call on the same prompts and repeat, with a distribution-free 90%
-interval from their order statistics (`median_interval`: a binomial bound, no resampling). On a shared machine one
-call's time moves by 10-20%, so a single prompt cannot tell 0.95x from 1.0x; the interval says how many pairs do.
+over batches of (new tokens / batch time). There is one speedup: the median over prompt batches (one prompt at batch size 1) of the paired
+speedups, each the method's tokens/s over the baseline's on the same prompts, the calls interleaved and averaged
+over repeats before pairing (`paired_speedups`: the repeats of a prompt are not independent), with a
+distribution-free 90% interval from their order statistics (`median_interval`: a binomial bound, no resampling).
+On a shared machine one call's time moves by 10-20%, so a single prompt cannot tell 0.95x from 1.0x; the interval
+says how many prompts do, and a run's never-drafting `control` (autoregressive decoding timed as a method) shows
+the measurement floor.
 `category_intervals` gives the same per category. A method whose drafts made fewer than `FEW_DRAFTS` of its
 tokens (adaptive drafting that chose plain target steps) is labelled with its draft share instead of a speedup
 bar: its speed is autoregressive decoding's, whatever the drafter.
@@ -41,6 +44,7 @@ from experiments import projection  # noqa: E402
 from specjax import leviathan  # noqa: E402
 from specjax.stats import merge_stats  # noqa: E402
 
+CONTROL = "control"  # the never-drafting control method a run's `config.control` adds (experiments/run.py)
 FEW_DRAFTS = 0.1  # below this share of a method's tokens from accepted drafts, tables and plots say so
 
 
@@ -126,10 +130,22 @@ def forward_costs_used(records: Sequence[dict]) -> list[dict[str, Any]] | None:
 
 
 def paired_speedups(records: Sequence[dict], method: str, baseline: str) -> list[float]:
-  """Per (batch, repeat): the method's tokens/s over the baseline's in the same batch and repeat (interleaved)."""
-  base = {(r["batch"], r["repeat"]): r["tokens_per_second"] for r in records if r["method"] == baseline}
-  return [r["tokens_per_second"] / base[(r["batch"], r["repeat"])] for r in records
-          if r["method"] == method and (r["batch"], r["repeat"]) in base]
+  """One ratio per prompt batch (the unit of the statistics: one prompt at batch size 1): the method's tokens/s
+  over the baseline's on the same prompts, each averaged over the repeats both ran (their new tokens over their
+  seconds) before pairing. Repeats of one prompt are correlated, so they are not counted as independent pairs."""
+  totals: dict[tuple[str, int], dict[int, tuple[float, float]]] = {}
+  for r in records:
+    if r["method"] in (method, baseline):
+      totals.setdefault((r["method"], r["batch"]), {})[r["repeat"]] = (r["new_tokens"], r["seconds"])
+  ratios = []
+  for batch in dict.fromkeys(r["batch"] for r in records if r["method"] == method):
+    own, base = totals[(method, batch)], totals.get((baseline, batch), {})
+    repeats = sorted(set(own) & set(base))
+    if not repeats:
+      continue
+    rate = [sum(calls[k][0] for k in repeats) / sum(calls[k][1] for k in repeats) for calls in (own, base)]
+    ratios.append(rate[0] / rate[1])
+  return ratios
 
 
 def median_interval(values: Sequence[float], confidence: float = 0.9) -> tuple[float, float] | None:
@@ -149,8 +165,8 @@ def median_interval(values: Sequence[float], confidence: float = 0.9) -> tuple[f
 
 def category_intervals(records: Sequence[dict], method: str, baseline: str,
                        confidence: float = 0.9) -> dict[str, dict[str, Any]]:
-  """Per category: the median of the method's paired speedups (each call against the baseline's call on the same
-  batch and repeat), their number, and `median_interval`'s interval (None below 5 pairs)."""
+  """Per category: the median of the method's paired speedups (`paired_speedups`: one per prompt batch), their
+  number ("pairs"), and `median_interval`'s interval (None below 5)."""
   out = {}
   for category in dict.fromkeys(r["category"] for r in records if r["method"] == method):
     ratios = paired_speedups([r for r in records if r["category"] == category], method, baseline)
@@ -191,7 +207,7 @@ def summarize(records: Sequence[dict], methods: Sequence[str], baseline: str,
         "gamma": gamma, "adaptive": meta.get("adaptive"), "tree_nodes": meta.get("tree_nodes"),
         "tokens_per_second": tps,
         "speedup": _median(spread),  # the median paired speedup (module docstring)
-        "speedup_low": interval[0] if interval else None,  # its 90% interval (None below 5 pairs)
+        "speedup_low": interval[0] if interval else None,  # its 90% interval (None below 5 prompt batches)
         "speedup_high": interval[1] if interval else None,
         "pairs": len(spread),
         **acceptance,
@@ -409,7 +425,7 @@ def adaptive_table(summary: dict[str, Any]) -> str:
 def category_table(summary: dict[str, Any], floor: float = 0.95) -> str:
   """Per category (rows) and method (columns): the median paired speedup and its interval (`category_intervals`),
   then per method how many categories' intervals lie wholly above `floor`, contain it, or lie wholly below it.
-  Empty when no category has an interval (fewer than 5 pairs each)."""
+  Empty when no category has an interval (fewer than 5 prompt batches each)."""
   intervals = summary.get("category_intervals") or {}
   if not any(i["low"] is not None for per in intervals.values() for i in per.values()):
     return ""
@@ -422,7 +438,7 @@ def category_table(summary: dict[str, Any], floor: float = 0.95) -> str:
     bounds = f" ({i['low']:.2f}–{i['high']:.2f})" if i["low"] is not None else ""
     return f"{i['median']:.2f}{bounds}"
 
-  rows = ["| category (pairs) | " + " | ".join(methods) + " |", "|---|" + "---:|" * len(methods)]
+  rows = ["| category (prompts) | " + " | ".join(methods) + " |", "|---|" + "---:|" * len(methods)]
   for c in categories:
     pairs = max(intervals[m][c]["pairs"] for m in methods if c in intervals[m])
     rows.append(f"| {c} ({pairs}) | " + " | ".join(cell(intervals[m].get(c)) for m in methods) + " |")
@@ -669,8 +685,9 @@ def write(workdir: str, results: dict[str, Any]) -> str:
            f"top-p {config['top_p']} when sampling), batch {', '.join(batch_sizes)} (this table: the first); "
            f"jax {env['jax']} on "
            f"{env['devices']}, {env['cpu_count']} CPUs. tokens/s: median over prompt batches; speedup: the median over "
-           f"(batch, repeat) pairs of the method's tokens/s over {summary['baseline']}'s interleaved call in the same "
-           f"run, with a distribution-free 90% interval (none below 5 pairs); tokens per forward: tokens committed "
+           f"prompt batches of the method's tokens/s over {summary['baseline']}'s on the same prompts (interleaved "
+           f"calls, repeats averaged before pairing), with a distribution-free 90% interval (none below 5 batches); "
+           f"tokens per forward: tokens committed "
            f"per target forward (bonus included); alpha: accepted / tested drafts (Leviathan's α); from drafts: the "
            f"share of new tokens that were accepted drafts (below {FEW_DRAFTS:.0%} the speedup says so: such a "
            f"method decodes as {summary['baseline']} does); compile s: compiling the program for the first (warmup) "

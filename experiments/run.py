@@ -15,9 +15,11 @@ Timing, so that the comparison is fair on a noisy shared machine:
   * a timed call that compiled (a new prompt-length bucket; specjax logs "compiling ... for a new shape
     bucket" while it does) is run again and only the rerun counts;
   * tokens/s is the median over batches, speedup is relative to the autoregressive baseline of this run;
-    per category, the paired speedups (each call against the baseline's call in the same batch and repeat) get
-    a distribution-free interval for their median (experiments/report.py), with several prompts a category
-    and repeats the only way to resolve a few percent on a shared machine.
+    the paired speedups (per prompt batch, the method's tokens/s over the baseline's, repeats averaged before
+    pairing) get a distribution-free interval for their median (experiments/report.py), overall and per category,
+    with several prompts a category the only way to resolve a few percent on a shared machine;
+  * the control (`config.control`): autoregressive decoding again, timed as one more method: its speedup, 1.00x
+    but for the machine, shows the measurement floor beside every other method's.
 Resuming: each prompt batch's calls (and each warmup) are appended to the workdir's progress.jsonl as they finish.
 The same command started again with the same workdir, after a kill or a stop, skips what the log holds and goes on
 where it stopped, provided the config, the code (experiments/cli.code_digest: the specjax package with its shipped
@@ -108,6 +110,7 @@ distributed.define_flags()  # --coordinator_address, --num_processes, --process_
 METHOD_KEYS = {"name", "drafter", "peer", "options", "gamma", "adaptive", "needs", "skip_set", "tree_nodes",
                "checkpoint"}
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # skip sets' paths start here
+CONTROL = report.CONTROL
 PROGRESS = "progress.jsonl"  # a workdir's log of the prompt batches a run finished (see `run`)
 
 
@@ -166,6 +169,10 @@ def check_methods(config: ml_collections.ConfigDict) -> list[dict]:
   if unknown:
     raise ValueError(f"config.only names unknown methods {unknown}; methods: {names}")
   chosen = [baselines[0]] + [s for s in specs if s is not baselines[0] and (not only or s["name"] in only)]
+  if config.get("control", False):
+    if CONTROL in names:
+      raise ValueError(f"config.control adds a method named {CONTROL!r}; a method of config.methods has that name")
+    chosen.insert(1, {"name": CONTROL})  # the baseline's decoding, timed as a method (the measurement floor)
   for spec in chosen:
     if not spec.get("peer"):
       adaptive_drafting(spec.get("adaptive", config.get("adaptive", True)), spec["name"])

@@ -153,7 +153,8 @@ def test_config_builds_a_run_that_checks_out_without_running(module, arg, prompt
   assert len(spec_bench.select(spec_bench.load_questions(), **config.prompts.to_dict())) == prompts
   assert config.max_new_tokens == max_new_tokens
   assert dict(config.methods[0]) == {"name": "autoregressive"}
-  assert [m["name"] for m in run.check_methods(config)] == [m["name"] for m in config.methods]
+  names = [m["name"] for m in config.methods]
+  assert [m["name"] for m in run.check_methods(config)] == names[:1] + [run.CONTROL] * config.control + names[1:]
 
 
 @pytest.mark.parametrize("module, arg, message", [
@@ -264,9 +265,9 @@ def test_compare_drafters_leaves_out_exactly_the_unshipped_checkpoints(smollm2):
   assert run.missing_checkpoints([dict(m) for m in config.methods], smollm2) == expected
   config.only = "prompt_lookup,layer_skip_trained_exit,draft_model,layer_skip_best_set"
   methods = run.make_methods(config, smollm2)
-  assert [m.name for m in methods] == ["autoregressive", "prompt_lookup", "layer_skip_best_set"] + [
+  assert [m.name for m in methods] == ["autoregressive", run.CONTROL, "prompt_lookup", "layer_skip_best_set"] + [
       n for n in ("layer_skip_trained_exit", "draft_model") if n not in expected]
-  assert methods[2].gamma == 2 and methods[2].drafter.options.layers == tuple(i for i in range(30) if i != 12)
+  assert methods[3].gamma == 2 and methods[3].drafter.options.layers == tuple(i for i in range(30) if i != 12)
 
 
 def test_gamma_sweep_runs_each_drafter_at_each_gamma_up_to_its_limit(tiny_chat):
@@ -418,28 +419,43 @@ def test_median_interval_covers_the_median_at_its_confidence():
   assert 0.02 < misses / 2000 < 0.1
 
 
-def test_category_intervals_pair_each_call_with_the_baselines_call():
-  records = [{"method": m, "batch": b, "repeat": k, "category": "qa" if b < 2 else "rag",
-              "tokens_per_second": (10.0 if m == "ar" else 10.0 * (1 + 0.1 * b + 0.01 * k)),
-              "new_tokens": 64, "target_calls": 64, "mean_accepted": 1.0, "compile_call_seconds": None}
-             for b in range(3) for k in range(3) for m in ("ar", "pld")]
-  for r in records:
-    r["seconds"] = r["new_tokens"] / r["tokens_per_second"]
+def test_paired_speedups_average_the_repeats_of_a_prompt_before_pairing():
+  # Repeat k runs 5% faster for every method (a drift of the machine); the method is 1 + 0.1 b times the baseline on
+  # batch b. Each batch gives one ratio, its repeats pooled: 7 prompts, not 21 correlated pairs.
+  records = []
+  for b in range(7):
+    for k in range(3):
+      base_seconds = 6.4 / (1 + 0.05 * k)
+      for m, seconds in (("ar", base_seconds), ("pld", base_seconds / (1 + 0.1 * b))):
+        records.append({"method": m, "batch": b, "repeat": k, "category": "qa" if b < 5 else "rag", "seconds": seconds,
+                        "new_tokens": 64, "tokens_per_second": 64 / seconds, "target_calls": 64, "mean_accepted": 1.0,
+                        "compile_call_seconds": None})
+  records.remove(next(r for r in records if (r["method"], r["batch"], r["repeat"]) == ("ar", 0, 2)))
+  records[-1]["seconds"] *= 2  # the method's last call (batch 6, repeat 2) twice as slow: its batch pools 3 calls
+  ratios = report.paired_speedups(records, "pld", "ar")
+  assert len(ratios) == 7
+  assert ratios[:6] == pytest.approx([1.0, 1.1, 1.2, 1.3, 1.4, 1.5])  # batch 0 pairs repeats 0 and 1 only
+  seconds = [6.4 / (1 + 0.05 * k) / 1.6 for k in range(3)]
+  seconds[2] *= 2
+  assert ratios[6] == pytest.approx(sum(6.4 / (1 + 0.05 * k) for k in range(3)) / sum(seconds))
   intervals = report.category_intervals(records, "pld", "ar")
-  assert intervals["qa"]["pairs"] == 6 and intervals["qa"]["median"] == pytest.approx(1.06)
-  assert (intervals["qa"]["low"], intervals["qa"]["high"]) == pytest.approx((1.0, 1.12))  # 6 pairs: min and max
-  assert intervals["rag"]["pairs"] == 3 and intervals["rag"]["low"] is None  # too few pairs for 90%
+  assert intervals["qa"]["pairs"] == 5 and intervals["qa"]["median"] == pytest.approx(1.2)
+  assert (intervals["qa"]["low"], intervals["qa"]["high"]) == pytest.approx((1.0, 1.4))  # 5 prompts: min and max
+  assert intervals["rag"]["pairs"] == 2 and intervals["rag"]["low"] is None  # too few prompts for 90%
   summary = report.summarize(records, ["ar", "pld"], "ar", {}, {})
   assert summary["category_intervals"] == {"pld": intervals}
+  assert summary["methods"]["pld"]["pairs"] == 7 and summary["methods"]["pld"]["speedup"] == np.median(ratios)
   table = report.category_table(summary).splitlines()
-  assert table[2] == "| qa (6) | 1.06 (1.00–1.12) |" and table[3] == "| rag (3) | 1.21 |"
+  assert table[2] == "| qa (5) | 1.20 (1.00–1.40) |" and table[3] == f"| rag (2) | {np.median(ratios[5:]):.2f} |"
   assert table[-1] == "| above / containing / below 0.95x | 1 / 0 / 0 |"
   summary["category_intervals"]["pld"].pop("qa")
   assert report.category_table(summary) == ""  # no category with an interval
 
 
 def _config(**overrides) -> ml_collections.ConfigDict:
+  """The quickstart's config with `overrides`, without the control unless they ask for it."""
   config = quickstart.get_config()
+  config.control = False
   config.update(overrides)
   return config
 
@@ -451,6 +467,15 @@ def test_make_methods_puts_the_baseline_first_and_honours_only(tiny_chat):
   assert [m.name for m in methods] == ["ar", "pld"]
   assert methods[0].drafter is None and methods[1].drafter.name == "prompt_lookup"
   assert methods[1].gamma == config.gamma
+
+
+def test_the_control_decodes_as_the_baseline_right_after_it(tiny_chat):
+  config = _config(methods=({"name": "ar"}, {"name": "pld", "drafter": "prompt_lookup"}), control=True, only="pld")
+  methods = run.make_methods(config, tiny_chat)
+  assert [m.name for m in methods] == ["ar", run.CONTROL, "pld"] and methods[1].drafter is None
+  assert [m.name for m in run.make_methods(_config(methods=config.methods, control=False), tiny_chat)] == ["ar", "pld"]
+  with pytest.raises(ValueError, match="adds a method named 'control'"):
+    run.check_methods(_config(methods=({"name": "ar"}, {"name": "control", "drafter": "prompt_lookup"}), control=True))
 
 
 def test_make_methods_builds_adaptive_drafting_from_a_methods_options(tiny_chat):
@@ -527,7 +552,7 @@ def test_batches_never_mix_categories():
 @pytest.mark.slow
 def test_run_writes_results_table_and_plots(smollm2, tmp_path):
   # qa and writing prompts fall into one length bucket: one compilation per method.
-  config = _config(max_new_tokens=8, repeats=2, only="prompt_lookup")
+  config = _config(max_new_tokens=8, repeats=2, only="prompt_lookup", control=True)
   config.costs.enabled = False  # measured on a tiny model below
   config.prompts.categories = ("qa", "writing")
   results = run.run(config, str(tmp_path), model=smollm2, name="test")
@@ -537,31 +562,35 @@ def test_run_writes_results_table_and_plots(smollm2, tmp_path):
   assert saved["config"]["max_new_tokens"] == 8
   assert saved["environment"]["cpu_count"] == os.cpu_count()
   summary = saved["summary"]["methods"]
-  assert list(summary) == ["autoregressive", "prompt_lookup"]
-  assert all(s["lossless"] is True and s["compile_seconds"] > 0 for s in summary.values())
+  assert list(summary) == ["autoregressive", run.CONTROL, "prompt_lookup"]
+  assert all(s["lossless"] is True for s in summary.values())
+  assert summary["autoregressive"]["compile_seconds"] > 0 and summary["prompt_lookup"]["compile_seconds"] > 0
+  assert summary[run.CONTROL]["mean_accepted"] == 1 and summary[run.CONTROL]["speedup"] > 0
   # tokens/s: per batch, median tokens over median seconds of its repeats; then the median over batches.
   for method, s in summary.items():
     rates = [np.median([r["new_tokens"] for r in saved["records"] if (r["method"], r["batch"]) == (method, b)])
              / np.median([r["seconds"] for r in saved["records"] if (r["method"], r["batch"]) == (method, b)])
              for b in (0, 1)]
     assert s["tokens_per_second"] == pytest.approx(np.median(rates))
-  # The speedup is the median of paired speedups (each call over the baseline's call on its batch and repeat).
-  pairs = {(r["batch"], r["repeat"]): r["tokens_per_second"] for r in saved["records"]
-           if r["method"] == "autoregressive"}
-  ratios = [r["tokens_per_second"] / pairs[r["batch"], r["repeat"]] for r in saved["records"]
-            if r["method"] == "prompt_lookup"]
+  # The speedup is the median over batches of paired speedups, each batch's repeats pooled before pairing.
+  def rate(method, batch):
+    calls = [r for r in saved["records"] if (r["method"], r["batch"]) == (method, batch)]
+    return sum(r["new_tokens"] for r in calls) / sum(r["seconds"] for r in calls)
+
+  ratios = [rate("prompt_lookup", b) / rate("autoregressive", b) for b in (0, 1)]
   assert summary["prompt_lookup"]["speedup"] == pytest.approx(np.median(ratios))
-  assert summary["prompt_lookup"]["pairs"] == 4 and summary["prompt_lookup"]["speedup_low"] is None  # < 5 pairs
+  assert summary["prompt_lookup"]["pairs"] == 2 and summary["prompt_lookup"]["speedup_low"] is None  # < 5 prompts
   accepted = sum(sum(r["accepted_per_row"]) for r in saved["records"] if r["method"] == "prompt_lookup")
   new_tokens = sum(sum(r["new_tokens_per_row"]) for r in saved["records"] if r["method"] == "prompt_lookup")
   assert summary["prompt_lookup"]["draft_share"] == pytest.approx(accepted / new_tokens)
   assert summary["prompt_lookup"]["acceptance_rate"] is not None
   assert set(saved["summary"]["speedup_by_category"]["prompt_lookup"]) == {"qa", "writing"}
-  # 2 batches x 2 repeats x 2 methods, interleaved per batch, the second repeat starting with the second method.
+  # 2 batches x 2 repeats x 3 methods, interleaved per batch, the second repeat starting with the second method.
   assert [(r["batch"], r["repeat"], r["method"]) for r in saved["records"]] == [
       (b, k, m) for b in (0, 1) for k in range(2)
-      for m in (("autoregressive", "prompt_lookup") if k == 0 else ("prompt_lookup", "autoregressive"))]
-  assert len(saved["outputs"]) == 4
+      for m in (("autoregressive", run.CONTROL, "prompt_lookup") if k == 0
+                else (run.CONTROL, "prompt_lookup", "autoregressive"))]
+  assert len(saved["outputs"]) == 6
   assert all(o["matches_baseline"] and 0 < o["new_tokens"] <= 8 for o in saved["outputs"])
   # Slots no round drafted have NaN acceptance, written as null (JSON has no NaN).
   assert report.json_safe(results["summary"]) == saved["summary"]
@@ -629,6 +658,7 @@ TINY_METHODS = (
 
 def _tiny_config(**overrides) -> ml_collections.ConfigDict:
   config = compare_drafters.get_config("small")
+  config.control = False
   config.update(dict(max_new_tokens=12, methods=TINY_METHODS, warmup=False, gamma=3))  # one verification shape
   config.prompts.categories = ("qa", "writing")
   config.costs.repeats = 1
@@ -652,7 +682,8 @@ def test_a_tree_method_is_projected_from_its_compiled_round_though_its_cpu_costs
 
 
 def test_run_reports_costs_prediction_efficiency_and_projection(tiny_chat, tmp_path, monkeypatch):
-  config = _tiny_config(repeats=5)
+  config = _tiny_config(repeats=1)
+  config.prompts.categories, config.prompts.per_category = ("qa",), 5
   config.costs.repeats = 3  # a tiny model's step is ~1 ms: a median of three keeps the load from flipping a sign
   # The accelerator projection's costs file, as compiled: the heads at this run's gamma, the exit at another.
   compiled = {"heads": {"gamma": 3, "draft_cost": 0.02, "verify_cost": 1.1, "update_cost": 0.01, "source": "f"},
@@ -674,7 +705,7 @@ def test_run_reports_costs_prediction_efficiency_and_projection(tiny_chat, tmp_p
     assert s["alpha"] == pytest.approx(accepted / (accepted + rejections))  # pooled over calls, not a median
     assert len(s["acceptance_per_position"]) == s["gamma"]
     assert all(a >= b for a, b in zip(s["acceptance_per_position"], s["acceptance_per_position"][1:]))
-    assert s["pairs"] == 10 and s["speedup_low"] <= s["speedup"] <= s["speedup_high"]  # 2 batches x 5 repeats
+    assert s["pairs"] == 5 and s["speedup_low"] <= s["speedup"] <= s["speedup_high"]  # 5 prompts
     # Prompt lookup's draft is an n-gram search, ~0 of a target step: timing noise can put it either side of 0.
     assert (math.isfinite(s["draft_cost"]) if name == "prompt_lookup" else s["draft_cost"] > 0)
     assert s["verify_cost"] > 0 and 0 < s["draft_cost_bytes"] and s["verify_cost_bytes"] >= 1
@@ -695,11 +726,11 @@ def test_run_reports_costs_prediction_efficiency_and_projection(tiny_chat, tmp_p
   assert summary["roofline_fraction"] == pytest.approx(
       costs["target_step_bytes"] / costs["target_seconds"]["1"] / costs["read_bandwidth"])
   assert 0 < summary["roofline_fraction"] < 10  # a tiny model's step is per-call overhead, far from the roofline
-  # Five repeats of one prompt a category: five pairs each, the smallest sample with a 90% interval (min, max).
+  # Five prompts: the smallest sample with a 90% interval (min, max).
   intervals = summary["category_intervals"]
   assert set(intervals) == {"prompt_lookup", "exit2", "heads"}
   for name, per in intervals.items():
-    assert set(per) == {"qa", "writing"}
+    assert set(per) == {"qa"}
     for category, i in per.items():
       ratios = report.paired_speedups([r for r in saved["records"] if r["category"] == category], name,
                                       "autoregressive")

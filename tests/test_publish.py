@@ -143,9 +143,9 @@ def test_code_changes_are_listed_beside_the_runs_they_concern():
   assert not _run("later", "2026-12-03 13:00", {"draft_model": [1]}).concerned_by(change)
 
 
-def test_a_speedup_cell_gives_the_median_and_its_interval_or_the_pairs():
+def test_a_speedup_cell_gives_the_median_and_its_interval_or_the_prompts():
   assert publish.speedup_cell([1.0, 1.1, 1.2, 0.9, 1.05, 0.95, 1.15]) == "1.05x (0.90–1.20)"  # x_(1), x_(7)
-  assert publish.speedup_cell([1.0, 1.2, 0.9]) == "1.00x (3 pairs)"
+  assert publish.speedup_cell([1.0, 1.2, 0.9]) == "1.00x (3 prompts)"
 
 
 def test_the_accelerator_projection_of_the_results_is_the_compile_runs_own():
@@ -197,10 +197,12 @@ def _train_budget(*runs: dict) -> publish.Run:
 def _timed_run(name: str, config: str, speeds: dict[str, list[float]], adaptive: bool,
                summary: dict[str, dict] | None = None) -> publish.Run:
   """A run of `config` whose records give each method the tokens/s of `speeds` in batches 0, 1, ... (one repeat)."""
-  records = [{"method": m, "batch": b, "repeat": 0, "tokens_per_second": v, "question_ids": [b],
+  records = [{"method": m, "batch": b, "repeat": 0, "tokens_per_second": v, "new_tokens": v, "seconds": 1.0,
+              "question_ids": [b],
               "category": "qa"} for m, vs in speeds.items() for b, v in enumerate(vs)]
   results = {"name": config, "environment": {"cpu_count": 2},
-             "config": {"adaptive": adaptive, "methods": [_spec(m) for m in speeds if m != "ar"] + [{"name": "ar"}]},
+             "config": {"adaptive": adaptive, "model": "smollm2-135m", "dtype": "float32",
+                        "methods": [_spec(m) for m in speeds if m != "ar"] + [{"name": "ar"}]},
              "summary": {"baseline": "ar", "all_lossless": True,
                          "methods": {m: (summary or {}).get(m, {}) for m in speeds}},
              "prompts": [{"question_id": b, "category": "qa"} for b in range(len(speeds["ar"]))], "records": records}
@@ -208,11 +210,15 @@ def _timed_run(name: str, config: str, speeds: dict[str, list[float]], adaptive:
                      commit="abc1234", results=results, backend="cpu")
 
 
-def test_the_answer_names_the_winner_at_one_budget_by_paired_speedups_and_ranks_the_projection(monkeypatch):
+def test_the_answer_names_the_fastest_method_the_fastest_trained_drafter_and_why(monkeypatch):
   ar = [10.0] * 7
+  costs_of = {"budget_parallel": {"mean_accepted": 1.2, "gamma": 4, "draft_cost": 0.01, "verify_cost": 1.2},
+              "budget_sequential": {"mean_accepted": 1.5, "gamma": 4, "draft_cost": 0.05, "verify_cost": 1.2},
+              "prompt_lookup": {"mean_accepted": 1.6, "gamma": 4, "draft_cost": -0.001, "verify_cost": 1.2}}
   adaptive = _timed_run("budget-adaptive", "compare_drafters-budget,adaptive",
                         {"ar": ar, "budget_parallel": [12.0, 12, 12, 12, 12, 12, 11],
-                         "budget_sequential": [13.0, 14, 13, 14, 13, 14, 13], "prompt_lookup": [20.0] * 7}, True)
+                         "budget_sequential": [13.0, 14, 13, 14, 13, 14, 13], "prompt_lookup": [20.0] * 7}, True,
+                        summary=costs_of)
   fixed = _timed_run("budget", "compare_drafters-budget", {"ar": ar, "budget_parallel": ar, "budget_sequential": ar},
                      False, summary={"budget_parallel": {"gamma": 4, "mean_accepted": 2.0},
                                      "budget_sequential": {"gamma": 4, "mean_accepted": 2.1}})
@@ -221,20 +227,45 @@ def test_the_answer_names_the_winner_at_one_budget_by_paired_speedups_and_ranks_
                "source": "f (m, t)"} for m, d in [("budget_parallel", 0.01), ("budget_sequential", 0.2)]}
   monkeypatch.setattr(publish.projection, "read", lambda: costs)
   text = publish.readme_answer_block(_runs(adaptive, fixed, train_budget), "results/")
-  # Prompt lookup is faster but not a family trained on the budget; the sequential module wins, paired 13/12 .. 14/12.
+  # Prompt lookup is the fastest method; of the families trained on the budget the sequential module wins, paired
+  # 13/12 .. 14/12 over the heads and 13/20 .. 14/20 against prompt lookup.
   assert text.startswith(
-      "Trained on one budget (1.50M training positions each), the sequential MTP module is the fastest of the 2 "
-      "drafters trained on it with adaptive drafting on 2 CPU cores: its median paired speedup, with its 90% interval, "
-      "is 1.30x (1.30–1.40) over autoregressive decoding and 1.17x (1.08–1.18) over the runner-up, the parallel MTP "
-      "heads at 1.20x (1.10–1.20) (7 pairs each; [`budget-adaptive`](results/budget-adaptive/RUN.md) at commit "
-      "abc1234).")
+      "**SmolLM2-135M** (float32, adaptive drafting, 2 CPU cores; 7 prompts each; "
+      "[`budget-adaptive`](results/budget-adaptive/RUN.md) at commit abc1234; every output equal to autoregressive "
+      "decoding's): the fastest method is prompt lookup at 2.00x (2.00–2.00) over autoregressive decoding, untrained; "
+      "the fastest of the 2 drafters trained on one budget (1.50M training positions each) is the sequential MTP "
+      "module at 1.30x (1.30–1.40), 0.65x (0.65–0.70) against prompt lookup and 1.17x (1.08–1.18) over the runner-up, "
+      "the parallel MTP heads at 1.20x (1.10–1.20). Why, in this run's numbers: the LM head is 21% of the weights a "
+      "target step reads;")
+  # A timing below zero for a free draft shows as 0.000; each drafter's tokens per forward beside its costs.
+  assert ("prompt lookup c = 0.000, r = 1.20 at γ = 4, 1.60 tokens per forward; the sequential MTP module c = 0.050, "
+          "r = 1.20 at γ = 4, 1.50 tokens per forward.") in text
   # Projected: 2.0 / (4 x 0.01 + 1) = 1.92 for the heads, 2.1 / (4 x 0.2 + 1) = 1.17 for the module.
-  assert text.endswith("the ranking puts the parallel MTP heads first at 1.92x and the sequential MTP module second "
-                       "at 1.17x.")
+  assert text.endswith("the ranking of the trained drafters puts the parallel MTP heads first at 1.92x and the "
+                       "sequential MTP module second at 1.17x.")
   assert "of the fixed-γ run [`budget`](results/budget/RUN.md)" in text
   with pytest.raises(ValueError, match="needs two families"):
     publish.readme_answer_block(_runs(_timed_run("budget-adaptive", "compare_drafters-budget,adaptive",
                                                  {"ar": ar, "budget_parallel": ar}, True), fixed, train_budget), "")
+
+
+def test_the_answer_gives_the_control_and_a_trained_winner_its_own_sentence(monkeypatch):
+  ar = [10.0] * 5
+  summary = {m: {"mean_accepted": 1.5, "gamma": 4} for m in ("budget_parallel", "budget_sequential", "prompt_lookup")}
+  adaptive = _timed_run("budget-adaptive", "compare_drafters-budget,adaptive",
+                        {"ar": ar, "control": [9.8, 10.0, 10.1, 10.2, 9.9], "budget_parallel": [12.0] * 5,
+                         "budget_sequential": [14.0] * 5, "prompt_lookup": [11.0] * 5}, True, summary=summary)
+  adaptive.results["config"]["control"] = True
+  adaptive.results["config"]["methods"].remove({"name": "control", "drafter": "control"})
+  train_budget = _train_budget({"name": "parallel", "positions": 1500822}, {"name": "sequential", "positions": 1500822})
+  monkeypatch.setattr(publish.projection, "read", lambda: {})
+  text = publish.readme_answer_block(_runs(adaptive, _timed_run("budget", "compare_drafters-budget", {"ar": ar}, False),
+                                           train_budget), "")
+  assert ("the fastest method is a trained drafter, the sequential MTP module at 1.40x (1.40–1.40) over autoregressive "
+          "decoding, and 1.17x (1.17–1.17) over the runner-up of the 2 trained on one budget (1.50M training positions "
+          "each), the parallel MTP heads at 1.20x (1.20–1.20); untrained, prompt lookup at 1.10x (1.10–1.10); the "
+          "never-drafting control, the measurement floor, at 1.00x (0.98–1.02).") in text
+  assert "prompt lookup 1.50 tokens per forward" in text  # no costs measured: tokens per forward only
 
 
 def test_a_method_is_matched_to_the_training_run_whose_export_it_drafted_with():
