@@ -38,6 +38,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -59,6 +63,18 @@ inline vf Load(const float* p) {
 }
 
 inline void Store(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+
+// acc + a * b. The file is compiled with multiply-adds unfused (kernels.py: _FLAGS), so that a result does not depend
+// on how the compiler contracted each instantiation; this one is fused explicitly wherever the host has FMA.
+inline vf Fma(vf a, vf b, vf acc) {
+#if defined(__AVX512F__)
+  return _mm512_fmadd_ps(a, b, acc);
+#elif defined(__FMA__)
+  return _mm256_fmadd_ps(a, b, acc);
+#else
+  return acc + a * b;
+#endif
+}
 
 // Weights are float32 or bfloat16 (the top 16 bits of a float32: widening is a shift).
 typedef uint16_t vu16 __attribute__((vector_size(2 * kLanes)));
@@ -93,13 +109,10 @@ constexpr int kNarrowVecs = kLanes == 16 ? kVecs : 2;
 constexpr int kNarrowRows = kLanes == 16 ? 8 : 6;  // rows of a block over kNarrowVecs vectors
 
 // MR rows x NV vectors of out (columns kLanes * NV from `wp`'s first), over all K; wp points into one panel,
-// [K, kPanel] contiguous, so its rows are kPanel apart. Its one multiply-add is fused (an FMA) in every
-// instantiation, where the rest of the file is compiled unfused (kernels.py: _FLAGS): unfused, 5 rows ran at
-// two thirds of the speed on an AVX2 host. (GCC's attribute; Clang ignores it and leaves the block unfused.)
+// [K, kPanel] contiguous, so its rows are kPanel apart. Its multiply-add is fused (`Fma`): unfused, 5 rows ran at two
+// thirds of the speed on an AVX2 host.
 template <typename W, int MR, int NV>
-__attribute__((optimize("fp-contract=fast"))) void PanelBlock(const float* __restrict x, int64_t K,
-                                                              const W* __restrict wp, float* __restrict out,
-                                                              int64_t ldo) {
+void PanelBlock(const float* __restrict x, int64_t K, const W* __restrict wp, float* __restrict out, int64_t ldo) {
   vf acc[MR][NV];
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < NV; ++j) acc[m][j] = vf{};
@@ -111,8 +124,8 @@ __attribute__((optimize("fp-contract=fast"))) void PanelBlock(const float* __res
     vf wv[NV];
     for (int j = 0; j < NV; ++j) wv[j] = LoadW(row + kLanes * j);
     for (int m = 0; m < MR; ++m) {
-      const float xv = x[m * K + k];
-      for (int j = 0; j < NV; ++j) acc[m][j] += xv * wv[j];
+      const vf xv = vf{} + x[m * K + k];
+      for (int j = 0; j < NV; ++j) acc[m][j] = Fma(xv, wv[j], acc[m][j]);
     }
   }
   for (int m = 0; m < MR; ++m)
@@ -141,14 +154,15 @@ void Panels(const float* x, int64_t M, int64_t K, const W* w, float* out, int64_
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t mr = (M - m0) / (groups - g);
         float* o = out + m0 * N + b * kPanel + kLanes * v0;
+        const auto block = [&](auto vecs) {
+          WithConstant<1, 2, 3, 4, 5, 6, 7, 8>(mr, [&](auto rows) {
+            PanelBlock<W, decltype(rows)::value, decltype(vecs)::value>(x + m0 * K, K, wp, o, N);
+          });
+        };
         if (wide) {
-          WithConstant<1, 2, 3, 4, 5, 6, 7, 8>(mr, [&](auto rows) {
-            PanelBlock<W, decltype(rows)::value, kVecs>(x + m0 * K, K, wp, o, N);
-          });
+          block(std::integral_constant<int, kVecs>{});
         } else {
-          WithConstant<1, 2, 3, 4, 5, 6, 7, 8>(mr, [&](auto rows) {
-            PanelBlock<W, decltype(rows)::value, kNarrowVecs>(x + m0 * K, K, wp, o, N);
-          });
+          block(std::integral_constant<int, kNarrowVecs>{});
         }
         m0 += mr;
       }

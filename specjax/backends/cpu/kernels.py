@@ -94,7 +94,8 @@ def _cpu_key() -> str:
 
 # -ffp-contract=off: a multiply-add is fused into an FMA wherever the compiler chooses, which differs between the
 # kernels' instantiations for different row and query counts on an AVX2 host (a query's attention output then moved
-# by an ulp with the other queries of its call); unfused, an element's arithmetic is the same in every one.
+# by an ulp with the other queries of its call); unfused, an element's arithmetic is the same in every one. The
+# product's block fuses its multiply-add explicitly (kernels.cc: Fma), the same in every instantiation.
 _FLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
 
 
