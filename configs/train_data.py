@@ -53,8 +53,10 @@ def get_config(arg=None):
   config.regenerate_temperature = 0.0
   config.regenerate_seed = 0
   # Where the answers files (<split>.answers.npz: the answers' token ids, `experiments/regenerate.py`) are kept;
-  # empty: the workdir. A rebuild finds the answers there and runs one forward over them instead of decoding.
-  config.answers_dir = ""
+  # empty: the workdir. A rebuild finds the answers there and runs one forward over them instead of decoding. The
+  # target's greedy answers are kept in the repository, so a rebuild (or the `exits` variant) decodes only the prompts
+  # they do not cover; the `small` check decodes its few answers itself, into its workdir.
+  config.answers_dir = (f"data/answers/{config.model}" if config.regenerate and "small" not in variants else "")
 
   config.feature_layers = (2, 15, 27, 29)  # specjax.data.features.default_feature_layers(30); () for the default
   if "exits" in variants:
@@ -66,9 +68,6 @@ def get_config(arg=None):
   config.token_map_sizes = (4096, 8192, 16384, 32768)  # truncated draft vocabularies to report coverage for
 
   if config.regenerate:
-    # The target's greedy answers are kept in the repository: a rebuild (or the `exits` variant) decodes only the
-    # prompts they do not cover.
-    config.answers_dir = f"data/answers/{config.model}"
     # 62.5% of the train side's conversations give a prompt, answered with ~143 tokens at seq_len 256 (64
     # prompts): past the 887k answer positions of the largest cache of ShareGPT's own answers even if the mean
     # answer is 17% shorter.
@@ -79,5 +78,4 @@ def get_config(arg=None):
   if "small" in variants:
     config.num_train = 24
     config.num_held_out = 8
-    config.answers_dir = ""  # the check decodes its few answers itself, into its workdir
   return config

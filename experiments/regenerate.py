@@ -41,14 +41,14 @@ def prompt_key(prompt: Sequence[int]) -> int:
   return int.from_bytes(hashlib.sha256(np.asarray(prompt, np.int32).tobytes()).digest()[:8], "little")
 
 
-def answers_identity(model: Model, prompts: Sequence[Sequence[int]], seq_len: int, generation: dict[str, Any],
+def answers_identity(model: Model, prompts_digest: str, seq_len: int, generation: dict[str, Any],
                      batch_size: int) -> dict[str, Any]:
   """What must agree for an answers file to serve these prompts: the target, seq_len and the generation; a sampled
   answer also depends on its batch (its PRNG key), so sampled answers serve the same prompts in the same batches
-  only. Greedy answers serve any prompts they cover."""
+  only. Greedy answers serve any prompts they cover. `prompts_digest`: the prompts' `prompts_fingerprint`."""
   sampled = bool(generation["temperature"])
   return {"model": model.name, "params_fingerprint": features.params_fingerprint(model), "seq_len": seq_len,
-          "generation": generation, "prompts_fingerprint": prompts_fingerprint(prompts) if sampled else None,
+          "generation": generation, "prompts_fingerprint": prompts_digest if sampled else None,
           "batch_size": batch_size if sampled else None}
 
 
@@ -123,10 +123,11 @@ def build_regenerated_cache(model: Model, prompts: Sequence[Sequence[int]], out_
     stop_ids = model.tokenizer.stop_ids if model.tokenizer else ()
   stop_ids = sorted(int(i) for i in stop_ids)
   generation = {"temperature": float(temperature), "seed": int(seed) if temperature else None, "stop_ids": stop_ids}
+  digest = prompts_fingerprint(prompts)
   meta = features.cache_meta(model, seq_len, feature_layers, top_k, dtype, len(prompts), batch_size, 1, source,
-                             stop_ids, prompts_fingerprint=prompts_fingerprint(prompts), generation=generation)
+                             stop_ids, prompts_fingerprint=digest, generation=generation)
   record = RecordSpec(feature_layers=feature_layers, top_k=top_k, length=seq_len, dtype=dtype)
-  identity = answers_identity(model, prompts, seq_len, generation, batch_size)
+  identity = answers_identity(model, digest, seq_len, generation, batch_size)
   answers = load_answers(answers_path, identity) if answers_path and os.path.exists(answers_path) else {}
   keys = [prompt_key(prompt) for prompt in prompts]
 

@@ -369,7 +369,7 @@ def test_an_answers_file_lets_a_rebuild_run_one_forward_instead_of_decoding(tiny
   _regenerate(tiny, more, tmp_path / "more", answers_path=str(answers), batch_size=3)
   assert calls == [3]
   kept = regenerate.load_answers(str(answers), regenerate.answers_identity(
-      tiny, more, SEQ_LEN, {"temperature": 0.0, "seed": None, "stop_ids": [3]}, 3))
+      tiny, regenerate.prompts_fingerprint(more), SEQ_LEN, {"temperature": 0.0, "seed": None, "stop_ids": [3]}, 3))
   assert len(kept) == len(more)
   # Another generation's answers are refused by name; a damaged file says what to do.
   with pytest.raises(CheckpointError, match="holds other answers: generation"):
