@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import difflib
+import functools
 import json
 import pathlib
 import re
@@ -34,7 +35,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from absl import app, flags
 
-from experiments import curves, projection, report
+from experiments import cli, curves, projection, report
 from specjax.config import shaped_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -201,10 +202,47 @@ class Run:
   def date(self) -> str:
     return self.started.strftime("%Y-%m-%d %H:%M" if self.started.time() != datetime.time() else "%Y-%m-%d")
 
+  def checkpoints_used(self) -> list[str]:
+    """The checkpoint files the run's methods decoded with, by path from the repository's root: those they name and
+    the shipped ones they draft with (`drafts_with_shipped`)."""
+    if not self.timed:
+      return []
+    model = self.results["config"].get("model")
+    paths = set()
+    for m in self.methods():
+      spec = self.method_spec(m)
+      if spec.get("checkpoint"):
+        paths.add(spec["checkpoint"])
+      paths.update(f"specjax/checkpoints/{model}/{c}.safetensors" for c in SHIPPED if drafts_with_shipped(spec, c))
+    return sorted(paths)
+
+  def checkpoints_text(self, root: pathlib.Path) -> str:
+    """Whether the checkpoints the run decoded with are the files in the checkout: "as decoded", "changed since: ..."
+    (the sha256 its results.json recorded differs), "not in the checkout: ...", "not recorded" (a run from before
+    results.json kept them), or "–" (none)."""
+    used = self.checkpoints_used()
+    if not used:
+      return "–"
+    recorded = (self.results.get("fingerprint") or {}).get("checkpoints")
+    if recorded is None:
+      return "not recorded"
+    now = {path: _file_digest(root / path) for path in used}
+    changed = [p for p in used if now[p] is not None and recorded.get(p) != now[p]]
+    absent = [p for p in used if now[p] is None]
+    parts = ([f"changed since: {', '.join(changed)}"] if changed else []) + (
+        [f"not in the checkout: {', '.join(absent)}"] if absent else [])
+    return "; ".join(parts) or "as decoded"
+
+
+@functools.cache
+def _file_digest(path: pathlib.Path) -> str | None:
+  return cli.file_digest(str(path))
+
 
 # Drafters that draft with their shipped checkpoint unless a method gives them another (configs/common.py's methods
 # declare no `needs` for them); the other shipped checkpoints are a method's `needs`.
 SHIPPED_BY_DEFAULT = ("mtp_parallel", "mtp_sequential")
+SHIPPED = ("exit_adapter", "draft_model", "mtp_parallel", "mtp_sequential")  # specjax/checkpoints/<model>/<name>
 
 
 def drafts_with_shipped(spec: dict, checkpoint: str) -> bool:
@@ -484,9 +522,11 @@ def index(runs: Runs) -> str:
            "hand). A run is superseded once newer runs of the same config (results.json's `name`) have measured "
            "every method it measured on the same prompts, and current in part while they cover some; superseded "
            "folders live in `archive/`. *Code changed since*: the changes listed below that came after the run "
-           "and touch what it measured.", "",
-           "| folder | config | commit | date (UTC) | what it measured | status | code changed since |",
-           "|---|---|---|---|---|---|---|"]
+           "and touch what it measured. *Checkpoints*: whether the checkpoint files the run decoded with are the "
+           "ones in the checkout, by the sha256 its results.json recorded (runs before that: not recorded). A "
+           "commit ending in -dirty ran from a tree with uncommitted edits (its RUN.md says which).", "",
+           "| folder | config | commit | date (UTC) | what it measured | status | code changed since | checkpoints |",
+           "|---|---|---|---|---|---|---|---|"]
   for run in sorted(runs.values(), key=lambda r: (r.started, r.name)):
     state = status(run, runs)
     if state.superseded:
@@ -498,7 +538,7 @@ def index(runs: Runs) -> str:
       text = "current"
     changes = ", ".join(c.commit for c in CODE_CHANGES if run.concerned_by(c)) or "–"
     lines.append(f"| {_link(run, '')} | {run.config} | {run.commit or '–'} | {run.date()} | {describe(run)} | "
-                 f"{text} | {changes} |")
+                 f"{text} | {changes} | {run.checkpoints_text(runs.root)} |")
   lines += ["", "## Code changes", "", "| commit | committed (UTC) | change | concerns |", "|---|---|---|---|"]
   lines += [f"| {c.commit} | {c.committed:%Y-%m-%d %H:%M} | {c.change} | {c.concerns} |" for c in CODE_CHANGES]
   return wrap("\n".join(lines)) + "\n"

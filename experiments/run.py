@@ -378,9 +378,10 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model: specjax.Model
   # Each warmup and finished prompt batch goes into the workdir's progress log as it ends: a run stopped and started
   # again with the same workdir, config, code, checkpoints and machine (`fingerprint`) takes them from there.
   log = None
+  run_fingerprint = fingerprint(config)
   if jax.process_count() == 1:  # the processes of a multi-process run would have to agree on what to skip
     os.makedirs(workdir, exist_ok=True)
-    log = cli.ResumableLog(os.path.join(workdir, PROGRESS), {"run": fingerprint(config)})
+    log = cli.ResumableLog(os.path.join(workdir, PROGRESS), {"run": run_fingerprint})
   done = {tuple(e["key"]): e for e in (log.entries if log else [])}
   resumed = sum(1 for key in done if key[0] == "batch")
   if resumed:
@@ -450,6 +451,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model: specjax.Model
       "name": name,
       "config": config.to_dict(),
       "environment": environment(),
+      "fingerprint": run_fingerprint,
       "prompts": [{"question_id": q.question_id, "category": q.category, "prompt_tokens": len(p)}
                   for q, p in zip(questions, prompts)],
       "summary": summary,
@@ -469,12 +471,24 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model: specjax.Model
   return results
 
 
+def checkpoint_digests(config: ml_collections.ConfigDict) -> dict[str, str | None]:
+  """sha256 of every checkpoint file the run's methods may decode with, by its path from the repository's root: the
+  files its methods name and the drafters' checkpoints shipped for its model (specjax/checkpoints/<model>/); None for
+  a file that is not there."""
+  paths = [spec["checkpoint"] for spec in config.methods if spec.get("checkpoint")]
+  shipped = os.path.join("specjax", "checkpoints", str(config.model))
+  if os.path.isdir(os.path.join(REPO, shipped)):
+    paths += [os.path.join(shipped, f) for f in sorted(os.listdir(os.path.join(REPO, shipped)))
+              if f.endswith(".safetensors")]
+  return {path: cli.file_digest(os.path.join(REPO, path)) for path in paths}
+
+
 def fingerprint(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """What a run's timed calls depend on besides its prompts' order: the config, the code (cli.code_digest), the
-  checkpoint files its methods name, and the machine. A stopped run resumes only where all of these are the same."""
+  checkpoint files it may decode with (`checkpoint_digests`), and the machine. A stopped run resumes only where all of
+  these are the same; results.json keeps it, so the publication can tell a run whose checkpoints changed since."""
   env = environment()
-  checkpoints = {spec["checkpoint"]: cli.file_digest(os.path.join(REPO, spec["checkpoint"]))
-                 for spec in config.methods if spec.get("checkpoint")}
+  checkpoints = checkpoint_digests(config)
   return {"config": config.to_dict(), "code": cli.code_digest(), "checkpoints": checkpoints,
           "machine": {key: env[key] for key in ("jax", "backend", "devices", "cpu_count", "platform")}}
 

@@ -561,6 +561,9 @@ def test_run_writes_results_table_and_plots(smollm2, tmp_path):
     saved = json.load(f)
   assert saved["config"]["max_new_tokens"] == 8
   assert saved["environment"]["cpu_count"] == os.cpu_count()
+  # The checkpoints it may have decoded with, hashed: the shipped ones for its model (the publication compares them).
+  shipped = "specjax/checkpoints/smollm2-135m/mtp_sequential.safetensors"
+  assert saved["fingerprint"]["checkpoints"][shipped] == cli.file_digest(os.path.join(run.REPO, shipped))
   summary = saved["summary"]["methods"]
   assert list(summary) == ["autoregressive", run.CONTROL, "prompt_lookup"]
   assert all(s["lossless"] is True for s in summary.values())

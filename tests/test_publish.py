@@ -11,7 +11,7 @@ import shutil
 import pytest
 
 from configs import common
-from experiments import projection, publish
+from experiments import cli, projection, publish
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -344,3 +344,22 @@ def test_a_bfloat16_run_of_a_config_supersedes_none_of_its_float32_runs():
   f32, bf16 = runs["bench_peers-gemma"], runs["bench_peers-gemma-bf16"]
   assert f32.results["name"] == bf16.results["name"] and f32.config != bf16.config
   assert not publish.status(f32, runs).superseded and not publish.status(bf16, runs).superseded
+
+
+def test_the_index_says_whether_a_runs_checkpoints_are_the_files_it_decoded_with(tmp_path):
+  shipped = tmp_path / "specjax" / "checkpoints" / "smollm2-135m"
+  shipped.mkdir(parents=True)
+  (shipped / "mtp_sequential.safetensors").write_bytes(b"module")
+  run = _timed_run("r", "compare_drafters", {"ar": [1.0], "mtp_sequential": [1.0], "budget_parallel": [1.0]}, False)
+  path = "specjax/checkpoints/smollm2-135m/mtp_sequential.safetensors"
+  budget = common.budget_method("parallel")["checkpoint"]
+  assert run.checkpoints_used() == sorted([budget, path])  # named by the method, and the shipped one it drafts with
+  assert run.checkpoints_text(tmp_path) == "not recorded"
+  run.results["fingerprint"] = {"checkpoints": {path: cli.file_digest(str(shipped / "mtp_sequential.safetensors")),
+                                                budget: "0" * 64}}
+  assert run.checkpoints_text(tmp_path) == f"not in the checkout: {budget}"
+  (shipped / "mtp_sequential.safetensors").write_bytes(b"retrained")
+  publish._file_digest.cache_clear()
+  assert run.checkpoints_text(tmp_path) == f"changed since: {path}; not in the checkout: {budget}"
+  none = _timed_run("n", "compare_drafters", {"ar": [1.0], "prompt_lookup": [1.0]}, False)
+  assert none.checkpoints_text(tmp_path) == "–"
