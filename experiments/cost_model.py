@@ -54,6 +54,7 @@ import math
 import os
 import platform
 import statistics
+import textwrap
 from typing import Any, NamedTuple, Sequence
 
 import jax.numpy as jnp
@@ -617,6 +618,9 @@ def run_md(results: dict[str, Any], out: str) -> str:
   rates, env = results["rates"], results["environment"]
   date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
   missed = [r for r in results["validation"] if not r["within"]]
+  groups: dict[tuple[str, str], list[str]] = {}
+  for r in missed:
+    groups.setdefault((f"{r['device']}, {r['source']}", r["quantity"]), []).append(r["method"])
   lines = [f"# cost_model (the analytic cost model, validated and projected), {date}", "", "```bash",
            f"python -m experiments.cost_model --measure={out}/{RATES}   # {rates['date']}, {rates['seconds']:.0f} s",
            f"python -m experiments.cost_model --out={out}", "```", "",
@@ -632,10 +636,13 @@ def run_md(results: dict[str, Any], out: str) -> str:
            "with AVX-512), which recorded no FLOP rate; experiments/costs.py records one in every run from now on.",
            "- fitted: one overhead per weight-matrix product per measurement, to its 1-token target step "
            "(`fits` in results.json). Predicted from the counts and the device's figures: everything else.",
-           f"- {len(results['validation'])} comparisons, {len(missed)} outside max(20%, 0.01): "
-           + (", ".join(f"{r['device']} {r['method']} {r['quantity']}" for r in missed) or "none") + ".", "",
+           f"- {len(results['validation'])} comparisons, {len(missed)} outside max(20%, 0.01)" + (": " + "; ".join(
+               f"{quantity} of {', '.join(methods)} ({where})" for (where, quantity), methods in groups.items())
+               if missed else "") + ".", "",
            "Files: `results.json` (the fits, every comparison, every projection), `cpu_rates.json` (the measurement)."]
-  return "\n".join(lines) + "\n"
+  return "\n".join(textwrap.fill(line, 116, subsequent_indent="  " if line.startswith("- ") else "",
+                                  break_long_words=False, break_on_hyphens=False)
+                    if not line.startswith(("python", "```")) else line for line in lines) + "\n"
 
 
 def main(argv: Sequence[str]) -> None:
