@@ -120,5 +120,39 @@ def test_a_drafters_programs_count_its_own_work():
   assert v > vocab and own.weight_bytes < 4 * cm.target(s, 1).weight_bytes
 
 
+def test_the_validation_is_what_the_files_and_the_model_give():
+  """Every row of results/cost_model/results.json: the measured value read again from its file, the predicted one
+  computed again, the error and the verdict from those (a stale file or a changed model fails here)."""
+  with open(os.path.join(ROOT, cm.OUT, "results.json")) as f:
+    results = json.load(f)
+  rows = []
+  for run in cm.CPU_RUNS:
+    rows += cm.validate_cpu(run, results["rates"])[0]
+  for path in cm.H200_RUNS:
+    rows += cm.validate_h200(path)[0]
+  assert len(rows) == len(results["validation"])
+  for again, row in zip(rows, results["validation"]):
+    assert (again["device"], again["method"], again["quantity"]) == (row["device"], row["method"], row["quantity"])
+    assert again["measured"] == row["measured"]
+    assert again["predicted"] == pytest.approx(row["predicted"], rel=1e-9)
+    assert row["error"] == pytest.approx(row["predicted"] / row["measured"] - 1)
+    assert row["within"] == (abs(row["predicted"] - row["measured"]) <= max(0.2 * abs(row["measured"]), 0.01))
+  budget = json.load(open(os.path.join(ROOT, "results", "compare_drafters-budget", "results.json")))["costs"]
+  row = next(r for r in results["validation"] if r["method"] == "budget_draft" and r["quantity"] == "c"
+             and r["source"].endswith("compare_drafters-budget/results.json"))
+  assert row["measured"] == budget["methods"]["budget_draft"]["draft_cost"]
+
+
+def test_the_projection_reads_the_cost_models_rounds():
+  costs_of = projection.read(projection.MODELED_FILE, "smollm2-135m", "v5e:2x4", batch=8)
+  with open(os.path.join(ROOT, projection.MODELED_FILE)) as f:
+    projected = json.load(f)["projections"]
+  for p in projected:
+    if (p["model"], p["topology"], p["batch"]) == ("smollm2-135m", "v5e:2x4", 8):
+      assert projection.speedup(p["tau"], costs_of[p["acceptance_of"]]) == pytest.approx(p["projected_speedup"])
+  with pytest.raises(ValueError, match="projects no drafter"):
+    projection.read(projection.MODELED_FILE, "smollm2-135m", "v5e:2x4", batch=3)
+
+
 def test_the_flop_rate_is_measured_beside_the_bandwidth():
   assert 0 < costs.measure_flop_rate((8, 16, 8), repeats=2) < 1e16
