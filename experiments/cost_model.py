@@ -600,12 +600,14 @@ def run(out: str) -> dict[str, Any]:
     validation += rows
     fits += fit
   with open(os.path.join(ROOT, ACCEPTANCE)) as f:
-    acceptance = json.load(f)["summary"]["methods"]
+    measured = json.load(f)
+  acceptance = measured["summary"]["methods"]
   compiled = compile_tpu.get_config()
   results = {"name": "cost_model", "environment": cli.environment(), "rates": rates, "tolerance": TOLERANCE,
              "floor": FLOOR, "fits": fits, "validation": validation,
              "workload": {"dtype": compiled.dtype, "cache_len": compiled.cache_len, "positions": compiled.prompt_len,
-                          "acceptance": ACCEPTANCE, "chips": {t: tpu(t).source for t, *_ in LAYOUTS}},
+                          "acceptance": ACCEPTANCE, "acceptance_model": measured["config"]["model"],
+                          "chips": {t: tpu(t).source for t, *_ in LAYOUTS}},
              "projections": project(acceptance)}
   os.makedirs(out, exist_ok=True)
   cli.write_atomic(os.path.join(out, "results.json"), json.dumps(results, indent=1) + "\n")

@@ -849,9 +849,11 @@ def cost_model_block(runs: Runs, prefix: str, folder: str = "cost_model") -> str
       for (device, source, quantity), methods in groups.items()) if missed else "") + "."]
   workload = results["workload"]
   for model in dict.fromkeys(p["model"] for p in results["projections"]):
+    stand_in = ("" if model == workload["acceptance_model"] else
+                f", {workload['acceptance_model']}'s as a stand-in: {model}'s own is unmeasured")
     lines += ["", f"Projected speedups of {model} ({workload['dtype']}, a cache of {workload['cache_len']} positions; "
-              f"τ and γ of `{workload['acceptance'].removeprefix('results/')}`; mesh (data, model) 1 x 1 on one "
-              "chip, 2 x 4 on eight; no overhead per product on a TPU):", "",
+              f"τ and γ of `{workload['acceptance'].removeprefix('results/')}`{stand_in}; mesh (data, model) 1 x 1 "
+              "on one chip, 2 x 4 on eight; no overhead per product on a TPU):", "",
               _projection_table([p for p in results["projections"] if p["model"] == model])]
   return "\n".join(lines)
 
