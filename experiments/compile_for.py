@@ -101,6 +101,7 @@ from specjax.model import KVCache, forward, init_cache
 from specjax.sampling import SamplingParams, argmax
 from specjax.verify import greedy_verify
 from experiments import cli, projection
+from experiments.chips import CHIPS, GPUS, Chip  # noqa: F401  (the figures compile_for sizes and times against)
 from experiments.cli import ResumableLog, code_commit, environment, parse_flags, write_atomic
 
 _CONFIG = cli.define_config_flag("Compile config: configs/compile_tpu.py[:small].")
@@ -112,37 +113,6 @@ _RENDER = flags.DEFINE_string("render", None, "A run's folder: project its compi
 
 PROGRAMS = ("prefill", "autoregressive", "speculative", "train_drafter", "train", "steps")
 TREE_PROGRAMS = ("speculative", "steps")  # the kinds with tree programs (`tree_nodes`)
-
-
-class Chip(NamedTuple):
-  """One TPU chip's published figures, and the page they come from."""
-  tensor_cores: int  # a device is one TensorCore, or (megacore) all of them
-  hbm_bytes: float
-  hbm_bytes_per_second: float
-  bf16_flops_per_second: float
-  source: str
-
-
-# Per chip. GiB where the page gives GB for a capacity that is a power of two (16 GB of v5e is 16 GiB: the
-# compiler's own limit).
-CHIPS = {
-    # The v2 page cites Jouppi et al. 2020, "A Domain-Specific Supercomputer for Training Deep Neural Networks"
-    # (CACM 63(7)), Table 3, for its figures.
-    "v2": Chip(2, 16 * 2**30, 700e9, 46e12, "https://cloud.google.com/tpu/docs/v2 (Jouppi et al. 2020, Table 3)"),
-    "v3": Chip(2, 32 * 2**30, 900e9, 123e12, "https://cloud.google.com/tpu/docs/v3"),
-    "v4": Chip(2, 32 * 2**30, 1200e9, 275e12, "https://cloud.google.com/tpu/docs/v4"),
-    "v5e": Chip(1, 16 * 2**30, 819e9, 197e12, "https://cloud.google.com/tpu/docs/v5e"),
-    "v5p": Chip(2, 95 * 2**30, 2765e9, 459e12, "https://cloud.google.com/tpu/docs/v5p"),
-    "v6e": Chip(1, 32 * 2**30, 1640e9, 918e12, "https://cloud.google.com/tpu/docs/v6e"),
-}
-
-
-# NVIDIA's SXM parts (dense bf16, no sparsity), one device per GPU. XLA:GPU compiles for a GPU it does not have
-# from a description of it (`_gpu_description`): Hopper (sm_90), 132 SMs, 50 MiB of L2.
-GPUS = {
-    "h100": Chip(1, 80e9, 3.35e12, 989e12, "https://www.nvidia.com/en-us/data-center/h100/ (H100 SXM)"),
-    "h200": Chip(1, 141e9, 4.8e12, 989e12, "https://www.nvidia.com/en-us/data-center/h200/ (H200 SXM)"),
-}
 
 
 class Target(NamedTuple):

@@ -19,9 +19,10 @@ of median length and half of its autoregressive answer) in a cache of the prompt
 threaded through the loop as in decoding.
 
 The same setup also gives the bytes each step moves (`specjax.roofline`), from which the accelerator
-projection takes c and r: c_bytes = draft step bytes / target step bytes, r_bytes ~ 1; and the memory bandwidth of
+projection takes c and r: c_bytes = draft step bytes / target step bytes, r_bytes ~ 1; the memory bandwidth of
 the device (`measure_read_bandwidth`, `measure_copy_bandwidth`), against which a step's bytes over its time give
-its roofline fraction.
+its roofline fraction; and its compute rate on a prefill-scale product (`measure_flop_rate`), which with the
+bandwidth is what the analytic cost model (experiments/cost_model.py) times a program with.
 """
 
 from __future__ import annotations
@@ -159,6 +160,26 @@ def measure_copy_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
   return 2 * x.nbytes / float(np.median(times))
 
 
+_product = jax.jit(lambda a, b: a @ b)
+
+FLOP_SHAPE = (2048, 576, 1536)  # (M, K, N): a prefill-scale product of SmolLM2's (2048 tokens through an MLP matrix)
+
+
+def measure_flop_rate(shape: Sequence[int] = FLOP_SHAPE, repeats: int = 7) -> float:
+  """Median FLOP/s of a jitted float32 product [M, K] @ [K, N] (2 M K N flops) on JAX's default device: the peak
+  compute rate the cost model (experiments/cost_model.py) times a program's arithmetic with, as the read bandwidth
+  times its bytes."""
+  m, k, n = shape
+  a, b = jnp.ones((m, k), jnp.float32), jnp.ones((k, n), jnp.float32)
+  jax.block_until_ready(_product(a, b))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(_product(a, b))
+    times.append(time.perf_counter() - start)
+  return 2 * m * k * n / float(np.median(times))
+
+
 def prefilled_cache(model, context: Sequence[int], cache_len: int, rows: int = 1):
   """A target KV cache of `cache_len` positions holding `context` in each of `rows` rows."""
   prompt = jnp.asarray([list(context)] * rows, jnp.int32)
@@ -190,8 +211,9 @@ def measure(model, methods: Sequence[tuple[str, Drafter, int]], context: Sequenc
   Returns {"context_tokens", "cache_len", "rows", "target_seconds": {tokens: s}, "draft_seconds": {name: s},
   "methods": {name: {"gamma", "draft_cost", "verify_cost"[, "draft_cost_bytes", "verify_cost_bytes"]}}} and,
   with `count_bytes`, "target_step_bytes" (formula), "target_step_bytes_xla", "draft_step_bytes" {name: B},
-  "read_bandwidth" (bytes/s, `measure_read_bandwidth` over "read_megabytes") and "roofline_fraction":
-  the 1-token target step's bytes (formula) / its time / that bandwidth. Target and draft steps run on the
+  "read_bandwidth" (bytes/s, `measure_read_bandwidth` over "read_megabytes"), "roofline_fraction":
+  the 1-token target step's bytes (formula) / its time / that bandwidth, and "flop_rate" (FLOP/s,
+  `measure_flop_rate` of a float32 product of "flop_shape"). Target and draft steps run on the
   weights as generate's loop reads them (`specjax.decoding.decode_params`, `decode_draft_params`).
   """
   config, params = model.config, model.params
@@ -246,6 +268,8 @@ def measure(model, methods: Sequence[tuple[str, Drafter, int]], context: Sequenc
     costs["read_megabytes"] = 512 if jax.default_backend() == "cpu" else 2048
     costs["read_bandwidth"] = measure_read_bandwidth(costs["read_megabytes"])
     costs["roofline_fraction"] = costs["target_step_bytes"] / t_1 / costs["read_bandwidth"]
+    costs["flop_shape"] = list(FLOP_SHAPE)
+    costs["flop_rate"] = measure_flop_rate(FLOP_SHAPE)
     costs["target_step_bytes_xla"] = roofline.target_step_bytes_xla(params, state["cache"], config, positions)
     costs["draft_step_bytes"] = {}
     for name, drafter, gamma in methods:

@@ -129,7 +129,12 @@ class Run:
   @property
   def compiled(self) -> bool:
     """A run of experiments.compile_for: programs compiled for TPU topologies, no method timed."""
-    return bool(self.results) and "projections" in self.results
+    return bool(self.results) and "projections" in self.results and "records" in self.results
+
+  @property
+  def modeled(self) -> bool:
+    """A run of experiments.cost_model: the analytic cost model against measured costs, and its projections."""
+    return bool(self.results) and "validation" in self.results
 
   @property
   def trained(self) -> bool:
@@ -402,6 +407,8 @@ def describe(run: Run) -> str:
     return f"{title} ({', '.join(outputs)})" if outputs else title
   if run.compiled:
     return describe_compiled(run.results)
+  if run.modeled:
+    return describe_modeled(run.results)
   if run.trained:
     return describe_trained(run.results)
   config = run.results["config"]
@@ -436,6 +443,17 @@ def describe_compiled(results: dict[str, Any]) -> str:
   topologies = ", ".join(dict.fromkeys(r["topology"] for r in records))
   return (f"{len(records)} programs of {models} for {topologies}, compiled without the devices: "
           f"{counts['compiled']} compiled, {counts['does_not_fit']} do not fit, {counts['failed']} failed")
+
+
+def describe_modeled(results: dict[str, Any]) -> str:
+  """What a cost_model run compared and projected."""
+  rows = results["validation"]
+  within = sum(r["within"] for r in rows)
+  measurements = list(dict.fromkeys(r["source"].split(" ")[0] for r in rows))
+  projected = {(p["model"], p["topology"], p["batch"]) for p in results["projections"]}
+  return (f"the analytic cost model against {len(rows)} measured costs of {len(measurements)} measurements "
+          f"({within} within max({results['tolerance']:.0%}, {results['floor']})), and {len(projected)} projected "
+          "layouts (model, TPU topology, batch)")
 
 
 def compile_run_line(run: Run, prefix: str) -> str:
@@ -832,6 +850,119 @@ def tpu_compile_block(runs: Runs, prefix: str) -> str:
   return "\n\n".join(lines)
 
 
+def _error_cell(row: dict[str, Any], results: dict[str, Any]) -> str:
+  """A predicted cost's error: relative, or where 20% of the measured value is less than the floor, the difference
+  in target steps; bold where it misses the tolerance."""
+  if abs(row["measured"]) * results["tolerance"] < results["floor"]:
+    text = f"{row['predicted'] - row['measured']:+.3f}"
+  else:
+    text = f"{row['error']:+.0%}"
+  return text if row["within"] else f"**{text}**"
+
+
+def cost_model_block(runs: Runs, prefix: str, folder: str = "cost_model") -> str:
+  """The analytic cost model's run: what each measurement was fitted with, its predicted c and r against the measured
+  ones (and the H200's forwards of T tokens), and the projected speedups per model and layout with the ranking."""
+  run = runs[folder]
+  results = run.results
+  rows, rates = results["validation"], results["rates"]
+  missed = [r for r in rows if not r["within"]]
+  lines = [f"{_link(run, prefix)} (commit {run.commit}, {run.date()} UTC): {describe_modeled(results)}. Fitted: one "
+           "overhead per weight-matrix product for each measurement, to its own 1-token target step; every other "
+           f"number is predicted. This CPU's FLOP rate: a float32 product {' x '.join(map(str, rates['flop_shape']))} "
+           f"at {rates['flop_rate'] / 1e9:.0f} GFLOP/s ({rates['date']}, {rates['cpu']}, load average "
+           f"{rates['load_average'][0]:.1f} on {rates['cpu_count']} cores); the H200's, its published peak for the "
+           "run's dtype. The rate each CPU run's widest verification implies (its FLOPs beyond a 1-token step's over "
+           "the time beyond it; not used): " + _join([f"{f['implied_flop_rate'] / 1e9:.0f} GFLOP/s in "
+                                                      f"`{f['source'].removeprefix('results/')}`"
+                                                      for f in results["fits"] if "implied_flop_rate" in f]) + ".",
+           "", _fits_table(results["fits"]), "",
+           f"Measured against predicted (error: relative, or in target steps where {results['tolerance']:.0%} of the "
+           f"measured value is under {results['floor']}; bold: outside max({results['tolerance']:.0%}, "
+           f"{results['floor']})), with the draft's bytes over its measured time (to hold against the read bandwidth "
+           "above):", "", _validation_table(results)]
+  groups: dict[tuple[str, str, str], list[str]] = {}
+  for r in missed:
+    groups.setdefault((r["device"], r["source"].removeprefix("results/"), r["quantity"]), []).append(r["method"])
+  lines += ["", f"{len(missed)} of {len(rows)} outside the tolerance" + (": " + "; ".join(
+      f"{quantity} of {_join([f'`{m}`' for m in methods])} ({device}, `{source}`)"
+      for (device, source, quantity), methods in groups.items()) if missed else "") + "."]
+  workload = results["workload"]
+  for model in dict.fromkeys(p["model"] for p in results["projections"]):
+    stand_in = ("" if model == workload["acceptance_model"] else
+                f", {workload['acceptance_model']}'s as a stand-in: {model}'s own is unmeasured")
+    lines += ["", f"Projected speedups of {model} ({workload['dtype']}, a cache of {workload['cache_len']} positions; "
+              f"τ and γ of `{workload['acceptance'].removeprefix('results/')}`{stand_in}; mesh (data, model) 1 x 1 "
+              "on one chip, 2 x 4 on eight; no overhead per product on a TPU):", "",
+              _projection_table([p for p in results["projections"] if p["model"] == model])]
+  return "\n".join(lines)
+
+
+def _fits_table(fits: Sequence[dict[str, Any]]) -> str:
+  rows = ["| measurement | read GB/s | GFLOP/s | 1-token step ms | bytes / bandwidth ms | FLOPs / peak ms | "
+          "products | overhead µs per product |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+  for f in fits:
+    rows.append(f"| {f['device']} (`{f['source'].removeprefix('results/')}`) | "
+                f"{f['read_bytes_per_second'] / 1e9:.1f} | {f['flops_per_second'] / 1e9:,.0f} | "
+                f"{f['step_seconds'] * 1e3:.2f} | {f['memory_seconds'] * 1e3:.2f} | {f['compute_seconds'] * 1e3:.2f} | "
+                f"{f['step_products']} | {f['overhead_seconds'] * 1e6:.1f} |")
+  return "\n".join(rows)
+
+
+def _validation_table(results: dict[str, Any]) -> str:
+  """c and r per measured method, then the H200's forwards of T tokens against its 1-token forward."""
+  costs = {(r["device"], r["source"], r["method"], r["quantity"]): r for r in results["validation"]}
+  rows = ["| device | measured in | method | γ | c | predicted | error | r | predicted | error | draft GB/s |",
+          "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  for device, source, method, quantity in costs:
+    if quantity != "c":
+      continue
+    c, r = costs[device, source, method, "c"], costs[device, source, method, "r"]
+    weights = c.get("draft_bandwidth") is not None and c["draft_bytes"] >= 1e6  # not a few KB of token buffer
+    bandwidth = c["draft_bandwidth"] / 1e9 if weights else None
+    rows.append(f"| {device} | `{source.removeprefix('results/')}` | `{method}` | {c['gamma']} | {c['measured']:.3f} | "
+                f"{c['predicted']:.3f} | {_error_cell(c, results)} | {r['measured']:.2f} | {r['predicted']:.2f} | "
+                f"{_error_cell(r, results)} | {_num(bandwidth, '.1f')} |")
+  widths = [r for r in results["validation"] if r["quantity"] == "forward"]
+  if widths:
+    rows += ["", "Forwards of T tokens (or rows) over the 1-token forward of the same measurement (`width_seconds`):",
+             "", "| device | forward | measured | predicted | error |", "|---|---|---:|---:|---:|"]
+    rows += [f"| {r['device']} | {r['method']} | {r['measured']:.2f} | {r['predicted']:.2f} | "
+             f"{_error_cell(r, results)} |" for r in widths]
+  return "\n".join(rows)
+
+
+def _projection_table(projected: Sequence[dict[str, Any]]) -> str:
+  """Speedups per method (rows) and layout (columns), then the ranking per layout and the pairs whose order differs
+  between layouts, read at the precision shown."""
+  layouts = list(dict.fromkeys((p["topology"], p["batch"]) for p in projected))
+  methods = list(dict.fromkeys(p["acceptance_of"] for p in projected))
+  shown = {(p["acceptance_of"], p["topology"], p["batch"]): round(p["projected_speedup"], 2) for p in projected}
+  first = {m: next(p for p in projected if p["acceptance_of"] == m) for m in methods}
+  names = [f"{t} batch {b}" for t, b in layouts]
+  rows = ["| drafter (τ, γ) | " + " | ".join(names) + " |", "|---|" + "---:|" * len(layouts)]
+  for m in methods:
+    p = first[m]
+    rows.append(f"| `{m}` ({p['drafter']}; {p['tau']:.2f}, {p['gamma']}) | " +
+                " | ".join(f"{shown[m, t, b]:.2f}x" if (m, t, b) in shown else "–" for t, b in layouts) + " |")
+  orders: dict[str, list[str]] = {}
+  for (t, b), name in zip(layouts, names):
+    here = sorted((m for m in methods if (m, t, b) in shown), key=lambda m: -shown[m, t, b])
+    text = f"`{here[0]}`" + "".join(f" {'=' if shown[a, t, b] == shown[m, t, b] else '>'} `{m}`"
+                                    for a, m in zip(here, here[1:]))
+    orders.setdefault(text, []).append(name)
+  ranked = "; ".join(f"on {_join(where)}: {order}" for order, where in orders.items())
+
+  def ahead(a: str, b: str) -> list[str]:
+    return [name for (t, n), name in zip(layouts, names) if shown.get((a, t, n), 0) > shown.get((b, t, n), 0)]
+
+  flips = [f"`{a}` ahead of `{b}` on {_join(ahead(a, b))}, behind on {_join(ahead(b, a))}"
+           for i, a in enumerate(methods) for b in methods[i + 1:] if ahead(a, b) and ahead(b, a)]
+  rows += ["", f"Ranked {ranked}. " + (f"Pairs whose order differs between layouts: {'; '.join(flips)}."
+                                        if flips else "No pair changes order between layouts.")]
+  return "\n".join(rows)
+
+
 def train_budget_block(runs: Runs, prefix: str) -> str:
   """The drafters trained on one budget: the curves' table and targets (experiments.curves renders both) and the
   plot."""
@@ -992,7 +1123,8 @@ def readme_answer_block(runs: Runs, prefix: str) -> str:
   and the never-drafting control where the run has one, each with its median paired speedup over autoregressive
   decoding and its 90% interval; then the reason in that run's numbers (the LM head's share of a step, the draft cost
   per token c, the verification cost r, tokens per target forward), and the families ranked by the accelerator
-  projection (experiments/projection.py) at the tokens per forward of the fixed-γ run."""
+  projection of the analytic cost model (experiments/projection.py's `MODELED_FILE`, v5e:2x4 at batch 8) at the
+  tokens per forward of the fixed-γ run."""
   return "\n\n".join(_answer(runs, prefix, model, *(_newest(runs, c) for c in configs))
                       for model, configs in ANSWER_CONFIGS.items())
 
@@ -1048,7 +1180,7 @@ def _answer(runs: Runs, prefix: str, model: str, adaptive: Run, fixed: Run) -> s
             f"step reads; per drafter, the cost of a draft token c and of verifying γ + 1 tokens r in target steps, "
             f"and the tokens per target forward: " + "; ".join(map(numbers, shown)) + ".")
   text = f"{setting}: {lead}. {reason}"
-  costs = projection.read()
+  costs = projection.read(projection.MODELED_FILE, model, projection.TOPOLOGY, batch=projection.BATCH)
   fixed_summary = fixed.results["summary"]["methods"]
   projected = {m: projection.project(fixed_summary[m], costs, m) for m in families if m in fixed_summary}
   projected = {m: p for m, p in projected.items() if p is not None}
@@ -1059,8 +1191,9 @@ def _answer(runs: Runs, prefix: str, model: str, adaptive: Run, fixed: Run) -> s
   missing = [BUDGET_LABELS[m] for m in families if m not in projected]
   source = next(iter(costs.values()))["source"]
   ordinals = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh")
-  accelerator = (f"Projected for a memory-bound accelerator (round costs compiled by XLA, {source}, at the tokens per "
-                 f"target forward of the fixed-γ run {_link(fixed, prefix)}), the ranking of the trained drafters puts "
+  accelerator = (f"Projected for a TPU slice by the analytic cost model (experiments/cost_model.py, {source}, at the "
+                 f"tokens per target forward of the fixed-γ run {_link(fixed, prefix)}), the ranking of the trained "
+                 "drafters puts "
                  + _join([f"{BUDGET_LABELS[m]} {ordinals[order.index(m)]} at {projected[m]:.2f}x" for m in shown])
                  + (f" ({_join(missing)} not projected)" if missing else "") + ".")
   return f"{text} {accelerator}"
@@ -1112,6 +1245,7 @@ BLOCKS: dict[str, tuple[str, Callable[[Runs, str], str]]] = {
     "bench-verify": ("docs/benchmarks.md", _verbatim("bench_verify", "bench_verify.txt",
                                                      "`benchmarks/bench_verify.py --repeats=5`")),
     "tpu-compile": ("docs/scaling.md", tpu_compile_block),
+    "cost-model": ("docs/scaling.md", cost_model_block),
     "h200-costs": ("docs/benchmarks.md", h200_costs_block),
     "h200-decode": ("docs/benchmarks.md", h200_decode_block),
 }

@@ -225,7 +225,7 @@ def test_the_answer_names_the_fastest_method_the_fastest_trained_drafter_and_why
   train_budget = _train_budget({"name": "parallel", "positions": 1500822}, {"name": "sequential", "positions": 1500822})
   costs = {m: {"gamma": 4, "draft_cost": d, "verify_cost": 1.0, "update_cost": 0.0, "tree_nodes": None,
                "source": "f (m, t)"} for m, d in [("budget_parallel", 0.01), ("budget_sequential", 0.2)]}
-  monkeypatch.setattr(publish.projection, "read", lambda: costs)
+  monkeypatch.setattr(publish.projection, "read", lambda *args, **kwargs: costs)
   text = publish.readme_answer_block(_runs(adaptive, fixed, train_budget), "results/")
   # Prompt lookup is the fastest method; of the families trained on the budget the sequential module wins, paired
   # 13/12 .. 14/12 over the heads and 13/20 .. 14/20 against prompt lookup.
@@ -258,7 +258,7 @@ def test_the_answer_gives_the_control_and_a_trained_winner_its_own_sentence(monk
   adaptive.results["config"]["control"] = True
   adaptive.results["config"]["methods"].remove({"name": "control", "drafter": "control"})
   train_budget = _train_budget({"name": "parallel", "positions": 1500822}, {"name": "sequential", "positions": 1500822})
-  monkeypatch.setattr(publish.projection, "read", lambda: {})
+  monkeypatch.setattr(publish.projection, "read", lambda *args, **kwargs: {})
   text = publish.readme_answer_block(_runs(adaptive, _timed_run("budget", "compare_drafters-budget", {"ar": ar}, False),
                                            train_budget), "")
   assert ("the fastest method is a trained drafter, the sequential MTP module at 1.40x (1.40–1.40) over autoregressive "
