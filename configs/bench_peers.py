@@ -12,8 +12,8 @@ skip exiting after 24 layers, the shipped MTP heads, distilled draft model and t
 whose checkpoint is not shipped in specjax/checkpoints/ is left out, with a log line). Peers (experiments/peers.py),
 timed interleaved with them: HF transformers float32 on torch CPU (autoregressive, prompt lookup, and assisted
 generation with the shipped distilled draft, exported to an HF Llama directory on the fly) and llama.cpp on the
-GGUF's own quantized weights (autoregressive, prompt lookup; `pip install 'specjax[peers]'`, else left out with
-the reason). Every method drafts `gamma` = 4 tokens per round. Peers are not checked for losslessness; their
+GGUF's own quantized weights (autoregressive, prompt lookup; the `peers` extra, built as docs/experiments.md says,
+else left out with the reason; in a process of its own, so a build that dies is reported and the run goes on). Every method drafts `gamma` = 4 tokens per round. Peers are not checked for losslessness; their
 greedy agreement with specjax's autoregressive tokens is reported instead.
 
 Time: `:small --config.prompts.max_prompts=3` took 14 min on 2 CPU cores shared with other jobs (load ~6),

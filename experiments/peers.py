@@ -12,8 +12,14 @@ A method spec names a peer where a specjax method names a drafter (configs/bench
                            a specjax distilled draft ("smollm2-135m-draft", a .safetensors checkpoint), which is
                            exported to one with `specjax.export.save_hf`
   llamacpp_autoregressive  llama.cpp through `llama-cpp-python` on the same GGUF file, with its own kernels on
-                           the file's quantized weights (`pip install 'specjax[peers]'`; it compiles llama.cpp)
+                           the file's quantized weights (it compiles llama.cpp, minutes: install it with
+                           `LLAMACPP_INSTALL`, which builds it for this CPU's features without AMX)
   llamacpp_prompt_lookup   the same with `LlamaPromptLookupDecoding` drafting
+
+llama.cpp runs in a process of its own (`SubprocessPeer`): its native code can die (an instruction the CPU lacks,
+as an AMX build does on a host without AMX), and a peer that dies is reported (`PeerFailed`: the runner records why
+under `summary.failed_peers` and goes on without it) instead of taking the run with it. Its build (version and the
+CPU features it was compiled for, `llama_print_system_info`) is recorded with the run (`summary.peers`).
 
 What is held equal: the prompt token ids (the chat template as the runner renders it), greedy decoding, the
 runner's `max_new_tokens` and the tokenizer's stop tokens (a row ends with its stop token, as in specjax).
@@ -42,7 +48,10 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import functools
+import importlib
+import importlib.util
 import os
+import signal
 import shutil
 import tempfile
 import time
@@ -58,10 +67,34 @@ HF_PEERS = ("hf_autoregressive", "hf_prompt_lookup", "hf_assisted")
 LLAMACPP_PEERS = ("llamacpp_autoregressive", "llamacpp_prompt_lookup")
 PEERS = HF_PEERS + LLAMACPP_PEERS
 INSTALL_HINT = "pip install 'specjax[peers]'"
+LLAMACPP_INSTALL = ('CMAKE_ARGS="$(python -m experiments.peers --cmake_args)" pip install --no-cache-dir '
+                    "--force-reinstall --no-deps llama-cpp-python")  # built for this CPU (`llamacpp_cmake_args`), no wheel of another host's
+# llama.cpp's CPU features by /proc/cpuinfo flag: each one the host has is switched on, the rest off. AMX is always
+# off: a build with it died with SIGILL (`tilezero` in a worker thread) on a host that lists amx_tile, and a native
+# build takes it from the compiler's flags whatever GGML_AMX_* say, so the build is never native.
+LLAMACPP_FEATURES = (("avx", "GGML_AVX"), ("avx2", "GGML_AVX2"), ("fma", "GGML_FMA"), ("f16c", "GGML_F16C"),
+                     ("avx512f", "GGML_AVX512"), ("avx512_vnni", "GGML_AVX512_VNNI"),
+                     ("avx512_bf16", "GGML_AVX512_BF16"), ("avx512vbmi", "GGML_AVX512_VBMI"))
+
+
+def llamacpp_cmake_args(cpu_flags: Sequence[str] | None = None) -> str:
+  """CMAKE_ARGS for building llama.cpp (llama-cpp-python) for this CPU: the features it lists (`cpu_flags`, default
+  /proc/cpuinfo's), never AMX, not native."""
+  if cpu_flags is None:
+    with open("/proc/cpuinfo") as f:
+      cpu_flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+  have = set(cpu_flags)
+  args = ["-DGGML_NATIVE=OFF"] + [f"-D{option}={'ON' if flag in have else 'OFF'}"
+                                  for flag, option in LLAMACPP_FEATURES]
+  return " ".join(args + ["-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"])
 
 
 class Unavailable(Exception):
   """The peer's library is not installed: the runner leaves the method out and prints this reason."""
+
+
+class PeerFailed(Exception):
+  """A peer's process died or its decoding failed: the runner stops timing the method and reports this reason."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,7 +324,19 @@ class LlamaCppPeer:
                  ", ".join(f"{n} threads {t:.2f} s" for n, t in times.items()))
     return best
 
+  def info(self) -> dict[str, Any]:
+    """The llama.cpp build this peer decodes with: its version and the CPU features it was compiled for."""
+    import llama_cpp
+    return {"library": f"llama-cpp-python {llama_cpp.__version__}", "threads": self.n_threads,
+            "system_info": llama_cpp.llama_print_system_info().decode().strip()}
+
   def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> Output:
+    rows, traces, seconds = self.decode(prompts, max_new_tokens)
+    return output(self.tokenizer, self.stop_ids, rows, traces, seconds, self.gamma, threads=self.n_threads)
+
+  def decode(self, prompts: Sequence[Sequence[int]], max_new_tokens: int
+             ) -> tuple[list[list[int]], list[dict[str, int]], float]:
+    """Each prompt's new tokens, its trace counts (`trace_counts`) and the seconds all of them took."""
     rows, traces = [], []
     start = time.perf_counter()
     for prompt in prompts:
@@ -307,30 +352,133 @@ class LlamaCppPeer:
           break
       rows.append(row)
       traces.append(trace_counts(self._forwards, len(prompt), len(row)))
-    seconds = time.perf_counter() - start
-    return output(self.tokenizer, self.stop_ids, rows, traces, seconds, self.gamma, threads=self.n_threads)
+    return rows, traces, time.perf_counter() - start
+
+
+LLAMACPP_MAKER = "experiments.peers:llamacpp_in_process"  # what builds a llama.cpp peer in its own process
+
+
+def _llamacpp_options(name: str, gamma: int) -> dict[str, Any]:
+  return {"num_pred_tokens": gamma, "max_ngram_size": 3} if name == "llamacpp_prompt_lookup" else {}
+
+
+def llamacpp_installed() -> bool:
+  """Whether llama-cpp-python is installed (found, not imported: its code runs in the peer's process only)."""
+  return importlib.util.find_spec("llama_cpp") is not None
 
 
 def make_llamacpp(name: str, model: specjax.Model, path: str, stop_ids, gamma: int, n_threads: int = 0,
-                  n_ctx: int = 4096, **options) -> LlamaCppPeer:
-  try:
-    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-  except ImportError as e:
-    raise Unavailable(f"llama-cpp-python is not installed ({e}); {INSTALL_HINT} (it compiles llama.cpp, "
-                      "minutes)") from e
-  allowed = {"num_pred_tokens": gamma, "max_ngram_size": 3} if name == "llamacpp_prompt_lookup" else {}
+                  n_ctx: int = 4096, **options) -> SubprocessPeer:
+  """A llama.cpp peer in a process of its own (`llamacpp_in_process` builds it there)."""
+  if not llamacpp_installed():
+    raise Unavailable(f"llama-cpp-python is not installed; {LLAMACPP_INSTALL} (it compiles llama.cpp, minutes)")
+  allowed = _llamacpp_options(name, gamma)
   unknown = sorted(set(options) - set(allowed))
   if unknown:
     raise TypeError(f"peer {name} takes options {sorted(allowed) + ['n_ctx', 'n_threads']}, got {unknown}")
   if not path.endswith(".gguf"):
     raise ValueError(f"llama.cpp peers read a .gguf file; the config's model is {path}")
+  draft_gamma = int({**allowed, **options}["num_pred_tokens"]) if allowed else None
+  return SubprocessPeer(name, model.tokenizer, stop_ids, draft_gamma, LLAMACPP_MAKER,
+                        dict(name=name, path=path, stop_ids=tuple(stop_ids), gamma=gamma, n_threads=int(n_threads),
+                             n_ctx=int(n_ctx), options=options))
+
+
+def llamacpp_in_process(name: str, path: str, stop_ids: Sequence[int], gamma: int, n_threads: int, n_ctx: int,
+                        options: dict[str, Any]) -> LlamaCppPeer:
+  """The llama.cpp peer itself (in `SubprocessPeer`'s process)."""
+  try:
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+  except ImportError as e:
+    raise Unavailable(f"llama-cpp-python is not installed ({e}); {LLAMACPP_INSTALL} (it compiles llama.cpp, "
+                      "minutes)") from e
+  allowed = _llamacpp_options(name, gamma)
   draft, draft_gamma = None, None
   if allowed:
     kwargs = {**allowed, **options}
     draft = LlamaPromptLookupDecoding(**kwargs)
     draft_gamma = int(kwargs["num_pred_tokens"])
-  return LlamaCppPeer(name, path, model.tokenizer, stop_ids, draft, draft_gamma,
-                      n_threads=int(n_threads), n_ctx=int(n_ctx))
+  return LlamaCppPeer(name, path, None, stop_ids, draft, draft_gamma, n_threads=n_threads, n_ctx=n_ctx)
+
+
+# ------------------------------------------------------------------------------------- a peer in its own process
+
+
+def _serve(connection, maker: str, kwargs: dict[str, Any]) -> None:
+  """The child of `SubprocessPeer`: builds the peer with `maker` ("module:function") and answers decode requests
+  until it gets None. Replies are (kind, payload): "ready" with the peer's info, "ok" with a decode's (rows, traces,
+  seconds), "unavailable" or "error" with a reason."""
+  module, function = maker.split(":")
+  try:
+    peer = getattr(importlib.import_module(module), function)(**kwargs)
+    connection.send(("ready", peer.info()))
+  except Unavailable as e:
+    connection.send(("unavailable", str(e)))
+    return
+  except Exception as e:  # noqa: BLE001 - any failure to build it is the peer's, reported to the runner
+    connection.send(("error", f"{type(e).__name__}: {e}"))
+    return
+  while (request := connection.recv()) is not None:
+    try:
+      connection.send(("ok", peer.decode(*request)))
+    except Exception as e:  # noqa: BLE001
+      connection.send(("error", f"{type(e).__name__}: {e}"))
+
+
+class SubprocessPeer:
+  """A peer decoding in a process of its own (multiprocessing, spawned): its `generate` sends the prompts there and
+  builds the `Output` here from the rows, traces and seconds it gets back. A process that dies (a signal, an exit)
+  raises `PeerFailed` naming how, from the constructor or from `generate`; so does an exception there."""
+
+  def __init__(self, name: str, tokenizer, stop_ids: Sequence[int], gamma: int | None, maker: str,
+               kwargs: dict[str, Any]):
+    import multiprocessing
+    self.name, self.tokenizer, self.stop_ids, self.gamma = name, tokenizer, tuple(stop_ids), gamma
+    context = multiprocessing.get_context("spawn")  # not a fork of a process running XLA's threads
+    self._connection, child = context.Pipe()
+    self._process = context.Process(target=_serve, args=(child, maker, kwargs), daemon=True,
+                                    name=f"specjax-peer-{name}")
+    self._process.start()
+    child.close()
+    kind, payload = self._receive()
+    if kind == "unavailable":
+      self._process.join(10)
+      raise Unavailable(payload)
+    if kind != "ready":
+      raise PeerFailed(f"{name} failed to start: {payload}")
+    self.info = payload
+    atexit.register(self.close)
+
+  def _receive(self):
+    try:
+      return self._connection.recv()
+    except (EOFError, ConnectionError):
+      self._process.join(10)
+      code = self._process.exitcode
+      how = (f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0
+             else f"exited with status {code}")
+      raise PeerFailed(f"{self.name}: its process {how}") from None
+
+  def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> Output:
+    try:
+      self._connection.send(([list(map(int, p)) for p in prompts], int(max_new_tokens)))
+    except (BrokenPipeError, ConnectionError, OSError):
+      pass  # the process is gone: _receive says how
+    kind, payload = self._receive()
+    if kind != "ok":
+      raise PeerFailed(f"{self.name}: {payload}")
+    rows, traces, seconds = payload
+    return output(self.tokenizer, self.stop_ids, rows, traces, seconds, self.gamma, threads=self.info.get("threads"))
+
+  def close(self) -> None:
+    if self._process.is_alive():
+      try:
+        self._connection.send(None)
+      except (BrokenPipeError, ConnectionError, OSError):
+        pass
+      self._process.join(10)
+      if self._process.is_alive():
+        self._process.kill()
 
 
 # ----------------------------------------------------------------------------------------------------- entry
@@ -351,3 +499,10 @@ def make(name: str, model: specjax.Model, model_path: str, *, gamma: int, temper
     stop_ids = model.tokenizer.stop_ids if model.tokenizer else ()
   return makers[name](name, model, resolve_path(model_path), tuple(sorted(int(t) for t in stop_ids)), int(gamma),
                       **options)
+
+
+
+if __name__ == "__main__":  # python -m experiments.peers --cmake_args: LLAMACPP_INSTALL's build arguments
+  from absl import app, flags
+  flags.DEFINE_bool("cmake_args", False, "Print the CMAKE_ARGS that build llama.cpp for this CPU.")
+  app.run(lambda argv: print(llamacpp_cmake_args()) if flags.FLAGS.cmake_args else None)

@@ -188,7 +188,8 @@ def summarize(records: Sequence[dict], methods: Sequence[str], baseline: str,
   """
   info = methods_info or {}
   summary, per_category, intervals = {}, {}, {}
-  for method in methods:
+  timed = {r["method"] for r in records}
+  for method in [m for m in methods if m in timed]:  # a peer that failed before its first call has none
     batches = batch_throughput(records, method)
     rs = [r for r in records if r["method"] == method]
     tps = _median(b["tokens_per_second"] for b in batches.values())
@@ -714,6 +715,12 @@ def write(workdir: str, results: dict[str, Any]) -> str:
   unavailable = summary.get("unavailable_peers") or {}
   if unavailable:
     lines += ["", "Peers left out: " + "; ".join(f"{m} ({reason})" for m, reason in unavailable.items()) + "."]
+  failed = summary.get("failed_peers") or {}
+  if failed:
+    lines += ["", "Peers that failed (timed until then, left out from then on): " +
+              "; ".join(f"{m} ({reason})" for m, reason in failed.items()) + "."]
+  for m, info in (summary.get("peers") or {}).items():
+    lines += ["", f"{m} ran {', '.join(f'{k} {v}' for k, v in info.items())}."]
   agreement = agreement_table(summary)
   if agreement:
     lines += ["", f"Greedy agreement with {summary['baseline']} (lossless methods agree fully; peers run other "

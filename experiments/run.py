@@ -180,9 +180,10 @@ def check_methods(config: ml_collections.ConfigDict) -> list[dict]:
 
 
 def make_methods(config: ml_collections.ConfigDict, model: specjax.Model,
-                 unavailable: dict[str, str] | None = None) -> list[Method]:
+                 unavailable: dict[str, str] | None = None, failed: dict[str, str] | None = None) -> list[Method]:
   """The methods to run (`check_methods`' specs), the autoregressive baseline first. A peer whose library is not
-  installed is left out; `unavailable`, when given, receives its name and the reason."""
+  installed is left out; `unavailable`, when given, receives its name and the reason. So is a peer whose process
+  failed to start (`peers.PeerFailed`), into `failed`."""
   chosen = check_methods(config)
   unshipped = missing_checkpoints(chosen, model)
   for method, missing in unshipped.items():
@@ -198,11 +199,12 @@ def make_methods(config: ml_collections.ConfigDict, model: specjax.Model,
       temperature = ([*config.get("temperatures", ())] or [config.temperature])[0]
       try:
         peer = peers.make(spec["peer"], model, config.model, gamma=gamma, temperature=temperature, **options)
-      except peers.Unavailable as e:
+      except (peers.Unavailable, peers.PeerFailed) as e:
         print(f"leaving out {spec['name']}: {e}")
         logging.warning("leaving out %s: %s", spec["name"], e)
-        if unavailable is not None:
-          unavailable[spec["name"]] = str(e)
+        into = unavailable if isinstance(e, peers.Unavailable) else failed
+        if into is not None:
+          into[spec["name"]] = str(e)
         continue
       methods.append(Method(spec["name"], None, gamma, spec["name"], options, peer=peer))
       continue
@@ -316,16 +318,25 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model: specjax.Model
     mesh = sharding.make_mesh(*config.mesh_shape)
     model = sharding.shard_model(model, mesh)  # place the parameters once, not in every timed call
   unavailable_peers: dict[str, str] = {}
-  methods = make_methods(config, model, unavailable_peers)
+  failed_peers: dict[str, str] = {}  # peers whose process died or failed: not timed from then on
+  methods = make_methods(config, model, unavailable_peers, failed_peers)
   baseline = methods[0].name
   temperatures = [float(t) for t in config.get("temperatures", ())] or [float(config.temperature)]
 
-  def call(method: Method, batch: PromptBatch, temperature: float) -> tuple[specjax.Output, float, int]:
-    """One generate call: (output, wall seconds, compilations it triggered)."""
+  def call(method: Method, batch: PromptBatch, temperature: float) -> tuple[specjax.Output, float, int] | None:
+    """One generate call: (output, wall seconds, compilations it triggered); None for a peer that failed, now (it
+    is reported under `summary.failed_peers` and not called again) or before."""
     compiled_before = compilation.count()
     start = time.perf_counter()
     if method.peer is not None:
-      out = method.peer.generate(batch.prompts, max_new_tokens=config.max_new_tokens)
+      if method.name in failed_peers:
+        return None
+      try:
+        out = method.peer.generate(batch.prompts, max_new_tokens=config.max_new_tokens)
+      except peers.PeerFailed as e:
+        failed_peers[method.name] = str(e)
+        logging.error("%s failed on batch %d and is not timed from here on: %s", method.name, batch.index, e)
+        return None
       return out, time.perf_counter() - start, 0
     out = specjax.generate(model, list(batch.prompts), max_new_tokens=config.max_new_tokens,
                            temperature=temperature, top_k=config.top_k, top_p=config.top_p,
@@ -345,7 +356,10 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model: specjax.Model
       # calls does not always favour the methods run first.
       shift = repeat % len(methods)
       for method in methods[shift:] + methods[:shift]:
-        out, seconds, new_programs = call(method, batch, temperature)
+        called = call(method, batch, temperature)
+        if called is None:
+          continue
+        out, seconds, new_programs = called
         compile_call_seconds = None
         if new_programs:  # this call compiled a new shape: time a second, compiled call instead
           compile_call_seconds = out.stats["compile_seconds"]
@@ -405,7 +419,10 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model: specjax.Model
       compile_seconds = done["warmup", batch_size, temperature]["compile_seconds"]
     elif config.warmup:
       for method in methods:
-        out, seconds, _ = call(method, batches[0], temperature)
+        called = call(method, batches[0], temperature)
+        if called is None:
+          continue
+        out, seconds, _ = called
         compile_seconds[method.name] = out.stats["compile_seconds"]
         logging.info("warmup %s (batch %d, temperature %g): %.1f s, of which compiling %.1f s", method.name,
                      batch_size, temperature, seconds, compile_seconds[method.name])
@@ -447,6 +464,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model: specjax.Model
     summary["all_lossless"] = False
   summary["skipped_methods"] = missing_checkpoints([dict(m) for m in config.methods], model)
   summary["unavailable_peers"] = unavailable_peers  # peers left out, with why (a library not installed)
+  summary["failed_peers"] = failed_peers  # peers whose process died or failed, with how: timed until then
+  summary["peers"] = {m.name: m.peer.info for m in methods if getattr(m.peer, "info", None)}  # their builds
   results = {
       "name": name,
       "config": config.to_dict(),

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 
+import ml_collections
 import numpy as np
 import pytest
 
@@ -129,8 +129,9 @@ def tiny_chat_dir(tiny_chat, tmp_path_factory) -> str:
 
 @pytest.mark.slow
 def test_runner_times_peers_and_reports_their_agreement(tiny_chat_dir, tmp_path, monkeypatch, capsys):
-  monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as where llama-cpp-python is not installed
+  monkeypatch.setattr(peers, "llamacpp_installed", lambda: False)  # as where llama-cpp-python is not installed
   config = quickstart.get_config()
+  config.control = False
   config.model = tiny_chat_dir
   config.max_new_tokens = 5
   config.prompts.categories = ("qa", "writing")
@@ -170,6 +171,7 @@ def test_a_peer_that_disagrees_is_reported_not_failed(tiny_chat_dir, tmp_path, m
     return dataclasses.replace(out, tokens=[row[:-1] + [row[-1] + 1] for row in out.tokens])
   monkeypatch.setattr(peers.HFPeer, "generate", flipped)
   config = quickstart.get_config()
+  config.control = False
   config.model = tiny_chat_dir
   config.max_new_tokens = 4
   config.prompts.categories = ("qa",)
@@ -182,6 +184,60 @@ def test_a_peer_that_disagrees_is_reported_not_failed(tiny_chat_dir, tmp_path, m
   assert 0.0 <= summary["methods"]["hf_autoregressive"]["agreement"] < 1.0
   assert all(r["matches_baseline"] is None for r in results["records"] if r["method"] == "hf_autoregressive")
   assert "LOSSLESS CHECK FAILED" not in (tmp_path / "results.md").read_text()
+
+
+def _peer_config(path: str, maker: str, monkeypatch) -> ml_collections.ConfigDict:
+  """A run of autoregressive decoding and a llama.cpp peer whose process `maker` builds (tests/peer_processes.py)."""
+  monkeypatch.setattr(peers, "LLAMACPP_MAKER", maker)
+  monkeypatch.setattr(peers, "llamacpp_installed", lambda: True)  # the test's peer processes need no llama.cpp
+  config = quickstart.get_config()
+  config.update(control=False, model=path, max_new_tokens=3, repeats=1)
+  config.costs.enabled = False
+  config.prompts.categories = ("qa", "writing")
+  config.methods = ({"name": "autoregressive"}, {"name": "llama", "peer": "llamacpp_autoregressive"})
+  return config
+
+
+def test_a_peer_whose_process_dies_is_reported_and_the_run_goes_on(tiny_chat, tmp_path, monkeypatch):
+  gguf = tmp_path / "model.gguf"
+  gguf.write_bytes(b"")
+  # Its process answers the warmup and batch 0, then dies on batch 1 as a llama.cpp built for another CPU does.
+  config = _peer_config(str(gguf), "tests.peer_processes:dies_on_third_decode", monkeypatch)
+  results = run.run(config, str(tmp_path / "run"), model=tiny_chat, name="peers")
+  summary = results["summary"]
+  assert summary["failed_peers"] == {"llama": "llamacpp_autoregressive: its process was killed by SIGILL"}
+  assert summary["peers"] == {"llama": {"library": "echo", "threads": 1}}  # the build it timed
+  assert [(r["batch"], r["method"]) for r in results["records"]] == [
+      (0, "autoregressive"), (0, "llama"), (1, "autoregressive")]
+  assert summary["methods"]["llama"]["batches"] == 1 and summary["all_lossless"] is True
+  text = (tmp_path / "run" / "results.md").read_text()
+  assert "Peers that failed (timed until then, left out from then on): llama (llamacpp_autoregressive: its process " \
+         "was killed by SIGILL)." in text and "llama ran library echo, threads 1." in text
+
+
+@pytest.mark.parametrize("maker, into, reason", [
+    ("tests.peer_processes:dies_at_start", "failed", "llamacpp_autoregressive: its process was killed by SIGILL"),
+    ("tests.peer_processes:not_installed", "unavailable", "llama-cpp-python is not installed (in the test's peer "
+                                                          "process)")])
+def test_a_peer_whose_process_cannot_start_is_left_out_with_why(maker, into, reason, tiny_chat, tmp_path,
+                                                                monkeypatch):
+  gguf = tmp_path / "model.gguf"
+  gguf.write_bytes(b"")
+  found = {"failed": {}, "unavailable": {}}
+  methods = run.make_methods(_peer_config(str(gguf), maker, monkeypatch), tiny_chat, found["unavailable"],
+                             found["failed"])
+  assert [m.name for m in methods] == ["autoregressive"]
+  assert found == {into: {"llama": reason}, **{k: {} for k in found if k != into}}
+
+
+def test_llamacpp_is_built_for_the_features_the_cpu_lists_and_never_amx():
+  args = lambda flags: dict(a.removeprefix("-D").split("=") for a in peers.llamacpp_cmake_args(flags).split())
+  xeon = args("fpu avx avx2 fma f16c avx512f avx512_vnni avx512_bf16 amx_tile amx_int8 amx_bf16".split())
+  epyc = args("fpu avx avx2 fma f16c".split())
+  assert xeon["GGML_AVX512"] == xeon["GGML_AVX512_VNNI"] == xeon["GGML_AVX512_BF16"] == "ON"
+  assert epyc["GGML_AVX2"] == "ON" and epyc["GGML_AVX512"] == epyc["GGML_AVX512_VNNI"] == "OFF"
+  for built in (xeon, epyc):
+    assert built["GGML_NATIVE"] == built["GGML_AMX_TILE"] == built["GGML_AMX_INT8"] == built["GGML_AMX_BF16"] == "OFF"
 
 
 @pytest.mark.parametrize("arg", [None, "small"])
