@@ -189,9 +189,10 @@ def drafter_training(config: ml_collections.ConfigDict, workdir: str, small: boo
   config.export_dtype = "bfloat16"
   config.export_path = ""  # default <workdir>/<drafter>.safetensors
   # Acceptance on Spec-Bench (evaluation only): greedy, chain of `gamma` drafts; after training, or at every
-  # evaluation step with `along_the_way`.
+  # evaluation step with `along_the_way`. Prompts of the dev side of the dev/test split only: the comparisons report
+  # on the test side, which nothing in training reads.
   config.spec_bench = ml_collections.ConfigDict({"enabled": True, "per_category": 1, "max_new_tokens": 128,
-                                                "gamma": 4, "along_the_way": False})
+                                                "gamma": 4, "along_the_way": False, "split": "dev"})
 
   config.workdir = workdir
   if small:

@@ -51,10 +51,11 @@ def open_caches(data_dir: str, held_out_dir: str = "") -> dict[str, features.Fea
 def spec_bench_acceptance(model, drafter, config: ml_collections.ConfigDict,
                           references: dict[int, list] | None = None) -> dict[str, Any]:
   """Greedy mean_accepted (tokens per target forward, pooled over prompts) and alpha of `drafter` on the first
-  `per_category` Spec-Bench prompts of every category; every output is checked against autoregressive decoding
+  `per_category` Spec-Bench prompts of every category on the config's `split` side (dev); every output is checked against autoregressive decoding
   (whose tokens are kept in `references`, by question id, when a dict is given: a run evaluated many times
   decodes each prompt autoregressively once)."""
-  questions = spec_bench.select(spec_bench.load_questions(), per_category=config.per_category)
+  questions = spec_bench.select(spec_bench.load_questions(), per_category=config.per_category,
+                                split=config.get("split", "dev"))
   references = {} if references is None else references
   per_category: dict[str, list[float]] = {}
   lossless, produced, rounds, accepted, tested = True, 0, 0, 0, 0
