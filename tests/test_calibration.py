@@ -213,11 +213,12 @@ def test_the_calibrated_costs_config_pairs_each_drafter_calibrated_and_typed():
     assert (config.model, config.chat) == (model, chat)
     assert len(spec_bench.select(questions, **config.prompts.to_dict())) == prompts
     names = [m["name"] for m in run.check_methods(config)]
-    assert names == [m["name"] for m in config.methods] and names[0] == "autoregressive"
+    assert names == ["autoregressive", run.CONTROL] + [m["name"] for m in config.methods[1:]]
     calibrated = [n for n in names if n.endswith("_calibrated")]
     assert calibrated and [report.calibrated_pair(n, names) for n in calibrated] == [
         n.replace("_calibrated", "_typed") for n in calibrated]
-    assert len(names) == 1 + 2 * len(calibrated)
+    assert len(names) == 2 + 2 * len(calibrated)
+    assert config.methods[0]["name"] == "autoregressive"
     for method in config.methods[1:]:
       assert method["adaptive"] == ({} if method["name"].endswith("_calibrated") else {"forward_costs": "typed"})
   assert tuple(calibrated_costs.get_config("smollm2,batch4").batch_sizes) == (1, 4)

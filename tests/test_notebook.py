@@ -103,7 +103,7 @@ def test_compare_notebook_runs_the_shipped_drafters_through_the_runner(executed_
   text = "\n".join(stream_text(cell) for cell in cells)
   assert "backend: cpu" in text and "mtp_parallel.safetensors, mtp_sequential.safetensors" in text
   summary = json.loads(next(line for line in text.splitlines() if line.startswith("SUMMARY "))[len("SUMMARY "):])
-  assert list(summary) == ["autoregressive", "mtp_parallel", "mtp_sequential"]  # SMALL's methods
+  assert list(summary) == ["autoregressive", "control", "mtp_parallel", "mtp_sequential"]  # SMALL's, and the control
   for name in ("mtp_parallel", "mtp_sequential"):
     stats = summary[name]
     assert stats["lossless"], f"{name}: greedy speculative tokens differ from autoregressive"
