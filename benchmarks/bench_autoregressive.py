@@ -11,7 +11,11 @@ window.
 
 For each case (dtype x batch size) it times greedy `specjax.generate` for exactly `new_tokens` tokens
 (stop_ids=(), so no row stops early) and for 1 token (prefill only). Then
-  decode step time     = (t(new_tokens) - t(1)) / (new_tokens - 1)
+  decode step time     = (t(new_tokens) - t(1)) / (new_tokens - 1), the median over rounds of each round's pair,
+                         with its range over rounds: the two calls prefill the prompt alike, but a long prompt's
+                         prefill moves from call to call (a 1,447-token prefill of Gemma-3-270M in bfloat16 took
+                         8.7-12.9 s in five rounds on a shared 2-core host), and divided over new_tokens - 1 steps
+                         that noise can outweigh the step; the range says when it does
   compile time         = first call - median of the later calls (for each of the two programs)
   bytes per step       = all parameter bytes + KV bytes attended (`specjax.roofline.kv_bytes_read`: per layer
                          {K,V} x batch x positions it reads (a sliding layer at most its window), averaged over
@@ -142,25 +146,27 @@ def main(argv):
         f"{_REPEATS.value} interleaved rounds")
   print(f"jax {jax.__version__} on {jax.devices()}, {os.cpu_count()} CPUs; read bandwidth "
         f"{bandwidth / 1e9:.1f} GB/s (a jitted sum, median of {len(bandwidths)} medians)\n")
-  header = (f"{'case':<31} {'tokens/s':>9} {'decode ms/step':>15} {'decode tok/s':>13} {'compile s':>10} "
-            f"{'MB/step':>8} {'GB/s':>6} {'roofline':>9}")
+  header = (f"{'case':<31} {'tokens/s':>9} {'decode ms/step':>15} {'(range)':>13} {'decode tok/s':>13} "
+            f"{'prefill s':>10} {'compile s':>10} {'MB/step':>8} {'GB/s':>6} {'roofline':>9}")
   print(header)
   print("-" * len(header))
   rows = {}
   for c in cases:
     t_n, t_1 = statistics.median(times[(c.name, n)]), statistics.median(times[(c.name, 1)])
-    step = (t_n - t_1) / (n - 1)
+    steps = [(a - b) / (n - 1) for a, b in zip(times[(c.name, n)], times[(c.name, 1)])]  # each round's pair
+    step = statistics.median(steps)
     compile_s = first[(c.name, n)] - t_n + first[(c.name, 1)] - t_1
     positions_in_use = len(prompt) + n / 2  # mean over the decode steps
     step_bytes = c.param_bytes + c.batch * roofline.kv_bytes_read(c.config, positions_in_use)
     rows[c.name] = c.batch * n / t_n
     compile_text = "–" if isinstance(c, HFCase) else f"{compile_s:.1f}"  # torch eager: nothing to compile
-    print(f"{c.name:<31} {c.batch * n / t_n:>9.1f} {1e3 * step:>15.1f} {c.batch / step:>13.1f} "
-          f"{compile_text:>10} {step_bytes / 1e6:>8.0f} {step_bytes / step / 1e9:>6.1f} "
+    spread = f"{1e3 * min(steps):.1f}-{1e3 * max(steps):.1f}"
+    print(f"{c.name:<31} {c.batch * n / t_n:>9.1f} {1e3 * step:>15.1f} {spread:>13} {c.batch / step:>13.1f} "
+          f"{t_1:>10.2f} {compile_text:>10} {step_bytes / 1e6:>8.0f} {step_bytes / step / 1e9:>6.1f} "
           f"{step_bytes / step / bandwidth:>8.0%}")
   print("\ntokens/s: batch x new tokens / wall time of the whole call (prefill included); decode: per step, "
-        "prefill excluded;\ncompile s: first calls minus median calls (both programs); roofline: "
-        "(MB/step / step time) / read bandwidth.\n")
+        "prefill excluded (median over rounds, and its range);\nprefill s: the 1-token call; compile s: first calls "
+        "minus median calls (both programs); roofline: (MB/step / step time) / read bandwidth.\n")
   hf = next((c for c in cases if isinstance(c, HFCase)), None)
   for dtype in ("float32", "bfloat16"):
     ours = next((c for c in cases if isinstance(c, SpecjaxCase) and c.model.config.dtype == dtype
