@@ -627,7 +627,7 @@ def compare_drafters_block(runs: Runs, prefix: str, folder: str = "compare_draft
   run = runs[folder]
   compiled = projection.read(str(runs.root / projection.COSTS_FILE))
   rows = ["| method | γ | speedup (paired median, 90% interval) | mean accepted | alpha | from drafts | "
-          f"accepted at k = 1 / 2 / 3 / 4 | c | r | predicted | projected on TPU {projection.TOPOLOGY} |",
+          f"accepted at k = 1 / 2 / 3 / 4 | c | r | predicted | projected on TPU {projection.TOPOLOGY} (XLA's counts) |",
           "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
   for m in run.methods():
     s = run.results["summary"]["methods"][m]
@@ -675,7 +675,8 @@ def trees_block(runs: Runs, prefix: str, folder: str = "trees") -> str:
   compiled = projection.read(str(runs.root / projection.COSTS_FILE))
   summary = run.results["summary"]["methods"]
   rows = ["| drafter | nodes | tokens per forward | accepted at depth 1 / 2 / 3 / 4 | speedup (paired median, 90% "
-          f"interval) | over its chain | projected on TPU {projection.TOPOLOGY} |", "|---|---:|---:|---|---:|---:|---:|"]
+          f"interval) | over its chain | projected on TPU {projection.TOPOLOGY} (XLA's counts) |",
+          "|---|---:|---:|---|---:|---:|---:|"]
   chains = [m for m in run.methods() if summary[m].get("gamma") and not summary[m].get("tree_nodes")]
   for chain in chains:
     trees = sorted((m for m in run.methods() if m.startswith(f"{chain}_tree") and summary[m].get("tree_nodes")),
