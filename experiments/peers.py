@@ -19,7 +19,9 @@ A method spec names a peer where a specjax method names a drafter (configs/bench
 llama.cpp runs in a process of its own (`SubprocessPeer`): its native code can die (an instruction the CPU lacks,
 as an AMX build does on a host without AMX), and a peer that dies is reported (`PeerFailed`: the runner records why
 under `summary.failed_peers` and goes on without it) instead of taking the run with it. Its build (version and the
-CPU features it was compiled for, `llama_print_system_info`) is recorded with the run (`summary.peers`).
+CPU features it was compiled for, `llama_print_system_info`) is recorded with the run (`summary.peers`). The process
+is spawned: it imports the main module again, so a script that makes a llama.cpp peer needs the
+`if __name__ == "__main__":` guard (experiments.run has it).
 
 What is held equal: the prompt token ids (the chat template as the runner renders it), greedy decoding, the
 runner's `max_new_tokens` and the tokenizer's stop tokens (a row ends with its stop token, as in specjax).
@@ -68,7 +70,7 @@ LLAMACPP_PEERS = ("llamacpp_autoregressive", "llamacpp_prompt_lookup")
 PEERS = HF_PEERS + LLAMACPP_PEERS
 INSTALL_HINT = "pip install 'specjax[peers]'"
 LLAMACPP_INSTALL = ('CMAKE_ARGS="$(python -m experiments.peers --cmake_args)" pip install --no-cache-dir '
-                    "--force-reinstall --no-deps llama-cpp-python")  # built for this CPU (`llamacpp_cmake_args`), no wheel of another host's
+                    "-e '.[peers]'")  # built for this CPU (`llamacpp_cmake_args`), not a cached wheel of another host's
 # llama.cpp's CPU features by /proc/cpuinfo flag: each one the host has is switched on, the rest off. AMX is always
 # off: a build with it died with SIGILL (`tilezero` in a worker thread) on a host that lists amx_tile, and a native
 # build takes it from the compiler's flags whatever GGML_AMX_* say, so the build is never native.
