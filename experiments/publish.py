@@ -16,7 +16,8 @@ some; a superseded run's folder moves to results/archive/ (`git mv`; the check f
 after a run (`CODE_CHANGES`: the ones that change what the runs measure) are listed beside it.
 
 Speedups are the median over prompts of paired speedups (each prompt's tokens/s against autoregressive decoding's
-on it, the calls interleaved, repeats averaged before pairing) with a distribution-free 90% interval (`report.paired_speedups`, `report.median_interval`).
+on it, the calls interleaved, repeats averaged before pairing) with a distribution-free 90% interval
+(`report.paired_speedups`, `report.median_interval`).
 """
 
 from __future__ import annotations
@@ -627,7 +628,8 @@ def compare_drafters_block(runs: Runs, prefix: str, folder: str = "compare_draft
   run = runs[folder]
   compiled = projection.read(str(runs.root / projection.COSTS_FILE))
   rows = ["| method | γ | speedup (paired median, 90% interval) | mean accepted | alpha | from drafts | "
-          f"accepted at k = 1 / 2 / 3 / 4 | c | r | predicted | projected on TPU {projection.TOPOLOGY} (XLA's counts) |",
+          "accepted at k = 1 / 2 / 3 / 4 | c | r | predicted | "
+          f"projected on TPU {projection.TOPOLOGY} (XLA's counts) |",
           "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
   for m in run.methods():
     s = run.results["summary"]["methods"][m]

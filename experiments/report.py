@@ -1,13 +1,13 @@
 """Summary, Markdown table and plots of a run's timing records.
 
-Per method and prompt batch, the batch's time is the median over repeats; tokens/s of a method is the median
-over batches of (new tokens / batch time). There is one speedup: the median over prompt batches (one prompt at batch size 1) of the paired
-speedups, each the method's tokens/s over the baseline's on the same prompts, the calls interleaved and averaged
-over repeats before pairing (`paired_speedups`: the repeats of a prompt are not independent), with a
-distribution-free 90% interval from their order statistics (`median_interval`: a binomial bound, no resampling).
-On a shared machine one call's time moves by 10-20%, so a single prompt cannot tell 0.95x from 1.0x; the interval
-says how many prompts do, and a run's never-drafting `control` (autoregressive decoding timed as a method) shows
-the measurement floor.
+Per method and prompt batch, the batch's time is the median over repeats; tokens/s of a method is the median over
+batches of (new tokens / batch time). There is one speedup: the median over prompt batches (one prompt at batch size
+1) of the paired speedups, each the method's tokens/s over the baseline's on the same prompts, the calls interleaved
+and averaged over repeats before pairing (`paired_speedups`: the repeats of a prompt are not independent), with a
+distribution-free 90% interval from their order statistics (`median_interval`: a binomial bound, no resampling). On
+a shared machine one call's time moves by 10-20%, so a single prompt cannot tell 0.95x from 1.0x; the interval says
+how many prompts do, and a run's never-drafting `control` (autoregressive decoding timed as a method) shows the
+measurement floor.
 `category_intervals` gives the same per category. A method whose drafts made fewer than `FEW_DRAFTS` of its
 tokens (adaptive drafting that chose plain target steps) is labelled with its draft share instead of a speedup
 bar: its speed is autoregressive decoding's, whatever the drafter.
