@@ -2,7 +2,7 @@ r"""Every drafter with adaptive drafting against autoregressive decoding, catego
 
   python -m experiments.run --config=configs/adaptive_by_category.py          # 4 prompts x 13 categories, 3 repeats
   python -m experiments.run --config=configs/adaptive_by_category.py:small    # 2 prompts x 13 categories, 3 repeats
-  python -m experiments.run --config=configs/adaptive_by_category.py:full     # 10 prompts x 13 categories, 3 repeats
+  python -m experiments.run --config=configs/adaptive_by_category.py:full     # 5 prompts x 13 categories, 3 repeats
 
 The question it answers: does any drafter, with the library's default adaptive drafting (at most `gamma` = 4
 tokens a round, plain steps where drafting cannot pay), decode slower than autoregressive decoding on some
@@ -15,8 +15,8 @@ contains it, or lies below it. Drafters: configs/common.py's DRAFTERS (prompt lo
 after layer 24, the shipped MTP heads, distilled draft model and exit adapter). Greedy, batch 1, 64 new tokens;
 every output is checked token for token against autoregressive decoding.
 
-`:full` takes 10 prompts a category (all of each MT-bench category's): 30 pairs a category instead of 12, for
-intervals about sqrt(12/30) = 0.6 times as wide.
+Prompts of the test side of the dev/test split (experiments/spec_bench.py `in_split`). `:full` takes 5 prompts a
+category (all of each MT-bench category's test side): the 65 prompts the comparisons report.
 
 Time on 2 CPU cores: 7 methods x 52 prompts x 3 repeats of 64 tokens took 33 min (results/adaptive_by_category/),
 7 min of it compiling each method for the five prompt-length buckets (46 programs, with a warm compilation cache);
@@ -30,7 +30,7 @@ def get_config(arg=None):
   variants = common.parse_variants(arg, "configs/adaptive_by_category.py", ("small", "full"))
   if len(variants) > 1:
     raise ValueError("configs/adaptive_by_category.py: 'small' and 'full' exclude each other")
-  per_category = {"small": 2, "full": 10}.get(next(iter(variants), None), 4)
+  per_category = {"small": 2, "full": 5}.get(next(iter(variants), None), 4)
   config = common.spec_bench_run(per_category=per_category, max_new_tokens=64, repeats=3)
   config.methods = common.methods("autoregressive") + common.methods(*common.DRAFTERS, adaptive=True, gamma=4)
   return config

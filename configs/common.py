@@ -96,7 +96,10 @@ def parse_variants(arg, config_name: str, allowed: tuple[str, ...]) -> set:
 
 
 def spec_bench_run(*, per_category: int, max_new_tokens: int, adaptive: bool = True, repeats: int = 1,
-                   model: str = MODEL) -> ml_collections.ConfigDict:
+                   model: str = MODEL, split: str = "test") -> ml_collections.ConfigDict:
+  """A Spec-Bench run's config. `split`: the side of the dev/test split its prompts come from (experiments/spec_bench.py
+  `in_split`): "test" for the runs that report (comparisons), "dev" for those that choose a constant (sweeps of
+  gamma, depth, tree size and the adaptive policy's optimism), so nothing is tuned on the prompts it is reported on."""
   config = ml_collections.ConfigDict()
   config.model = model
   config.dtype = "float32"  # the dtype tested for parity with HF transformers
@@ -106,7 +109,7 @@ def spec_bench_run(*, per_category: int, max_new_tokens: int, adaptive: bool = T
   config.prompts.per_category = per_category  # the first N of each category (0: all)
   config.prompts.question_ids = ()  # explicit ids instead of categories/per_category
   config.prompts.max_prompts = 0  # 0: no cap
-  config.prompts.split = ""  # "dev" / "test": one side of the dev/test split (experiments/spec_bench.py in_split)
+  config.prompts.split = split  # "dev" / "test": one side of the dev/test split; "" every question
   config.chat = True  # apply the model's chat template to the first turn
   # N > 0: each question preceded by the questions before it in the file until its prompt holds >= N tokens
   # (experiments/spec_bench.py `prompt_text`): a long context ending with the question (sliding windows exercised)
@@ -134,11 +137,11 @@ def spec_bench_run(*, per_category: int, max_new_tokens: int, adaptive: bool = T
   return config
 
 
-def drafter_comparison(*, small: bool, adaptive: bool = False) -> ml_collections.ConfigDict:
+def drafter_comparison(*, small: bool, adaptive: bool = False, split: str = "test") -> ml_collections.ConfigDict:
   """The run of configs/compare_drafters.py and of the sweeps over its drafters: 5 prompts of each category, 128 new
   tokens, 2 repeats (`small`: 1 prompt, 64 tokens, 1 repeat), top-p 0.9 where sampling, costs measured."""
   config = spec_bench_run(per_category=1 if small else 5, max_new_tokens=64 if small else 128, adaptive=adaptive,
-                          repeats=1 if small else 2)
+                          repeats=1 if small else 2, split=split)
   config.top_p = 0.9  # applies when sampling
   config.costs = costs(repeats=5)
   return config
@@ -157,8 +160,8 @@ def adaptive_variants(per_category: int, categories: tuple[str, ...], drafters: 
                       variants: dict[str, dict]) -> ml_collections.ConfigDict:
   """A Spec-Bench run (greedy, batch 1, 64 new tokens, 3 repeats) of autoregressive decoding and each of `drafters`
   (names in `METHODS`) under each of `variants` ({suffix: AdaptiveDrafting options}; a method is named
-  <drafter><suffix>), at a static maximum gamma of 4."""
-  config = spec_bench_run(per_category=per_category, max_new_tokens=64, repeats=3)
+  <drafter><suffix>), at a static maximum gamma of 4. It chooses among the variants: prompts of the dev side."""
+  config = spec_bench_run(per_category=per_category, max_new_tokens=64, repeats=3, split="dev")
   config.prompts.categories = categories
   config.methods = methods("autoregressive") + tuple(
       {**method, "name": f"{method['name']}{suffix}", "adaptive": dict(options), "gamma": 4}

@@ -20,7 +20,7 @@ EXIT_LAYERS = (8, 16, 20, 24, 28)
 
 def get_config(arg=None):
   variants = common.parse_variants(arg, "configs/depth_sweep.py", ("small",))
-  config = common.drafter_comparison(small="small" in variants)
+  config = common.drafter_comparison(small="small" in variants, split="dev")
   if "small" not in variants:
     config.prompts.per_category = 2
   config.methods = (common.methods("autoregressive") + tuple(common.layer_skip_exit(k) for k in EXIT_LAYERS)

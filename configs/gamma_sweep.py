@@ -22,7 +22,7 @@ METHODS = ("autoregressive", "prompt_lookup", "layer_skip_best_set", "layer_skip
 
 def get_config(arg=None):
   variants = common.parse_variants(arg, "configs/gamma_sweep.py", ("small",))
-  config = common.drafter_comparison(small="small" in variants)
+  config = common.drafter_comparison(small="small" in variants, split="dev")
   if "small" not in variants:
     config.prompts.per_category = 2
   config.gammas = (1, 2, 3, 4, 6)

@@ -28,7 +28,7 @@ CPU_TREE = 7  # nodes: with the pending token one 8-row pass of the CPU kernels
 
 def get_config(arg=None):
   variants = common.parse_variants(arg, "configs/trees.py", ("small", "mtp"))
-  config = common.drafter_comparison(small="small" in variants)  # fixed rounds (config.adaptive False)
+  config = common.drafter_comparison(small="small" in variants, split="dev")  # fixed rounds
   drafters, sizes = (MTP, (CPU_TREE,)) if "mtp" in variants else (DRAFTERS, TREE_NODES)
   trees = tuple({**method, "name": f"{method['name']}_tree{nodes}", "tree_nodes": nodes}
                 for method in common.methods(*drafters) for nodes in sizes)

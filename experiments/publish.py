@@ -381,12 +381,19 @@ def _num(x: float | None, spec: str) -> str:
   return "–" if x is None else format(x, spec)
 
 
+def split_words(config: dict) -> str:
+  """Which side of the dev/test split a run's prompts came from, as words after their description ("" for runs that
+  took every question, as runs before the split did)."""
+  split = config.get("prompts", {}).get("split", "")
+  return f" ({split} side of the dev/test split)" if split else ""
+
+
 def _describe_prompts(run: Run) -> str:
   prompts, categories = run.results["prompts"], run.categories()
   names = "Spec-Bench's 13 categories" if len(categories) == 13 else ", ".join(categories)
   min_tokens = run.results["config"].get("min_prompt_tokens", 0)
   longer = (f" (plain text, each after the questions before it until it holds >= {min_tokens:,} tokens)"
-            if min_tokens else "")
+            if min_tokens else "") + split_words(run.results["config"])
   if len(prompts) % len(categories):
     return f"{len(prompts)} prompts of {names}{longer}"
   each = len(prompts) // len(categories)
@@ -1077,7 +1084,8 @@ def readme_results_block(runs: Runs, prefix: str) -> str:
   setting = [f"{config['model']} {config['dtype']}",
              "greedy" if config["temperature"] == 0 else f"temperature {config['temperature']}",
              f"batch {config['batch_size']}", f"{config['max_new_tokens']} new tokens",
-             f"the first {config['prompts']['per_category']} prompts of each of Spec-Bench's {widest} categories"]
+             f"the first {config['prompts']['per_category']} prompts of each of Spec-Bench's {widest} categories"
+             f"{split_words(config)}"]
   if all(runs[name].results["summary"].get("all_lossless") is True for name in chosen):
     setting.append("every output equal to autoregressive decoding's")
   return (f"With adaptive drafting on {'/'.join(map(str, sorted(cpu_counts)))} CPU cores ({', '.join(setting)}), "

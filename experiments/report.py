@@ -681,7 +681,9 @@ def write(workdir: str, results: dict[str, Any]) -> str:
   temperatures = list(summary.get("by_temperature") or [config["temperature"]])
   batch_sizes = list(summary.get("by_batch_size") or [str(config["batch_size"])])
   lines = [f"# {results['name']}\n", table, "",
-           f"{config['model']} ({config['dtype']}), prompts: {len(results['prompts'])}, max_new_tokens "
+           f"{config['model']} ({config['dtype']}), prompts: {len(results['prompts'])}"
+           f"{' (' + config['prompts']['split'] + ' side of the dev/test split)' if config['prompts'].get('split') else ''}"
+           f", max_new_tokens "
            f"{config['max_new_tokens']}, temperature {', '.join(map(str, temperatures))} (this table: the first; "
            f"top-p {config['top_p']} when sampling), batch {', '.join(batch_sizes)} (this table: the first); "
            f"jax {env['jax']} on "

@@ -7,7 +7,8 @@ r"""Searches which layers a layer-skip drafter should skip, and saves the record
       [--candidate_pool=14]
 
 `--method=generate` (the default) decodes calibration prompts with every candidate set; they are Spec-Bench
-questions taken from the END of each category (the experiments use the first ones). `--method=teacher_forced`
+questions of the dev side of the dev/test split (experiments/spec_bench.py `in_split`; the comparisons report the
+test side), taken from the END of each category. `--method=teacher_forced`
 scores deep sets on ShareGPT training sequences and touches no evaluation prompt.
 """
 
@@ -26,12 +27,12 @@ def calibration_prompts(model, questions, num_prompts: int, *, max_new_tokens: i
                         ) -> tuple[list, list[list[int]]]:
   """Chat prompts from Spec-Bench questions that share one compiled shape, spread over categories.
 
-  Takes questions round-robin over categories from the END of each category (the benchmarks use the first
-  ones), keeping those whose padded width and cache lengths (autoregressive and speculative) equal the first
+  Takes questions of the dev side of the dev/test split round-robin over categories from the END of each category,
+  keeping those whose padded width and cache lengths (autoregressive and speculative) equal the first
   one's, so each candidate compiles one program. Returns (questions, token ids).
   """
   by_category: dict[str, list] = {}
-  for q in questions:
+  for q in (q for q in questions if spec_bench.in_split(q, questions, "dev")):
     by_category.setdefault(q.category, []).append(q)
   pools = [list(reversed(qs)) for qs in by_category.values()]
   order = [pool[i] for i in range(max(map(len, pools))) for pool in pools if i < len(pool)]

@@ -232,7 +232,7 @@ def test_a_run_reports_the_forward_costs_each_method_planned_with(tiny_chat, cal
   config = calibrated_costs.get_config("smollm2,small")
   config.methods = tuple(m for m in config.methods if m["name"] in ("autoregressive", "prompt_lookup_calibrated",
                                                                      "prompt_lookup_typed"))
-  config.prompts.categories = ("qa", "writing")
+  config.prompts.categories = ("qa", "humanities")
   config.max_new_tokens = 8
   results = run.run(config, str(tmp_path / "run"), model=tiny_chat, name="calibrated")
   (path,) = [os.path.join(calibrating, f) for f in os.listdir(calibrating)]  # the warmup calibrated it

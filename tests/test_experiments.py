@@ -116,40 +116,43 @@ def test_prompt_ids_use_the_chat_template_on_the_first_turn_only(smollm2):
   assert spec_bench.prompt_ids(question, tokenizer, chat=False) == tokenizer.encode(question.turns[0])
 
 
-# Every config and variant: (module, argument, prompts it selects, max_new_tokens).
+# Every config and variant: (module, argument, prompts it selects, max_new_tokens, the side of the dev/test split:
+# test where a run reports, dev where it chooses a constant).
 CONFIGS = [
-    (quickstart, None, 5, 64),
-    (spec_bench_config, None, 65, 128),
-    (spec_bench_config, "small", 13, 64),
-    (compare_drafters, None, 65, 128),
-    (compare_drafters, "small", 13, 64),
-    (compare_drafters, "small,sampling", 13, 64),
-    (gamma_sweep, "small", 13, 64),
-    (depth_sweep, None, 26, 128),
-    (batch_sweep, None, 24, 64),
-    (batch_sweep, "small", 8, 64),
-    (adaptive_vs_fixed, None, 26, 128),
-    (adaptive_vs_fixed, "small", 13, 64),
-    (adaptive_by_category, None, 52, 64),
-    (adaptive_by_category, "small", 26, 64),
-    (adaptive_by_category, "full", 130, 64),
-    (adaptive_optimism, None, 56, 64),
-    (adaptive_optimism, "small", 14, 64),
-    (bench_peers, None, 26, 128),
-    (bench_peers, "small", 13, 64),
-    (bench_peers, "gemma", 13, 128),
-    (trees, None, 65, 128),
-    (trees, "small", 13, 64),
-    (trees, "mtp", 65, 128),
+    (quickstart, None, 4, 64, "test"),
+    (spec_bench_config, None, 65, 128, "test"),
+    (spec_bench_config, "small", 13, 64, "test"),
+    (compare_drafters, None, 65, 128, "test"),
+    (compare_drafters, "small", 13, 64, "test"),
+    (compare_drafters, "small,sampling", 13, 64, "test"),
+    (gamma_sweep, "small", 13, 64, "dev"),
+    (depth_sweep, None, 26, 128, "dev"),
+    (batch_sweep, None, 24, 64, "test"),
+    (batch_sweep, "small", 8, 64, "test"),
+    (adaptive_vs_fixed, None, 26, 128, "test"),
+    (adaptive_vs_fixed, "small", 13, 64, "test"),
+    (adaptive_by_category, None, 52, 64, "test"),
+    (adaptive_by_category, "small", 26, 64, "test"),
+    (adaptive_by_category, "full", 65, 64, "test"),
+    (adaptive_optimism, None, 35, 64, "dev"),
+    (adaptive_optimism, "small", 14, 64, "dev"),
+    (bench_peers, None, 26, 128, "test"),
+    (bench_peers, "small", 13, 64, "test"),
+    (bench_peers, "gemma", 13, 128, "test"),
+    (trees, None, 65, 128, "dev"),
+    (trees, "small", 13, 64, "dev"),
+    (trees, "mtp", 65, 128, "dev"),
 ]
 
 
-@pytest.mark.parametrize("module, arg, prompts, max_new_tokens", CONFIGS,
+@pytest.mark.parametrize("module, arg, prompts, max_new_tokens, split", CONFIGS,
                          ids=[f"{m.__name__.split('.')[-1]}{':' + a if a else ''}" for m, a, *_ in CONFIGS])
-def test_config_builds_a_run_that_checks_out_without_running(module, arg, prompts, max_new_tokens):
-  """Its prompts, and its methods as far as they check without the model (run.check_methods): known keys, drafters
-  and peers, unique names, adaptive drafting options, the autoregressive baseline first."""
+def test_config_builds_a_run_that_checks_out_without_running(module, arg, prompts, max_new_tokens, split):
+  """Its prompts (and their side of the dev/test split), and its methods as far as they check without the model
+  (run.check_methods): known keys, drafters and peers, unique names, adaptive drafting options, the autoregressive
+  baseline first."""
   config = module.get_config(arg)
+  assert config.prompts.split == split
   assert len(spec_bench.select(spec_bench.load_questions(), **config.prompts.to_dict())) == prompts
   assert config.max_new_tokens == max_new_tokens
   assert dict(config.methods[0]) == {"name": "autoregressive"}
@@ -551,10 +554,10 @@ def test_batches_never_mix_categories():
 
 @pytest.mark.slow
 def test_run_writes_results_table_and_plots(smollm2, tmp_path):
-  # qa and writing prompts fall into one length bucket: one compilation per method.
+  # qa and humanities prompts (test side) fall into one length bucket: one compilation per method.
   config = _config(max_new_tokens=8, repeats=2, only="prompt_lookup", control=True)
   config.costs.enabled = False  # measured on a tiny model below
-  config.prompts.categories = ("qa", "writing")
+  config.prompts.categories = ("qa", "humanities")
   results = run.run(config, str(tmp_path), model=smollm2, name="test")
 
   with open(tmp_path / "results.json") as f:
@@ -587,7 +590,7 @@ def test_run_writes_results_table_and_plots(smollm2, tmp_path):
   new_tokens = sum(sum(r["new_tokens_per_row"]) for r in saved["records"] if r["method"] == "prompt_lookup")
   assert summary["prompt_lookup"]["draft_share"] == pytest.approx(accepted / new_tokens)
   assert summary["prompt_lookup"]["acceptance_rate"] is not None
-  assert set(saved["summary"]["speedup_by_category"]["prompt_lookup"]) == {"qa", "writing"}
+  assert set(saved["summary"]["speedup_by_category"]["prompt_lookup"]) == {"qa", "humanities"}
   # 2 batches x 2 repeats x 3 methods, interleaved per batch, the second repeat starting with the second method.
   assert [(r["batch"], r["repeat"], r["method"]) for r in saved["records"]] == [
       (b, k, m) for b in (0, 1) for k in range(2)
@@ -663,7 +666,7 @@ def _tiny_config(**overrides) -> ml_collections.ConfigDict:
   config = compare_drafters.get_config("small")
   config.control = False
   config.update(dict(max_new_tokens=12, methods=TINY_METHODS, warmup=False, gamma=3))  # one verification shape
-  config.prompts.categories = ("qa", "writing")
+  config.prompts.categories = ("qa", "humanities")
   config.costs.repeats = 1
   config.update(overrides)
   return config
@@ -814,7 +817,7 @@ class _Stopped(Exception):
 
 
 def test_a_stopped_run_resumes_where_it_stopped_and_only_with_the_same_config(tiny_chat, tmp_path, monkeypatch):
-  config = _tiny_config(only="prompt_lookup")  # two prompt batches (qa, writing), two methods
+  config = _tiny_config(only="prompt_lookup")  # two prompt batches (qa, humanities), two methods
   config.costs.enabled = False
   whole = run.run(config, str(tmp_path / "whole"), model=tiny_chat)
   assert whole["resumed_batches"] == 0 and not (tmp_path / "whole" / run.PROGRESS).exists()

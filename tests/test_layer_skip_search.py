@@ -252,9 +252,9 @@ def test_sampling_acceptance_is_the_overlap_of_p_and_q(tiny):
   assert greedy.draft_cost == pytest.approx(1.0)
 
 
-def test_calibration_prompts_come_from_the_end_of_each_category_in_one_shape(tiny_chat):
-  """The search decodes questions the experiments do not use (they take each category's first ones), all of one
-  compiled shape: in each category, the last ones of that shape."""
+def test_calibration_prompts_come_from_the_end_of_each_categorys_dev_side_in_one_shape(tiny_chat):
+  """The search decodes questions of the dev side only (the comparisons report the test side), all of one compiled
+  shape: in each category, the last dev ones of that shape."""
   from experiments import search_layer_skip, spec_bench
   from specjax.decoding import prepare_batch
   model = dataclasses.replace(tiny_chat, config=tiny_chat.config.replace(max_position_embeddings=4096))  # long ones
@@ -269,9 +269,11 @@ def test_calibration_prompts_come_from_the_end_of_each_category_in_one_shape(tin
   chosen, prompts = search_layer_skip.calibration_prompts(model, questions, 5, max_new_tokens=8, gamma=2)
   assert len(chosen) == len(prompts) == 5 and len({q.category for q in chosen}) > 1
   assert len({shape(q) for q in chosen}) == 1
+  assert all(spec_bench.in_split(q, questions, "dev") for q in chosen)
   for category in {q.category for q in chosen}:
     taken = [q for q in chosen if q.category == category]
-    same_shape = [q for q in questions if q.category == category and shape(q) == shape(chosen[0])]
+    same_shape = [q for q in questions if q.category == category and shape(q) == shape(chosen[0])
+                  and spec_bench.in_split(q, questions, "dev")]
     assert taken == same_shape[::-1][:len(taken)]
 
 

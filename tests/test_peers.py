@@ -134,7 +134,7 @@ def test_runner_times_peers_and_reports_their_agreement(tiny_chat_dir, tmp_path,
   config.control = False
   config.model = tiny_chat_dir
   config.max_new_tokens = 5
-  config.prompts.categories = ("qa", "writing")
+  config.prompts.categories = ("qa", "humanities")
   config.methods = ({"name": "autoregressive"},
                     {"name": "hf_autoregressive", "peer": "hf_autoregressive", "options": {"threads": 1}},
                     {"name": "llamacpp_autoregressive", "peer": "llamacpp_autoregressive", "options": {}})
@@ -193,7 +193,7 @@ def _peer_config(path: str, maker: str, monkeypatch) -> ml_collections.ConfigDic
   config = quickstart.get_config()
   config.update(control=False, model=path, max_new_tokens=3, repeats=1)
   config.costs.enabled = False
-  config.prompts.categories = ("qa", "writing")
+  config.prompts.categories = ("qa", "humanities")
   config.methods = ({"name": "autoregressive"}, {"name": "llama", "peer": "llamacpp_autoregressive"})
   return config
 
