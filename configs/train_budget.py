@@ -16,6 +16,9 @@ The argument is a family, optionally with variants (comma-separated, e.g. `seque
   draft       a distilled 4-layer draft model (target layers 0, 10, 19, 29 to start from)
   block       a block drafter: one block of the target's kind (a copy of its last layer to start from) drafting 4
               tokens in one forward from EAGLE-3's features (layers 2, 15, 27; specjax/drafters/block.py)
+  lk, ce      the training objective (specjax/drafters/draft_head.py OBJECTIVES) instead of "kl" (HASS's harmonized
+              top-K distillation, the default): "lk" the acceptance bound itself (LK losses), "ce" the greedy token
+              alone (hard labels); the same budget and data, named <family>-lk / <family>-ce
   sharegpt    the data-matching control: train on ShareGPT's own answers instead of the target's, same pool of
               positions, evaluated on the same held-out split (the regenerated one). Its cache:
                 python -m experiments.prepare_data --config=configs/train_data.py --config.num_train=14000
@@ -68,7 +71,8 @@ FAMILIES = {
     # One block of the target's kind drafting 4 tokens in one forward from EAGLE-3's features (DFlash / PARD).
     "block": {"drafter": "block", "options": {"path": None, "block_size": 4, "layers": 1}, "learning_rate": 1e-3},
 }
-VARIANTS = ("sharegpt", "small")
+OBJECTIVE_VARIANTS = ("lk", "ce")  # the training objective instead of "kl" (draft_head.OBJECTIVES)
+VARIANTS = ("sharegpt", "small", *OBJECTIVE_VARIANTS)
 REGENERATED = "workdirs/data/train_data-regenerate"  # prepare_data's workdir for configs/train_data.py:regenerate
 SHAREGPT = "workdirs/data/train_data"  # ... for configs/train_data.py
 
@@ -81,6 +85,9 @@ def get_config(arg=None):
     raise ValueError(f"configs/train_budget.py takes one family of {tuple(FAMILIES)}, optionally with variants "
                      f"{VARIANTS} (e.g. ':sequential,sharegpt'), got {arg!r}")
   family, small, sharegpt = families[0], "small" in parts, "sharegpt" in parts
+  objectives = [p for p in parts if p in OBJECTIVE_VARIANTS]
+  if len(objectives) > 1:
+    raise ValueError(f"configs/train_budget.py: one objective at a time, got {objectives}")
   config = ml_collections.ConfigDict()
   config.model = "smollm2-135m"
   config.family = family
@@ -91,8 +98,10 @@ def get_config(arg=None):
   config.learning_rate = FAMILIES[family]["learning_rate"]
   config.draft_vocab = 8192  # truncated draft vocabulary (FR-Spec), the same for every family
   config.steps = 0  # unused: the budget is `positions`
-  name = family + ("-sharegpt" if sharegpt else "")
+  name = family + ("-sharegpt" if sharegpt else "") + "".join(f"-{o}" for o in objectives)
   config = common.drafter_training(config, f"{common.BUDGET}/{name}", small=False)
+  if objectives:
+    config.objective = objectives[0]
 
   suffix = "-small" if small else ""
   config.data_dir = (SHAREGPT if sharegpt else REGENERATED) + suffix

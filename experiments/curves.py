@@ -121,7 +121,8 @@ def read_run(workdir: str) -> dict[str, Any]:
   final = points[-1] if points else {}
   run = {
       "name": name, "workdir": os.path.abspath(workdir), "family": family, "drafter": card.get("drafter"),
-      "answers": config.get("data_answers") or None, "finished": bool(card),
+      "answers": config.get("data_answers") or None, "objective": config.get("objective") or "kl",
+      "finished": bool(card),
       "commit": card.get("environment", {}).get("specjax_commit"), "started": card.get("date"),
       "starts": [{"date": st["date"], "commit": st["commit"]} for st in starts],
       "budget_positions": config.get("positions"), "positions": last.get("positions"), "steps": last.get("step"),
@@ -173,13 +174,13 @@ def table(results: dict[str, Any]) -> str:
   """The runs' table and the families' target sentences (results.md's, and the publication's)."""
   runs = results["runs"]
   depths = sorted({d for r in runs for d in r["final_top1"]}, key=int)
-  lines = ["| run | answers | positions | wall (h) | CPU (h) | GFLOPs / position | "
+  lines = ["| run | answers | objective | positions | wall (h) | CPU (h) | GFLOPs / position | "
            + " | ".join(f"top-1 depth {d}" for d in depths) + " | tokens / forward | alpha |",
-           "|---|---|---:|---:|---:|---:|" + "---:|" * (len(depths) + 2)]
+           "|---|---|---|---:|---:|---:|---:|" + "---:|" * (len(depths) + 2)]
   for r in runs:
     lines.append(
         f"| {r['name']}{'' if r['finished'] else ' (stopped)' if r.get('carried_from') else ' (running)'} "
-        f"| {r['answers'] or '-'} | {_fmt(r['positions'], ',')} "
+        f"| {r['answers'] or '-'} | {r.get('objective') or 'kl'} | {_fmt(r['positions'], ',')} "
         f"| {_fmt(r['train_seconds'] and r['train_seconds'] / 3600, '.2f')} "
         f"| {_fmt(r['train_cpu_seconds'] and r['train_cpu_seconds'] / 3600, '.2f')} "
         f"| {_fmt(r['flops_per_position'] and r['flops_per_position'] / 1e9, '.2f')} | "

@@ -127,6 +127,14 @@ def test_budget_config_names_its_families_and_one_budget_for_all():
   assert len(configs[0].eval_fractions) >= 5
   for exit in ("exit", "exit16"):  # a layer the regenerated cache holds
     assert train_budget.get_config(exit).options.exit_layer - 1 in (2, 15)
+  # The objectives: the same run but for its loss, in a workdir of its own.
+  default, lk, ce = (train_budget.get_config(a) for a in ("sequential", "sequential,lk", "block,ce"))
+  assert (default.objective, lk.objective, ce.objective) == ("kl", "lk", "ce")
+  assert lk.workdir == default.workdir + "-lk" and ce.workdir.endswith("/block-ce")
+  assert {k: v for k, v in lk.items() if k not in ("objective", "workdir")} == {
+      k: v for k, v in default.items() if k not in ("objective", "workdir")}
+  with pytest.raises(ValueError, match="one objective at a time"):
+    train_budget.get_config("sequential,lk,ce")
 
 
 def test_budget_run_trains_to_its_positions_and_the_card_shows_the_curve(tiny, caches, tmp_path, monkeypatch):
@@ -230,7 +238,7 @@ def test_curves_table_plot_and_extrapolation_from_runs_metrics(tmp_path):
   saved = json.loads((tmp_path / "out" / "results.json").read_text())
   assert saved["runs"] == json.loads(json.dumps(results["runs"]))
   table = (tmp_path / "out" / "results.md").read_text()
-  assert "| sequential | regenerated | 100,000 | 0.28 | 0.56 | 2.00 | 0.500 | 0.250 | 1.80 | 0.800 |" in table
+  assert "| sequential | regenerated | kl | 100,000 | 0.28 | 0.56 | 2.00 | 0.500 | 0.250 | 1.80 | 0.800 |" in table
   assert "exit (running)" in table and "~1e+07 positions" in table
   assert "| sequential | 48 | 1.74 | 1.88 | 10 / 34 | keeps the shipped one |" in table
   assert (tmp_path / "out" / "curves.png").stat().st_size > 10000

@@ -232,7 +232,9 @@ def test_the_block_drafters_loss_reads_the_context_before_each_anchor_only(rando
 
 def test_the_lk_objective_is_the_negative_log_of_the_acceptance_bound():
   """"lk": -log sum_k min(p_k, q_k) over the target's top-K (q over the draft vocabulary, p as the target gave it);
-  "kl": the cross-entropy against p renormalised over the reachable tokens; an unknown objective is an error."""
+  "kl": the cross-entropy against p renormalised over the reachable tokens; "ce": against the greedy token alone,
+  and a position whose greedy token the draft vocabulary lacks counts for nothing; an unknown objective is an
+  error."""
   logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.2, 0.0]]) + 1e-30)
   ids, probs = jnp.asarray([[1, 0, 3]]), jnp.asarray([[0.6, 0.3, 0.1]])
   valid = jnp.asarray([True])
@@ -241,6 +243,13 @@ def test_the_lk_objective_is_the_negative_log_of_the_acceptance_bound():
   assert float(top1) == 0.0  # the draft's argmax (0) is not the target's (1)
   kl, _ = draft_head.distill_loss(logits, ids, probs, valid, {}, 4, "kl")
   np.testing.assert_allclose(float(kl), -(0.6 * np.log(0.3) + 0.3 * np.log(0.5) + 0.1 * np.log(1e-30)), rtol=1e-4)
+  ce, _ = draft_head.distill_loss(logits, ids, probs, valid, {}, 4, "ce")
+  np.testing.assert_allclose(float(ce), -np.log(0.3), rtol=1e-5)
+  two = jnp.asarray([[1, 0, 3], [2, 1, 0]])  # the second position's greedy token (2) is not in the draft vocabulary
+  token_map = {"token_map": jnp.asarray([0, 1, 3])}
+  ce, _ = draft_head.distill_loss(jnp.concatenate([logits[:, :3]] * 2), two, jnp.concatenate([probs] * 2),
+                                  jnp.asarray([True, True]), token_map, 4, "ce")
+  np.testing.assert_allclose(float(ce), -np.log(0.3 / 1.0), rtol=1e-5)
   with pytest.raises(ValueError, match="unknown training objective"):
     draft_head.distill_loss(logits, ids, probs, valid, {}, 4, "mse")
 

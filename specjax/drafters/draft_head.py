@@ -61,10 +61,12 @@ def token_ids(params, draft_index: jax.Array) -> jax.Array:
 
 
 # Training objectives (`distill_loss`): "kl", the soft cross-entropy against the target's top-K distribution
-# (renormalised over the tokens the draft vocabulary holds: KL up to a constant); "lk", the acceptance itself: the
-# negative log of sum_k min(p_k, q_k) over the target's top-K tokens, a lower bound on the chance that speculative
-# sampling accepts a draft, sum_x min(p(x), q(x)) (LK losses: optimise acceptance rather than a divergence).
-OBJECTIVES = ("kl", "lk")
+# (renormalised over the tokens the draft vocabulary holds: KL up to a constant; HASS's harmonized top-K
+# distillation); "lk", the acceptance itself: the negative log of sum_k min(p_k, q_k) over the target's top-K tokens,
+# a lower bound on the chance that speculative sampling accepts a draft, sum_x min(p(x), q(x)) (LK losses: optimise
+# acceptance rather than a divergence); "ce", the cross-entropy on the target's greedy token alone (hard labels, as
+# Medusa-1 trains): what the top-K distribution adds over it.
+OBJECTIVES = ("kl", "lk", "ce")
 
 
 def distill_loss(draft_logits: jax.Array, teacher_ids: jax.Array, teacher_probs: jax.Array, valid: jax.Array,
@@ -86,7 +88,10 @@ def distill_loss(draft_logits: jax.Array, teacher_ids: jax.Array, teacher_probs:
   reachable = index >= 0
   log_q_teacher = jnp.take_along_axis(log_q, jnp.maximum(index, 0), axis=-1)  # [..., K]
   p = jnp.where(reachable, teacher_probs.astype(jnp.float32), 0.0)
-  if objective == "kl":
+  if objective == "ce":  # the greedy token only (ids are most likely first); unreachable: no target
+    p = jnp.where(jnp.arange(p.shape[-1]) == 0, reachable, False).astype(jnp.float32)
+    reachable = p > 0
+  if objective in ("kl", "ce"):
     p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-9)
     per_position = -jnp.sum(p * log_q_teacher, axis=-1)
   else:  # the target's own probabilities (not renormalised): what acceptance weighs
