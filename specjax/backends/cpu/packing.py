@@ -130,7 +130,8 @@ def pack_draft_params(params, specs: dict | None = None):
     packed["layers"] = [pack_layer(layer) for layer in params["layers"]]
   if "head" in params:
     packed["head"] = pack(params["head"])
-  stacked = {k: spec for k, spec in (specs or {}).items() if spec.axes[:1] == ("stack",) and k in params}
+  stacked = {k: spec for k, spec in (specs or {}).items()  # a draft model's specs hold lists of layers' too
+             if getattr(spec, "axes", ())[:1] == ("stack",) and k in params}
   if "wq" in stacked:  # blocks of a decoder layer's arrays (parallel heads' stacked matrices stay one product)
     packed["blocks"] = unstack({k: params[k] for k in stacked}, stacked)
     for k in stacked:
