@@ -475,7 +475,7 @@ def test_abstract_params_carry_the_shardings_of_the_rules(tiny_config):
 
 
 def test_the_published_run_is_of_the_default_config_and_compiled_every_program():
-  """results/tpu_compile/ (what docs/scaling.md and the experiments report's projection read): every program of
+  """results/tpu_compile/ (docs/scaling.md's memory per chip; its own results.md's projections): every program of
   the default grid compiled, and each drafter projected on every topology its steps were compiled for."""
   with open(RESULTS) as f:
     results = json.load(f)
