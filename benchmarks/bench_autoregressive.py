@@ -17,9 +17,10 @@ For each case (dtype x batch size) it times greedy `specjax.generate` for exactl
                          8.7-12.9 s in five rounds on a shared 2-core host), and divided over new_tokens - 1 steps
                          that noise can outweigh the step; the range says when it does
   compile time         = first call - median of the later calls (for each of the two programs)
-  bytes per step       = all parameter bytes + KV bytes attended (`specjax.roofline.kv_bytes_read`: per layer
-                         {K,V} x batch x positions it reads (a sliding layer at most its window), averaged over
-                         the decode, x kv_heads x head_dim x itemsize)
+  bytes per step       = the weights a step reads (of the embedding, the gathered rows) + the KV cache it reads and
+                         writes (experiments/cost_model.py `step_bytes`: per layer {K,V} x batch x the positions
+                         it reads, a sliding layer at most its window, averaged over the decode, and the one it
+                         writes, x kv_heads x head_dim x itemsize)
   roofline fraction    = bytes per step / step time / read bandwidth,
 where read bandwidth is what a jitted sum over a large array reads per second (`experiments.costs`), measured in
 the same run, interleaved with the cases.
@@ -40,9 +41,8 @@ import jax
 from absl import app, flags
 
 import specjax
-from experiments import spec_bench
+from experiments import cost_model, spec_bench
 from experiments.costs import measure_read_bandwidth
-from specjax import roofline
 from specjax.loading import resolve_path
 
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 64, "Tokens generated per row.")
@@ -62,7 +62,6 @@ class SpecjaxCase:
   def __init__(self, model: specjax.Model, prompt: list[int], batch: int):
     self.model, self.prompts, self.batch = model, [prompt] * batch, batch
     self.name = f"specjax {model.config.dtype} b{batch}"
-    self.param_bytes = roofline.param_bytes(model.params)
     self.config = model.config
 
   def __call__(self, new_tokens: int) -> tuple[float, list[int]]:
@@ -88,7 +87,6 @@ class HFCase:
     threads = _HF_THREADS.value or min({1, os.cpu_count()}, key=lambda n: self._probe(n))
     torch.set_num_threads(threads)
     self.name, self.batch = f"HF transformers float32 b1 t{threads}", 1
-    self.param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
     self.config = config.replace(dtype="float32")  # the same model's shapes, read in float32
 
   def _probe(self, threads: int) -> float:
@@ -157,7 +155,7 @@ def main(argv):
     step = statistics.median(steps)
     compile_s = first[(c.name, n)] - t_n + first[(c.name, 1)] - t_1
     positions_in_use = len(prompt) + n / 2  # mean over the decode steps
-    step_bytes = c.param_bytes + c.batch * roofline.kv_bytes_read(c.config, positions_in_use)
+    step_bytes = cost_model.step_bytes(c.config, positions_in_use, rows=c.batch)
     rows[c.name] = c.batch * n / t_n
     compile_text = "–" if isinstance(c, HFCase) else f"{compile_s:.1f}"  # torch eager: nothing to compile
     spread = f"{1e3 * min(steps):.1f}-{1e3 * max(steps):.1f}"

@@ -152,7 +152,7 @@ def costs(repeats: int) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict({
       "enabled": True,
       "repeats": repeats,  # interleaved rounds; the median counts
-      "count_bytes": True,  # bytes per step for the accelerator projection (specjax/roofline.py)
+      "count_bytes": True,  # bytes per step: the roofline fraction, c and r in bytes (experiments/costs.py)
   })
 
 

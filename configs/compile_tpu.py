@@ -116,7 +116,7 @@ def get_config(arg=None):
   # speculative and step programs (experiments/compile_for.py). The default, ~15 min of CPU time: the 8B target on
   # v5e:2x4 (its decoding program and the speculative one with the sequential MTP module, and the steps of the
   # drafters that read few weights), every drafter's step programs (the projection) for SmolLM2 on every topology,
-  # and the trees' step programs for SmolLM2 on v5e:2x4 (the experiments report's projection). A tree's whole
+  # and the trees' step programs for SmolLM2 on v5e:2x4 (this run's projection of trees). A tree's whole
   # speculative program compiles in about as long as the 8B target's steps, so those are in `small` and `cover`.
   config.runs = (
       {"models": ("llama-3.1-8b",), "topologies": ("v5e:2x4",), "programs": ("autoregressive", "speculative"),

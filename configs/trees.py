@@ -9,12 +9,13 @@ the model drafters, specjax/drafters/draft_tree.py; earlier matches as branches 
 its best, the searched skip set and the trained exit) and verifies it in one target forward under a tree mask
 (specjax/trees.py); its chain drafts gamma tokens every round (fixed rounds for both, `config.adaptive` False).
 Greedy, so every method is checked token for token against autoregressive decoding. The table gives tokens per
-target forward (mean accepted + 1), per-depth acceptance and paired speedups with intervals; costs (c, r, the
-accelerator projection) are measured for the chains. A tree of 7 nodes is verified over 8 rows, one pass of the CPU
-kernels' 8-row products (benchmarks/bench_verify.py: the cost steps up past each multiple of 8 rows); 8 nodes take
-9. `:small` compiles 31 programs per prompt-length bucket (about 20 s each on 2 cores). `:mtp` (also with `small`:
-`:mtp,small`) times only the two MTP drafters, each as a chain and as a tree of 7 nodes, on the full prompt set:
-whether the tree the CPU can afford beats the chain, with enough pairs to tell.
+target forward (mean accepted + 1), per-depth acceptance and paired speedups with intervals; costs (c, r) are
+measured for the chains, and the accelerator projection (the cost model's) covers chains and trees. A tree of 7
+nodes is verified over 8 rows, one pass of the CPU kernels' 8-row products (benchmarks/bench_verify.py: the cost
+steps up past each multiple of 8 rows); 8 nodes take 9. `:small` compiles 31 programs per prompt-length bucket
+(about 20 s each on 2 cores). `:mtp` (also with `small`: `:mtp,small`) times only the two MTP drafters, each as a
+chain and as a tree of 7 nodes, on the full prompt set: whether the tree the CPU can afford beats the chain, with
+enough pairs to tell.
 """
 
 from configs import common

@@ -46,7 +46,10 @@ A tree round costs its proposal, its verification and the update over its accept
 configs/trees.py (`tree_acceptance`); where there is none, a tree's row gives its costs and the tau from which it
 pays (its round's cost in decode steps), not a speedup.
 
-(experiments/projection.py, which the experiments report and docs/results.md project the CPU runs' methods with).
+These projections are this run's own (results.md, compile_tpu.png): XLA's counts include copies of the cache between
+memory spaces, which move a program's costs between topologies more than the program does. The accelerator projection
+of the experiments report, docs/results.md and README reads the analytic cost model (experiments/cost_model.py,
+experiments/projection.py).
 
 The step programs leave their input and output layouts to the compiler, as a loop's state is (`Lowering`). XLA's
 count is of the program as compiled: copies and slices between memory spaces count, and specjax's attention reads
@@ -265,7 +268,7 @@ def model_shapes(model_config: ModelConfig, draft_vocab: int, target: Target, co
                                        model_config, params)
     drafters[recipe["name"]] = drafter
     draft_params[recipe["name"]] = sharding.abstract_tree(shapes, drafter.param_specs, target.mesh)
-  gammas = {recipe["name"]: int(acceptance[methods_of(recipe)[0]]["gamma"]) for recipe in config.drafters}
+  gammas = {recipe["name"]: int(acceptance[projection.methods_of(recipe)[0]]["gamma"]) for recipe in config.drafters}
   return Shapes(model_config, params, drafters, draft_params, gammas, config.batch_size, config.prompt_len,
                 config.cache_len, target)
 
@@ -642,13 +645,13 @@ def compile_all(config: ml_collections.ConfigDict, progress: Callable[[str], Non
   `record_key`, keeps it and is not compiled again). A model is `specjax.config.shaped_config(name)`
   unless `model_configs` gives its config."""
   done = done or {}
-  acceptance = measured_acceptance(config.acceptance)
-  unknown = sorted({m for r in config.drafters for m in methods_of(r)} - set(acceptance))
+  acceptance = projection.measured_acceptance(config.acceptance)
+  unknown = sorted({m for r in config.drafters for m in projection.methods_of(r)} - set(acceptance))
   if unknown:
     raise ValueError(f"drafters take their acceptance from methods {unknown}, which "
                      f"{projection.files_of(config.acceptance)} lack; they have {sorted(acceptance)}")
   for recipe in config.drafters:
-    gammas = {m: acceptance[m]["gamma"] for m in methods_of(recipe)}
+    gammas = {m: acceptance[m]["gamma"] for m in projection.methods_of(recipe)}
     if len(set(gammas.values())) != 1:
       raise ValueError(f"drafter {recipe['name']}: the methods it takes its acceptance from draft at different gammas "
                        f"{gammas}; its step programs are compiled at one")
@@ -686,40 +689,6 @@ def compile_all(config: ml_collections.ConfigDict, progress: Callable[[str], Non
 # -------------------------------------------------------------------------------------------- projection
 
 
-def measured_acceptance(paths: str | Sequence[str]) -> dict[str, dict[str, Any]]:
-  """{method: {"gamma", "tau", "tree_nodes"}} from experiments/run.py results.json files (one path or several; a
-  method in several files is taken from the first): tau = tokens per target forward (the round's accepted drafts and
-  the target's own token), at the method's gamma (a tree's depth) and tree size (None: a chain)."""
-  found = {}
-  for path in reversed(projection.files_of(paths)):
-    with open(path) as f:
-      methods = json.load(f)["summary"]["methods"]
-    found.update((name, {"gamma": int(m["gamma"]), "tau": float(m["mean_accepted"]), "tree_nodes": m.get("tree_nodes")})
-                 for name, m in methods.items() if m.get("gamma") and m.get("mean_accepted") is not None)
-  return found
-
-
-def methods_of(recipe: dict) -> tuple[str, ...]:
-  """The methods whose acceptance a drafter's round is projected at (its `acceptance_of`: one name or several, each
-  a method of the acceptance files drafting with this drafter's round: e.g. a shipped checkpoint and one trained on
-  the budget)."""
-  names = recipe["acceptance_of"]
-  return (names,) if isinstance(names, str) else tuple(names)
-
-
-def tree_acceptance(path: str) -> dict[str, dict[str, Any]] | None:
-  """The tree methods of `path` (`measured_acceptance`; a run of configs/trees.py), or None where there is no such
-  file: trees are then projected by their round's cost and the tau at which they break even, with no speedup."""
-  if not os.path.exists(path):
-    return None
-  return {name: m for name, m in measured_acceptance(path).items() if m["tree_nodes"]}
-
-
-def tree_method(acceptance_of: str, tree_nodes: int) -> str:
-  """The name of a drafter's tree method of `tree_nodes` nodes in a run of configs/trees.py."""
-  return f"{acceptance_of}_tree{tree_nodes}"
-
-
 def projections(records: list[dict], config: ml_collections.ConfigDict, acceptance: dict[str, dict[str, Any]],
                 trees_acceptance: dict[str, dict[str, Any]] | None = None) -> list[dict]:
   """Per model, topology and drafter: the projected round and the speedup over the projected decode step (module
@@ -748,7 +717,7 @@ def projections(records: list[dict], config: ml_collections.ConfigDict, acceptan
     decode = steps.get((model, topology, "decode_step", None))
     if decode is None:
       continue
-    for recipe, method in [(r, m) for r in config.drafters for m in methods_of(r)]:
+    for recipe, method in [(r, m) for r in config.drafters for m in projection.methods_of(r)]:
       name = recipe["name"]
       if method not in acceptance:
         continue
@@ -763,7 +732,7 @@ def projections(records: list[dict], config: ml_collections.ConfigDict, acceptan
       draft = whole["projected_seconds"] if counted_whole else gamma * single["projected_seconds"]
       row(model, topology, decode, name, method, gamma, tau, draft,
           "propose(gamma)" if counted_whole else "gamma x propose(1)", verify, update)
-      if method != methods_of(recipe)[0]:
+      if method != projection.methods_of(recipe)[0]:
         continue  # trees: at the tau of the drafter's first method (configs/trees.py runs measure those)
       # Its trees, config.gamma deep: after a tree round its update reads the accepted path, config.gamma + 1 wide.
       depth = config.gamma
@@ -774,10 +743,10 @@ def projections(records: list[dict], config: ml_collections.ConfigDict, acceptan
         draft_tree = steps.get((model, topology, f"propose_tree_{nodes}", name))
         if tree_verify is None or draft_tree is None or (update is not None and tree_update is None):
           continue
-        measured = (trees_acceptance or {}).get(tree_method(method, nodes))
+        measured = (trees_acceptance or {}).get(projection.tree_method(method, nodes))
         tau = measured["tau"] if measured and (measured["gamma"], measured["tree_nodes"]) == (depth, nodes) else None
-        row(model, topology, decode, name, tree_method(method, nodes), depth, tau, draft_tree["projected_seconds"],
-            "propose(tree)", tree_verify, tree_update, tree_nodes=nodes)
+        row(model, topology, decode, name, projection.tree_method(method, nodes), depth, tau,
+            draft_tree["projected_seconds"], "propose(tree)", tree_verify, tree_update, tree_nodes=nodes)
   return out
 
 
@@ -1004,9 +973,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, name: str = "compile_tp
              "load_average": {"start": load_before[0], "end": os.getloadavg()[0]},
              "resumed_records": len(earlier),  # compiled before a restart: their time is not in wall/cpu_seconds
              "compile_seconds": sum(r["seconds"] for r in records), "targets": targets, "records": records,
-             "tree_acceptance_found": tree_acceptance(config.tree_acceptance) is not None,
-             "projections": projections(records, config, measured_acceptance(config.acceptance),
-                                        tree_acceptance(config.tree_acceptance))}
+             "tree_acceptance_found": projection.tree_acceptance(config.tree_acceptance) is not None,
+             "projections": projections(records, config, projection.measured_acceptance(config.acceptance),
+                                        projection.tree_acceptance(config.tree_acceptance))}
   with open(os.path.join(workdir, "results.json"), "w") as f:
     json.dump(results, f, indent=1)
   write_reports(results, workdir)
@@ -1052,9 +1021,10 @@ def reproject(workdir: str, config: ml_collections.ConfigDict | None = None) -> 
                        "acceptance comes from): compile it again")
     results["config"] = new
   config = ml_collections.ConfigDict(results["config"])
-  trees = tree_acceptance(config.tree_acceptance)
+  trees = projection.tree_acceptance(config.tree_acceptance)
   results.update(tree_acceptance_found=trees is not None, projected=time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-                 projections=projections(results["records"], config, measured_acceptance(config.acceptance), trees))
+                 projections=projections(results["records"], config,
+                                         projection.measured_acceptance(config.acceptance), trees))
   write_atomic(path, json.dumps(results, indent=1))
   write_reports(results, workdir)
   return results

@@ -4,10 +4,12 @@ from a model's config and a (data, model) mesh alone, and timed with four figure
   python -m experiments.cost_model --measure=results/cost_model/cpu_rates.json   # this CPU's FLOP rate (seconds)
   python -m experiments.cost_model --out=results/cost_model                       # validation and projections
 
-It stands beside XLA's counts of the programs compiled for a TPU (experiments/compile_for.py) as the accelerator
-projection's costs (experiments/projection.py). XLA counts what a program as compiled moves, the cache's copies
-between memory spaces included, so the same verification came out cheaper than a 1-token step on one v5e chip and
-dearer on a v5p slice (results/tpu_compile/results.md); here every term is a count a reader can redo by hand.
+Its projections are the accelerator projection's costs (experiments/projection.py: the experiments report, the
+tables of docs/results.md, README's answer). XLA's counts of the programs compiled for a TPU
+(experiments/compile_for.py) count what a program as compiled moves, the cache's copies between memory spaces
+included, so the same verification came out cheaper than a 1-token step on one v5e chip and dearer on a v5p slice
+(results/tpu_compile/results.md); here every term is a count a reader can redo by hand. The same count at one device
+of this CPU (`step_bytes`) is the roofline the experiments' runs and benchmarks divide a step's time by.
 
 Counts, per device. A program is a sum of passes; a pass runs some arrays over n = rows x tokens vectors, rows = the
 batch over the data axis. An array's share is the product of the mesh axes the project's sharding rules split it
@@ -41,8 +43,19 @@ In units of the 1-token target step t_1 (Leviathan et al. 2023; experiments/proj
   projected speedup = tau / (gamma c + r + u),
 
 and experiments/costs.py measures c as (propose + update) / gamma / t_1 (its loop runs the round's update), which
-the validation compares with the same sum. Elementwise work (norms, RoPE, softmax, sampling) and copies a compiler
-makes are not counted.
+the validation compares with the same sum. Elementwise work (norms, RoPE, softmax, sampling, a tree's top-k and
+masks) and copies a compiler makes are not counted.
+
+Draft trees of N nodes, gamma deep (specjax/trees.py, specjax/drafters/draft_tree.py): the proposal is the
+drafter's (`propose_tree`: EAGLE-2's growth, a first step then a forward over k = 8 nodes per further depth, for the
+model drafters; the chain's own distributions for parallel heads and a block; ceil(N / gamma) searches for prompt
+lookup), r the target over [pending, N nodes] plus the accepted path's keys and values moved (`verify_tree`), u the
+update over the accepted path. A block drafter (specjax/drafters/block.py) proposes gamma tokens in one forward of
+its blocks over gamma + 1 positions: its c falls as 1 / gamma.
+
+The projections take each drafter of configs/compile_tpu.py at the tau and gamma of the methods it names in that
+config's fixed-gamma runs (`acceptance`), and its trees of every size the run of configs/trees.py measured
+(`tree_acceptance`), at that run's depth and tau, and of the config's other sizes, its gamma deep, with no tau.
 """
 
 from __future__ import annotations
@@ -67,6 +80,8 @@ from experiments import cli, projection
 from experiments.chips import CHIPS, GPUS
 from specjax import sharding
 from specjax.config import ModelConfig, shaped_config
+from specjax.drafters.block import default_feature_layers as block_feature_layers
+from specjax.drafters.draft_tree import TOP_K
 from specjax.drafters.mtp_sequential import default_feature_layers
 from specjax.model import ParamSpec, attention_keys, layer_shapes, mlp_keys
 
@@ -85,7 +100,6 @@ PROJECTED_MODELS = ("smollm2-135m", "gemma3-270m")
 LAYOUTS = (("v5e:1x1", 1, 1, 1), ("v5e:2x4", 2, 4, 8), ("v5e:2x4", 2, 4, 64),
            ("v5p:1x1x1", 1, 1, 1), ("v5p:2x2x2", 2, 4, 8), ("v5p:2x2x2", 2, 4, 64),
            ("v6e:1x1", 1, 1, 1), ("v6e:2x4", 2, 4, 8), ("v6e:2x4", 2, 4, 64))  # (topology, data, model, batch)
-ACCEPTANCE = "results/compare_drafters-budget/results.json"  # tau of each family at fixed gamma, on this CPU
 
 
 # ------------------------------------------------------------------------------------------------------- counts
@@ -114,7 +128,7 @@ class Setting:
   config: ModelConfig
   batch: int = 1
   cache_len: int = 256
-  positions: int = 128  # in use (what attention reads where it does not read the whole cache)
+  positions: float = 128  # in use (what attention reads where it does not read the whole cache; a mean: a decode's)
   data: int = 1
   model: int = 1
   whole_cache: bool = True  # an accelerator's XLA attention reads every slot; this CPU's kernels the slots in use
@@ -166,32 +180,46 @@ def arrays(s: Setting, specs: Sequence[ParamSpec], tokens: int) -> Work:
   return work
 
 
-def attention(s: Setting, window: int | None, tokens: int, write_only: bool = False) -> Work:
-  """One layer's cache: the slots its queries read (none with `write_only`: a layer that only writes its keys and
-  values) and the `tokens` it writes, and the FLOPs of its scores and weighted values."""
+def attention(s: Setting, window: int | None, tokens: int, written: int | None = None) -> Work:
+  """One layer's cache: the slots its queries read and the `written` positions (default: `tokens`) it writes, and the
+  FLOPs of the scores and weighted values of `tokens` queries over those slots. Keys a query sees beside the cache (a
+  tree's block, its ancestors', a draft block's own: at most N + 1 against the cache's slots) are not counted."""
   c = s.config
-  slots = 0 if write_only else s.cache_len if s.whole_cache else min(s.positions, window or s.positions)
-  per_slot = 2 * c.num_kv_heads / s.split("kv_heads", c.num_kv_heads) * c.head_dim * s.itemsize
+  slots = s.cache_len if s.whole_cache else min(s.positions, window or s.positions)
   flops = 4 * s.rows * tokens * c.num_heads / s.split("heads", c.num_heads) * c.head_dim * slots
-  return Work(cache_bytes=s.rows * (slots + tokens) * per_slot, flops=flops)
+  return Work(cache_bytes=s.rows * (slots + (tokens if written is None else written)) * per_slot(s), flops=flops)
 
 
-def block(s: Setting, keys: Sequence[str], window: int | None, tokens: int, config: ModelConfig | None = None) -> Work:
+def per_slot(s: Setting) -> float:
+  """Bytes of one position's keys and values in one layer, one row, on one device."""
+  c = s.config
+  return 2 * c.num_kv_heads / s.split("kv_heads", c.num_kv_heads) * c.head_dim * s.itemsize
+
+
+def cache_write(s: Setting, tokens: int) -> Work:
+  """A layer's keys and values of `tokens` positions a row written, none read."""
+  return Work(cache_bytes=s.rows * tokens * per_slot(s))
+
+
+def block(s: Setting, keys: Sequence[str], window: int | None, tokens: int, config: ModelConfig | None = None,
+          written: int | None = None) -> Work:
   """A decoder block's arrays `keys` (a layer's, or its attention's alone) over `tokens`, with its attention over its
-  cache and the all-reduces its split products need."""
+  cache (writing `written` positions: `attention`) and the all-reduces its split products need."""
   c = config or s.config
   shapes = layer_shapes(c)
-  work = arrays(s, [shapes[k] for k in keys], tokens) + attention(s, window, tokens)
+  work = arrays(s, [shapes[k] for k in keys], tokens) + attention(s, window, tokens, written)
   reduced = (("wo", "heads", c.num_heads), ("w_down", "mlp", c.intermediate_size))
   return work + Work(sent_bytes=sum(s.all_reduce(tokens) for key, axis, size in reduced
                                     if key in keys and s.split(axis, size) > 1))
 
 
-def layers(s: Setting, indices: Sequence[int], tokens: int, config: ModelConfig | None = None) -> Work:
-  """Decoder layers `indices` of `config` (default: the target's) over `tokens` new tokens a row."""
+def layers(s: Setting, indices: Sequence[int], tokens: int, config: ModelConfig | None = None,
+           written: int | None = None) -> Work:
+  """Decoder layers `indices` of `config` (default: the target's) over `tokens` new tokens a row (writing `written`
+  positions of each layer's cache: `attention`; 0 for a tree's nodes, which write none)."""
   c = config or s.config
   keys = tuple(layer_shapes(c))
-  return sum((block(s, keys, c.window(i), tokens, c) for i in indices), Work())
+  return sum((block(s, keys, c.window(i), tokens, c, written) for i in indices), Work())
 
 
 def gather(s: Setting, tokens: int) -> Work:
@@ -218,6 +246,33 @@ def target(s: Setting, tokens: int) -> Work:
   return gather(s, tokens) + layers(s, range(s.config.num_layers), tokens) + head(s, s.config.vocab_size, tokens)
 
 
+def verify_tree(s: Setting, nodes: int, depth: int) -> Work:
+  """A tree's verification (specjax/trees.py): the target over [pending, its N nodes] under the tree mask, then the
+  accepted path's depth + 1 positions of keys and values moved where a chain's would be (`trees.move_path`: read
+  and written in every layer)."""
+  return target(s, nodes + 1) + s.config.num_layers * Work(cache_bytes=2 * s.rows * (depth + 1) * per_slot(s))
+
+
+def one_device(config: ModelConfig, positions: float, rows: int = 1) -> Setting:
+  """One device of this CPU: `rows` rows with `positions` in use, its attention reading those slots only."""
+  return Setting(config, batch=rows, positions=positions, whole_cache=False)
+
+
+def step_bytes(config: ModelConfig, positions: float, rows: int = 1, tokens: int = 1) -> float:
+  """Bytes a target forward of `tokens` tokens a row reads and writes on one device of this CPU with `positions`
+  in use: its weights W (of the embedding, the gathered rows) and its cache K, the roofline of batch-1 decoding
+  (Williams et al. 2009): a decode step's time is at least these bytes over the read bandwidth."""
+  work = target(one_device(config, positions, rows), tokens)
+  return work.weight_bytes + work.cache_bytes
+
+
+def head_share(config: ModelConfig) -> float:
+  """The LM head's share of the weights a 1-token target step reads on one device (the `head` pass's bytes over
+  `target`'s)."""
+  s = one_device(config, 1)
+  return head(s, config.vocab_size, 1).weight_bytes / target(s, 1).weight_bytes
+
+
 # ------------------------------------------------------------------------------------------------------ drafters
 
 
@@ -225,14 +280,16 @@ def target(s: Setting, tokens: int) -> Work:
 class Drafter:
   """What a drafter family runs (specjax/drafters/): `layers` of the target (layer skip, the exit adapter's first
   k), its own decoder layers (a distilled draft model: copies of target layers), an adapter block, parallel
-  residual heads or sequential modules, and the head's columns (`draft_vocab`; None: the whole vocabulary)."""
-  family: str  # prompt_lookup, layer_skip, exit_adapter, draft_model, mtp_parallel, mtp_sequential
+  residual heads, sequential modules or a block's decoder blocks, and the head's columns (`draft_vocab`; None: the
+  whole vocabulary)."""
+  family: str  # prompt_lookup, layer_skip, exit_adapter, draft_model, mtp_parallel, mtp_sequential, block
   layers: tuple[int, ...] = ()
   draft_vocab: int | None = None
   mlp: bool = True  # the exit adapter's block has an MLP
   heads: int = 0  # parallel heads
   modules: int = 0  # sequential modules (1: recurrent, EAGLE's; 4: DeepSeek-V3's chain)
-  features: int = 1  # target layers a sequential module reads (3: EAGLE-3's projection)
+  blocks: int = 0  # a block drafter's decoder blocks
+  features: int = 1  # target layers a sequential module or a block reads (3: EAGLE-3's projection)
   ngram_sizes: int = 3  # prompt lookup's searches
 
 
@@ -265,27 +322,48 @@ def mtp_sequential(config: ModelConfig, depth: int, recurrent: bool, eagle3: boo
                  features=len(default_feature_layers(config, eagle3)), draft_vocab=draft_vocab)
 
 
+def block_drafter(config: ModelConfig, blocks: int, draft_vocab: int | None) -> Drafter:
+  """specjax/drafters/block.py with its default feature layers (EAGLE-3's three)."""
+  return Drafter("block", blocks=blocks, features=len(block_feature_layers(config)), draft_vocab=draft_vocab)
+
+
 def _columns(s: Setting, d: Drafter) -> int:
   return d.draft_vocab or s.config.vocab_size
 
 
-def _adapter(s: Setting, d: Drafter, tokens: int) -> Work:
+def _adapter(s: Setting, d: Drafter, tokens: int, written: int | None = None) -> Work:
   c = s.config
   keys = attention_keys(c) + (mlp_keys(c) if d.mlp else ())
-  return block(s, keys, c.window(len(d.layers)), tokens)
+  return block(s, keys, c.window(len(d.layers)), tokens, written=written)
 
 
-def _module(s: Setting, tokens: int, whole: bool) -> Work:
-  """A sequential module over `tokens`: W [norm(emb); norm(h)], then its block (`whole`), or only the keys and values
-  it writes into its cache (a chained module's update)."""
+def _projection(s: Setting, d: Drafter, tokens: int) -> Work:
+  """W_f over the concatenated features of `d.features` target layers (none where it reads one)."""
+  c = s.config
+  matrix = ParamSpec((d.features * c.hidden_size, c.hidden_size), ("embed", "embed"))
+  return arrays(s, [matrix], tokens) if d.features > 1 else Work()
+
+
+def _module(s: Setting, tokens: int, whole: bool, written: int | None = None) -> Work:
+  """A sequential module over `tokens`: W [norm(emb); norm(h)], then its block (`whole`, writing `written` positions
+  of its cache), or only the keys and values it writes into its cache (a chained module's update)."""
   c = s.config
   d = c.hidden_size
   inputs = arrays(s, [ParamSpec((2 * d, d), ("embed", "embed")), ParamSpec((d,), ("norm",)),
                       ParamSpec((d,), ("norm",))], tokens)
   if whole:
-    return inputs + block(s, tuple(layer_shapes(c)), None, tokens)
+    return inputs + block(s, tuple(layer_shapes(c)), None, tokens, written=written)
   shapes = layer_shapes(c)
-  return inputs + arrays(s, [shapes["wk"], shapes["wv"]], tokens) + attention(s, None, tokens, write_only=True)
+  return inputs + arrays(s, [shapes["wk"], shapes["wv"]], tokens) + cache_write(s, tokens)
+
+
+def _blocks(s: Setting, d: Drafter, gamma: int) -> Work:
+  """A block drafter's forward: the pending token's embedding and gamma mask slots through its blocks, each reading
+  its context cache and writing none (the block's own keys stay in the forward), then the head over gamma slots."""
+  c = s.config
+  mask = arrays(s, [ParamSpec((c.hidden_size,), ("embed",))], 1)
+  own = d.blocks * block(s, tuple(layer_shapes(c)), None, gamma + 1, written=0)
+  return gather(s, 1) + mask + own + head(s, _columns(s, d), gamma)
 
 
 def propose(s: Setting, d: Drafter, gamma: int) -> Work:
@@ -306,18 +384,59 @@ def propose(s: Setting, d: Drafter, gamma: int) -> Work:
     return arrays(s, [w, ParamSpec((d.heads, c.hidden_size), ("stack", "embed"))], 1) + head(s, columns, gamma)
   if d.family == "mtp_sequential":  # the first draft from the kept hidden state, then a module a step
     return head(s, columns, 1) + (gamma - 1) * (gather(s, 1) + _module(s, 1, True) + head(s, columns, 1))
+  if d.family == "block":  # one forward over [pending, mask x gamma], whatever gamma
+    return _blocks(s, d, gamma)
   raise ValueError(f"unknown drafter family {d.family!r}")
 
 
-def update(s: Setting, d: Drafter, gamma: int) -> Work:
-  """The round's `update` after a chain of gamma drafts was verified (gamma + 1 positions of target features)."""
-  c, width = s.config, gamma + 1
+def propose_tree(s: Setting, d: Drafter, depth: int, nodes: int) -> Work:
+  """One `propose` of a tree of `nodes` nodes at most `depth` deep (specjax/drafters/draft_tree.py).
+
+  Prompt lookup searches for ceil(N / depth) branches, each search a pass over the token buffer per n-gram size.
+  Parallel heads and a block score every depth from the distributions of their chain's proposal (expanding a node
+  costs nothing). The model drafters grow EAGLE-2's tree: their chain's first step, then per depth 2..depth one
+  forward over the k = min(TOP_K, V') nodes it expands (`model.forward_nodes`: the draft's layers over k tokens a
+  row, reading its cache and writing none) and the head over k rows."""
+  columns = _columns(s, d)
+  if d.family == "prompt_lookup":
+    return math.ceil(nodes / depth) * propose(s, d, depth)
+  if d.family in ("mtp_parallel", "block"):
+    return propose(s, d, depth)
+  k = min(TOP_K, columns)
+  if d.family == "layer_skip":
+    first = gather(s, 1) + layers(s, d.layers, 1) + head(s, columns, 1)
+    expand = gather(s, k) + layers(s, d.layers, k, written=0) + head(s, columns, k)
+  elif d.family == "exit_adapter":
+    first = gather(s, 1) + layers(s, d.layers, 1) + _adapter(s, d, 1) + head(s, columns, 1)
+    expand = gather(s, k) + layers(s, d.layers, k, written=0) + _adapter(s, d, k, written=0) + head(s, columns, k)
+  elif d.family == "draft_model":
+    own = s.config.layers_config(d.layers)
+    first = gather(s, 2) + layers(s, range(own.num_layers), 2, own) + head(s, columns, 1)
+    expand = gather(s, k) + layers(s, range(own.num_layers), k, own, written=0) + head(s, columns, k)
+  elif d.family == "mtp_sequential":  # the first depth from the kept hidden state
+    first = head(s, columns, 1)
+    expand = gather(s, k) + _module(s, k, True, written=0) + head(s, columns, k)
+  else:
+    raise ValueError(f"unknown drafter family {d.family!r}")
+  return first + (depth - 1) * expand
+
+
+def update(s: Setting, d: Drafter, gamma: int, tree: bool = False) -> Work:
+  """The round's `update` after gamma drafts were verified: gamma + 1 positions of target features (after a `tree`
+  gamma deep, its accepted path's)."""
+  width = gamma + 1
   if d.family == "exit_adapter":  # the adapter's cache from the verified positions' features
     return _adapter(s, d, width)
   if d.family == "mtp_sequential":  # every module's cache from the true features; module 1's output is kept
-    projected = arrays(s, [ParamSpec((d.features * c.hidden_size, c.hidden_size), ("embed", "embed"))], width)
-    work = (projected if d.features > 1 else Work()) + gather(s, width) + _module(s, width, True)
+    work = _projection(s, d, width) + gather(s, width) + _module(s, width, True)
     return work + (d.modules - 1) * _module(s, width, False)
+  if d.family == "block":  # the features projected, each block's keys and values of them written
+    shapes = layer_shapes(s.config)
+    return _projection(s, d, width) + d.blocks * (arrays(s, [shapes["wk"], shapes["wv"]], width)
+                                                  + cache_write(s, width))
+  if d.family == "draft_model" and tree:  # its nodes wrote no cache: it reads the accepted path's tokens
+    own = s.config.layers_config(d.layers)
+    return gather(s, width) + layers(s, range(own.num_layers), width, own)
   return Work()
 
 
@@ -360,13 +479,18 @@ def tpu(topology: str) -> Device:
                 chip.interconnect_bytes_per_second, 0.0, True, chip.source)
 
 
-def round_seconds(s: Setting, d: Drafter, gamma: int, device: Device) -> dict[str, float]:
+def round_seconds(s: Setting, d: Drafter, gamma: int, device: Device, tree_nodes: int | None = None
+                  ) -> dict[str, float]:
   """The programs of a round in seconds: the 1-token step, the drafter's propose of gamma and update, the
-  verification of gamma + 1 tokens."""
-  return {"decode_step_seconds": seconds(target(s, 1), device),
-          "draft_seconds": seconds(propose(s, d, gamma), device),
-          "update_seconds": seconds(update(s, d, gamma), device),
-          "verify_seconds": seconds(target(s, gamma + 1), device)}
+  verification of gamma + 1 tokens; with `tree_nodes` N, a tree's, gamma deep: its proposal, its verification
+  of [pending, N nodes] and the update over its accepted path."""
+  if tree_nodes is None:
+    draft, verify = propose(s, d, gamma), target(s, gamma + 1)
+  else:
+    draft, verify = propose_tree(s, d, gamma, tree_nodes), verify_tree(s, tree_nodes, gamma)
+  return {"decode_step_seconds": seconds(target(s, 1), device), "draft_seconds": seconds(draft, device),
+          "update_seconds": seconds(update(s, d, gamma, tree=tree_nodes is not None), device),
+          "verify_seconds": seconds(verify, device)}
 
 
 # ---------------------------------------------------------------------------------------------------- validation
@@ -549,18 +673,43 @@ def projected_drafters(config: ModelConfig, draft_vocab: int) -> dict[str, tuple
       d = draft_model(config, options["num_layers"], vocab)
     elif family == "mtp_parallel":
       d = mtp_parallel(options["num_heads"], vocab)
+    elif family == "block":
+      d = block_drafter(config, options.get("layers", 1), vocab)
     else:
       d = mtp_sequential(config, options["depth"], options["recurrent"], options["eagle3"], vocab)
-    for method in projection.files_of(recipe["acceptance_of"]):
+    for method in projection.methods_of(recipe):
       found[method] = (recipe["name"], d)
   return found
 
 
-def project(acceptance: dict[str, Any]) -> list[dict[str, Any]]:
-  """Every projected (model, layout, method): the round's programs in seconds and the speedup at the method's
-  measured tau and gamma (`ACCEPTANCE`)."""
+def projected_rounds(acceptance: dict[str, dict[str, Any]], trees: dict[str, dict[str, Any]] | None
+                     ) -> list[tuple[str, str, str, int, int | None, float | None]]:
+  """What is projected, per model: (method, drafter name, its first method (`projected_drafters`' key), gamma, tree
+  size, tau). Every method of configs/compile_tpu.py's drafters with a measured tau (`acceptance`) at its gamma; and
+  for each drafter's first method, its trees of every size the run of configs/trees.py (`trees`) measured for it, at
+  that run's depth and tau, and of the config's other sizes, the config's gamma deep, with no tau."""
+  config = compile_tpu.get_config()
+  rounds = []
+  for recipe in config.drafters:
+    methods = projection.methods_of(recipe)
+    rounds += [(m, recipe["name"], methods[0], acceptance[m]["gamma"], None, acceptance[m]["tau"])
+               for m in methods if m in acceptance]
+    if methods[0] not in acceptance:
+      continue
+    measured = {m["tree_nodes"]: m for name, m in (trees or {}).items()
+                if name == projection.tree_method(methods[0], m["tree_nodes"])}
+    for nodes in sorted(set(config.tree_nodes) | set(measured)):
+      gamma, tau = (measured[nodes]["gamma"], measured[nodes]["tau"]) if nodes in measured else (config.gamma, None)
+      rounds.append((projection.tree_method(methods[0], nodes), recipe["name"], methods[0], gamma, nodes, tau))
+  return rounds
+
+
+def project(acceptance: dict[str, dict[str, Any]], trees: dict[str, dict[str, Any]] | None) -> list[dict[str, Any]]:
+  """Every projected (model, layout, method, tree size): the round's programs in seconds, c, r, u, the round's
+  cost in decode steps and the speedup at the method's measured tau (None for a tree whose tau is unmeasured)."""
   compiled = compile_tpu.get_config()
   vocab_of = {m["name"]: m["draft_vocab"] for m in (*compiled.models, *compile_tpu.FAMILY_MODELS)}
+  rounds = projected_rounds(acceptance, trees)
   rows = []
   for name in PROJECTED_MODELS:
     config = shaped_config(name, compiled.dtype)
@@ -569,20 +718,14 @@ def project(acceptance: dict[str, Any]) -> list[dict[str, Any]]:
       s = Setting(config, batch=batch, cache_len=compiled.cache_len, positions=compiled.prompt_len, data=data,
                   model=model)
       device = tpu(topology)
-      step = target(s, 1)
-      for method, summary in acceptance.items():
-        if method not in drafters or summary.get("gamma") is None:
-          continue
-        drafter_name, d = drafters[method]
-        gamma, tau = summary["gamma"], summary["mean_accepted"]
-        programs = round_seconds(s, d, gamma, device)
+      for method, drafter_name, recipe_method, gamma, nodes, tau in rounds:
+        programs = round_seconds(s, drafters[recipe_method][1], gamma, device, nodes)
         costs = projection.round_costs(gamma, programs["decode_step_seconds"], programs["draft_seconds"],
                                        programs["verify_seconds"], programs["update_seconds"])
         rows.append({"model": name, "topology": topology, "mesh": [data, model], "batch": batch,
                      "acceptance_of": method, "drafter": drafter_name, "gamma": gamma, "tau": tau,
-                     "tree_nodes": None, **programs, **costs, "projected_speedup": projection.speedup(tau, costs),
-                     "step_bytes": step.weight_bytes + step.cache_bytes, "step_weight_bytes": step.weight_bytes,
-                     "step_flops": step.flops, "step_sent_bytes": step.sent_bytes})
+                     "tree_nodes": nodes, **programs, **costs, "break_even_tau": projection.break_even_tau(costs),
+                     "projected_speedup": None if tau is None else projection.speedup(tau, costs)})
   return rows
 
 
@@ -599,16 +742,19 @@ def run(out: str) -> dict[str, Any]:
     rows, fit = validate_h200(path)
     validation += rows
     fits += fit
-  with open(os.path.join(ROOT, ACCEPTANCE)) as f:
-    measured = json.load(f)
-  acceptance = measured["summary"]["methods"]
   compiled = compile_tpu.get_config()
+  acceptance = projection.measured_acceptance(compiled.acceptance)
+  trees = projection.tree_acceptance(compiled.tree_acceptance)
+  with open(os.path.join(ROOT, projection.files_of(compiled.acceptance)[0])) as f:
+    acceptance_model = json.load(f)["config"]["model"]
   results = {"name": "cost_model", "environment": cli.environment(), "rates": rates, "tolerance": TOLERANCE,
              "floor": FLOOR, "fits": fits, "validation": validation,
              "workload": {"dtype": compiled.dtype, "cache_len": compiled.cache_len, "positions": compiled.prompt_len,
-                          "acceptance": ACCEPTANCE, "acceptance_model": measured["config"]["model"],
+                          "acceptance": projection.files_of(compiled.acceptance),
+                          "tree_acceptance": compiled.tree_acceptance if trees is not None else None,
+                          "acceptance_model": acceptance_model,
                           "chips": {t: tpu(t).source for t, *_ in LAYOUTS}},
-             "projections": project(acceptance)}
+             "projections": project(acceptance, trees)}
   os.makedirs(out, exist_ok=True)
   cli.write_atomic(os.path.join(out, "results.json"), json.dumps(results, indent=1) + "\n")
   cli.write_atomic(os.path.join(out, "RUN.md"), run_md(results, out))
@@ -628,7 +774,9 @@ def run_md(results: dict[str, Any], out: str) -> str:
            f"python -m experiments.cost_model --out={out}", "```", "",
            f"- code: commit {env['specjax_commit']}; Python {platform.python_version()}. The second command reads "
            "results files only (no model, no timing): the CPU runs' costs and read bandwidth, the H200's "
-           "(results/accelerator), the tau of results/compare_drafters-budget.",
+           "(results/accelerator), the tau of configs/compile_tpu.py's acceptance files: "
+           + ", ".join(results["workload"]["acceptance"]) + (f" and trees' of {results['workload']['tree_acceptance']}"
+                                                             if results["workload"]["tree_acceptance"] else "") + ".",
            f"- machine of the measurement: {rates['cpu']}, {rates['cpu_count']} cores, load average "
            f"{', '.join(f'{x:.1f}' for x in rates['load_average'])} at its start (a long background job shared the "
            f"cores): a float32 product {' x '.join(map(str, rates['flop_shape']))} at "

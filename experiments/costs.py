@@ -18,11 +18,12 @@ median per cost), so a drift of the shared machine hits them alike; the cache ho
 of median length and half of its autoregressive answer) in a cache of the prompts' median size, donated and
 threaded through the loop as in decoding.
 
-The same setup also gives the bytes each step moves (`specjax.roofline`), from which the accelerator
-projection takes c and r: c_bytes = draft step bytes / target step bytes, r_bytes ~ 1; the memory bandwidth of
-the device (`measure_read_bandwidth`, `measure_copy_bandwidth`), against which a step's bytes over its time give
-its roofline fraction; and its compute rate on a prefill-scale product (`measure_flop_rate`), which with the
-bandwidth is what the analytic cost model (experiments/cost_model.py) times a program with.
+The same setup also gives the bytes each step moves: c_bytes = a draft step's bytes over a target step's, both
+XLA's counts as compiled here (`specjax.roofline`), and r_bytes = a verification's bytes over a 1-token step's, as
+the analytic cost model counts them (experiments/cost_model.py `step_bytes`: the weights once and the cache in
+use, ~1); the memory bandwidth of the device (`measure_read_bandwidth`, `measure_copy_bandwidth`), against which
+the 1-token step's bytes over its time give its roofline fraction; and its compute rate on a prefill-scale product
+(`measure_flop_rate`), which with the bandwidth is what the cost model times a program with.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import cost_model
 from specjax import roofline
 from specjax.decoding import decode_draft_params, decode_params
 from specjax.drafters import DraftInputs, Drafter, PromptInfo, RoundResult
@@ -210,11 +212,11 @@ def measure(model, methods: Sequence[tuple[str, Drafter, int]], context: Sequenc
 
   Returns {"context_tokens", "cache_len", "rows", "target_seconds": {tokens: s}, "draft_seconds": {name: s},
   "methods": {name: {"gamma", "draft_cost", "verify_cost"[, "draft_cost_bytes", "verify_cost_bytes"]}}} and,
-  with `count_bytes`, "target_step_bytes" (formula), "target_step_bytes_xla", "draft_step_bytes" {name: B},
-  "read_bandwidth" (bytes/s, `measure_read_bandwidth` over "read_megabytes"), "roofline_fraction":
-  the 1-token target step's bytes (formula) / its time / that bandwidth, and "flop_rate" (FLOP/s,
-  `measure_flop_rate` of a float32 product of "flop_shape"). Target and draft steps run on the
-  weights as generate's loop reads them (`specjax.decoding.decode_params`, `decode_draft_params`).
+  with `count_bytes`, "target_step_bytes" (`cost_model.step_bytes`), "target_step_bytes_xla", "draft_step_bytes"
+  {name: B}, "read_bandwidth" (bytes/s, `measure_read_bandwidth` over "read_megabytes"), "roofline_fraction": the
+  1-token target step's bytes / its time / that bandwidth, and "flop_rate" (FLOP/s, `measure_flop_rate` of a float32
+  product of "flop_shape"). Target and draft steps run on the weights as generate's loop reads them
+  (`specjax.decoding.decode_params`, `decode_draft_params`).
   """
   config, params = model.config, model.params
   decoded = decode_params(model)  # the weights as generate's loop reads them
@@ -263,7 +265,7 @@ def measure(model, methods: Sequence[tuple[str, Drafter, int]], context: Sequenc
                          "verify_cost": seconds[f"target {gamma + 1}"] / t_1}
                   for name, _, gamma in methods}}
   if count_bytes:
-    costs["target_step_bytes"] = roofline.target_step_bytes(params, config, position, rows)
+    costs["target_step_bytes"] = cost_model.step_bytes(config, position, rows)
     # The roofline of autoregressive decoding: the 1-token step's bytes at the read bandwidth measured now.
     costs["read_megabytes"] = 512 if jax.default_backend() == "cpu" else 2048
     costs["read_bandwidth"] = measure_read_bandwidth(costs["read_megabytes"])
@@ -278,5 +280,5 @@ def measure(model, methods: Sequence[tuple[str, Drafter, int]], context: Sequenc
       costs["draft_step_bytes"][name] = step
       costs["methods"][name].update(
           draft_cost_bytes=step / costs["target_step_bytes_xla"],
-          verify_cost_bytes=roofline.verify_cost_bytes(params, config, position, gamma, rows))
+          verify_cost_bytes=cost_model.step_bytes(config, position, rows, gamma + 1) / costs["target_step_bytes"])
   return costs

@@ -1,16 +1,13 @@
 r"""The accelerator projection: a drafter's speedup on a TPU, from the tokens its rounds commit as measured on this
-CPU and what a round's programs cost there, from one of two costs files with the same `projections`:
+CPU and what a round's programs cost there, as the analytic cost model counts them (experiments/cost_model.py: every
+program's bytes, FLOPs, collectives and products counted from the model's config and the mesh, timed with the chip's
+published figures, and validated against this CPU's and an H200's measured costs), in results/cost_model/results.json
+(`COSTS_FILE`), per model, topology and batch. XLA's counts of the programs as compiled for a TPU
+(experiments/compile_for.py) count copies of the cache between memory spaces, which move a program's costs between
+topologies more than the program itself does; they size the programs against a chip's HBM and project in that run's
+own results.md only.
 
-  results/cost_model/results.json  the analytic cost model (experiments/cost_model.py: every program's bytes, FLOPs,
-                                   collectives and products counted from the model's config, and validated against
-                                   this CPU's and an H200's measured c and r), per model, topology and batch
-  results/tpu_compile/results.json XLA's counts of the programs as compiled for the chips (experiments/compile_for.py):
-                                   copies of the cache between memory spaces included, so they differ between
-                                   topologies more than the programs do
-
-In the compiled file, each program's time is the roofline bound (Williams et al. 2009) of XLA's count of it as
-compiled for the chip, per device: t = max(bytes accessed / HBM bandwidth, flops / peak bf16 flops). In units of one
-decode step of the target (a 1-token forward over the KV cache), a round of gamma drafts costs
+In units of one decode step of the target (a 1-token forward over the KV cache), a round of gamma drafts costs
 
   c = t(draft of gamma tokens) / gamma,   r = t(verification of gamma + 1 tokens),   u = t(the drafter's update),
 
@@ -26,13 +23,13 @@ chain's would be (r), and the drafter's update over the accepted path (u); its t
 commits, measured by a run of configs/trees.py (`<method>_tree<N>`). Without such a run a tree's costs are known and
 its tau is not: `speedup` projects it at a tau the caller supplies.
 
-A costs file's `projections` give each drafter's costs at the gamma of the fixed-gamma runs its acceptance comes
-from (`acceptance_of`: a method name in those runs, one row per method drafting with the drafter's round, e.g. a
-shipped checkpoint's and one trained on the budget; a tree's: the name of its tree method, `<method>_tree<N>`), for
-each model shape and topology (and, in the cost model's, batch). The experiments report and the published tables of
-the CPU runs and trees project the methods of a run with the same name, gamma and tree size, at fixed gamma (an
-adaptive round's length varies, so fixed-gamma costs do not describe it), from the compiled file, which has trees;
-README's answer ranks the trained drafters with the cost model's (chains only).
+The costs file's `projections` give each drafter's costs at the gamma of the fixed-gamma runs its acceptance comes
+from (`acceptance_of`: a method name in those runs, configs/compile_tpu.py's `acceptance`, one row per method
+drafting with the drafter's round, e.g. a shipped checkpoint's and one trained on the budget; a tree's: the name of
+its tree method, `<method>_tree<N>`, in `tree_acceptance`), for each model shape, topology and batch. The experiments
+report, the published tables of the CPU runs and trees and README's answer project the methods of a run with the same
+name, gamma and tree size, at fixed gamma (an adaptive round's length varies, so fixed-gamma costs do not describe
+it), at `MODEL` on `TOPOLOGY` with `BATCH` rows.
 """
 
 from __future__ import annotations
@@ -41,15 +38,12 @@ import json
 import os
 from typing import Any, Sequence
 
-COSTS_FILE = "results/tpu_compile/results.json"  # relative to the checkout's root
-MODELED_FILE = "results/cost_model/results.json"  # the analytic cost model's projections (experiments/cost_model.py)
-BATCH = 8  # the batch the modeled projection of the README is read at (configs/compile_tpu.py's)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COSTS_FILE = "results/cost_model/results.json"  # the analytic cost model's projections, relative to the checkout
 MODEL = "smollm2-135m"  # the model the CPU runs decode, as shaped for the TPU (bf16)
-# The slice the 8B-shaped target is fitted to (configs/compile_tpu.py). Not a single chip: there XLA's count of a
-# decode step includes copies of the cache between memory spaces that a verification's does not, so a verification
-# would count as cheaper than a decode step (results/tpu_compile/results.md). Communication between chips is left
-# out of XLA's counts, and so of the projection.
+# configs/compile_tpu.py's slice and batch: 8 rows over a (data 2, model 4) mesh of 8 v5e chips.
 TOPOLOGY = "v5e:2x4"
+BATCH = 8
 
 
 def round_costs(gamma: int, decode_step: float, draft: float, verify: float, update: float) -> dict[str, float]:
@@ -69,28 +63,63 @@ def speedup(tau: float, costs: dict[str, float]) -> float:
 
 
 def read(path: str = COSTS_FILE, model: str = MODEL, topology: str = TOPOLOGY,
-         batch: int | None = None) -> dict[str, dict[str, Any]]:
-  """{method: its round costs} from a costs file (a compile_for or cost_model results.json; a relative path: from the
-  checkout's root), for `model` on `topology` (and, in a file that projects several, `batch` rows), keyed by the
-  method of the acceptance each drafter takes (`acceptance_of`); "source" names the file, model and topology."""
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  with open(os.path.join(root, path)) as f:
-    compiled = json.load(f)
-  where = f"{model}, {topology}" + ("" if batch is None else f", batch {batch}")
+         batch: int = BATCH) -> dict[str, dict[str, Any]]:
+  """{method: its round costs} from the cost model's results.json (a relative path: from the checkout's root), for
+  `model` on `topology` with `batch` rows, keyed by the method of the acceptance each drafter takes (`acceptance_of`),
+  with its tree size (None: a chain); "source" names the file, model, topology and batch."""
+  path = os.path.relpath(os.path.join(ROOT, path), ROOT)
+  with open(os.path.join(ROOT, path)) as f:
+    projected = json.load(f)["projections"]
+  where = f"{model}, {topology}, batch {batch}"
   found = {p["acceptance_of"]: {**round_costs(p["gamma"], p["decode_step_seconds"], p["draft_seconds"],
                                              p["verify_seconds"], p["update_seconds"]),
-                                "tree_nodes": p.get("tree_nodes"), "source": f"{path} ({where})"}
-           for p in compiled["projections"] if p["model"] == model and p["topology"] == topology
-           and (batch is None or p.get("batch") == batch)}
+                                "tree_nodes": p["tree_nodes"], "source": f"{path} ({where})"}
+           for p in projected if (p["model"], p["topology"], p["batch"]) == (model, topology, batch)}
   if not found:
     raise ValueError(f"{path} projects no drafter of {where}; it has "
-                     f"{sorted({(p['model'], p['topology'], p.get('batch')) for p in compiled['projections']})}")
+                     f"{sorted({(p['model'], p['topology'], p['batch']) for p in projected})}")
   return found
 
 
 def files_of(paths: str | Sequence[str]) -> list[str]:
   """A config's acceptance file or files (configs/compile_tpu.py's `acceptance`) as a list."""
   return [paths] if isinstance(paths, str) else list(paths)
+
+
+def measured_acceptance(paths: str | Sequence[str]) -> dict[str, dict[str, Any]]:
+  """{method: {"gamma", "tau", "tree_nodes"}} from experiments/run.py results.json files (one path or several, a
+  relative one from the checkout's root; a method in several files is taken from the first): tau = tokens per target
+  forward (the round's accepted drafts and the target's own token), at the method's gamma (a tree's depth) and tree
+  size (None: a chain)."""
+  found = {}
+  for path in reversed(files_of(paths)):
+    with open(os.path.join(ROOT, path)) as f:
+      methods = json.load(f)["summary"]["methods"]
+    found.update((name, {"gamma": int(m["gamma"]), "tau": float(m["mean_accepted"]),
+                         "tree_nodes": m.get("tree_nodes")})
+                 for name, m in methods.items() if m.get("gamma") and m.get("mean_accepted") is not None)
+  return found
+
+
+def methods_of(recipe: dict) -> tuple[str, ...]:
+  """The methods whose acceptance a drafter's round is projected at (its `acceptance_of`: one name or several, each
+  a method of the acceptance files drafting with this drafter's round: e.g. a shipped checkpoint and one trained on
+  the budget)."""
+  names = recipe["acceptance_of"]
+  return (names,) if isinstance(names, str) else tuple(names)
+
+
+def tree_acceptance(path: str) -> dict[str, dict[str, Any]] | None:
+  """The tree methods of `path` (`measured_acceptance`; a run of configs/trees.py), or None where there is no such
+  file: trees are then projected by their round's cost and the tau at which they break even, with no speedup."""
+  if not os.path.exists(os.path.join(ROOT, path)):
+    return None
+  return {name: m for name, m in measured_acceptance(path).items() if m["tree_nodes"]}
+
+
+def tree_method(acceptance_of: str, tree_nodes: int) -> str:
+  """The name of a drafter's tree method of `tree_nodes` nodes in a run of configs/trees.py."""
+  return f"{acceptance_of}_tree{tree_nodes}"
 
 
 def project(method: dict[str, Any], costs: dict[str, dict[str, Any]], name: str) -> float | None:

@@ -36,7 +36,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from absl import app, flags
 
-from experiments import cli, curves, projection, report
+from experiments import cli, cost_model, curves, projection, report
 from specjax.config import shaped_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -630,18 +630,17 @@ def category_block(run: Run, prefix: str, methods: Sequence[str] | None = None) 
 
 def compare_drafters_block(runs: Runs, prefix: str, folder: str = "compare_drafters") -> str:
   """A fixed-γ comparison (`folder`), each method with Leviathan's prediction from its costs on this CPU and its
-  projection from its round's costs compiled for one TPU chip (experiments/projection.py: the costs file of
-  results/), and the share of its tokens that came from drafts."""
+  accelerator projection (experiments/projection.py: its round's costs by the analytic cost model), and the share of
+  its tokens that came from drafts."""
   run = runs[folder]
-  compiled = projection.read(str(runs.root / projection.COSTS_FILE))
+  modeled = projection.read(str(runs.root / projection.COSTS_FILE))
   rows = ["| method | γ | speedup (paired median, 90% interval) | mean accepted | alpha | from drafts | "
-          "accepted at k = 1 / 2 / 3 / 4 | c | r | predicted | "
-          f"projected on TPU {projection.TOPOLOGY} (XLA's counts) |",
+          f"accepted at k = 1 / 2 / 3 / 4 | c | r | predicted | {_projected_header()} |",
           "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
   for m in run.methods():
     s = run.results["summary"]["methods"][m]
     per_position = " / ".join(f"{a:.2f}" for a in s["acceptance_per_position"] or [])
-    projected = projection.project(dict(s, adaptive=run.adaptive(m)), compiled, m)
+    projected = projection.project(dict(s, adaptive=run.adaptive(m)), modeled, m)
     from_drafts = report.draft_share([r for r in run.records if r["method"] == m])
     rows.append(f"| `{m}` | {s['gamma']} | {speedup_cell(_paired(run, m))} | {s['mean_accepted']:.2f} | "
                 f"{_num(s['alpha'], '.2f')} | {_num(from_drafts, '.0%')} | {per_position} | "
@@ -675,16 +674,21 @@ def data_block(runs: Runs, prefix: str, folder: str = "compare_drafters-data") -
           f"({other_run['answers']} answers).")
 
 
+def _projected_header() -> str:
+  """The column of the accelerator projection (experiments/projection.py)."""
+  return f"projected on TPU {projection.TOPOLOGY}, batch {projection.BATCH}"
+
+
 def trees_block(runs: Runs, prefix: str, folder: str = "trees") -> str:
   """A run of configs/trees.py (`folder`): each drafter's chain and its trees (`<method>_tree<N>`), fixed rounds:
   tokens per target forward, acceptance by depth, the paired speedup over autoregressive decoding and over the
-  drafter's own chain (the same prompts and repeat), and the projection from the round's costs compiled for one TPU
-  chip."""
+  drafter's own chain (the same prompts and repeat), and the accelerator projection from the round's costs by the
+  analytic cost model."""
   run = runs[folder]
-  compiled = projection.read(str(runs.root / projection.COSTS_FILE))
+  modeled = projection.read(str(runs.root / projection.COSTS_FILE))
   summary = run.results["summary"]["methods"]
   rows = ["| drafter | nodes | tokens per forward | accepted at depth 1 / 2 / 3 / 4 | speedup (paired median, 90% "
-          f"interval) | over its chain | projected on TPU {projection.TOPOLOGY} (XLA's counts) |",
+          f"interval) | over its chain | {_projected_header()} |",
           "|---|---:|---:|---|---:|---:|---:|"]
   chains = [m for m in run.methods() if summary[m].get("gamma") and not summary[m].get("tree_nodes")]
   for chain in chains:
@@ -693,7 +697,7 @@ def trees_block(runs: Runs, prefix: str, folder: str = "trees") -> str:
     for m in [chain, *trees]:
       s = summary[m]
       depths = " / ".join(_num(a, ".2f") for a in s["acceptance_per_position"] or [])  # –: no node that deep
-      projected = projection.project(dict(s, adaptive=run.adaptive(m)), compiled, m)
+      projected = projection.project(dict(s, adaptive=run.adaptive(m)), modeled, m)
       over_chain = speedup_cell(report.paired_speedups(run.records, m, chain)) if m != chain else "–"
       rows.append(f"| `{chain}` | {s.get('tree_nodes') or 'chain'} | {s['mean_accepted']:.2f} | {depths} | "
                   f"{speedup_cell(_paired(run, m))} | {over_chain} | {_num(projected, '.2f')} |")
@@ -804,8 +808,8 @@ def layer_skip_deep_block(runs: Runs, prefix: str) -> str:
 
 
 def tpu_compile_block(runs: Runs, prefix: str) -> str:
-  """The runs of experiments.compile_for: what compiled, the 8B-shaped target's memory per chip, the projected
-  speedups per drafter and topology, and where the accelerator projection takes its costs from."""
+  """The runs of experiments.compile_for: what compiled and the 8B-shaped target's memory per chip (their projections
+  from XLA's counts stay in each run's results.md)."""
   compiled = sorted((r for r in runs.values() if r.compiled and not r.folder.startswith(ARCHIVE)),
                     key=lambda r: r.started)
   lines = []
@@ -827,36 +831,10 @@ def tpu_compile_block(runs: Runs, prefix: str) -> str:
                  f"({big[0]['mesh'][0]} x {big[0]['mesh'][1]}), bytes per chip of its 16 GiB of HBM: " + "; ".join(
                      f"{_program_label(r)} {r['bytes_per_device'] / 2**30:.2f} GiB ({r['hbm_fraction']:.0%})"
                      for r in big) + ".")
-  projected = [p for p in results["projections"] if p["model"] == projection.MODEL]
-  topologies = list(dict.fromkeys(p["topology"] for p in projected))
-
-  several = {d for d in {p["drafter"] for p in projected}
-             if len({p["acceptance_of"] for p in projected if p["drafter"] == d and not p.get("tree_nodes")}) > 1}
-
-  def label(p):  # a drafter's chain, or its tree of N nodes; at the acceptance of which method, where it has several
-    return (p["drafter"] + (f" tree {p['tree_nodes']}" if p.get("tree_nodes") else "")
-            + (f" at `{p['acceptance_of']}`" if p["drafter"] in several and not p.get("tree_nodes") else ""))
-
-  def value(p):  # the speedup, or where tau is unmeasured (a tree without a run of configs/trees.py) its break-even
-    return "–" if p is None else (f"{p['projected_speedup']:.2f}x" if p["projected_speedup"] is not None
-                                  else f"pays at τ > {p['break_even_tau']:.2f}")
-  drafters = list(dict.fromkeys(label(p) for p in projected))
-  cell = {(label(p), p["topology"]): p for p in projected}
-  rows = ["| drafter (τ, γ) | " + " | ".join(topologies) + " |", "|---|" + "---:|" * len(topologies)]
-  for d in drafters:
-    first = next(p for p in projected if label(p) == d)
-    tau = "τ unmeasured" if first["tau"] is None else f"{first['tau']:.2f}"
-    rows.append(f"| {d} ({tau}, {first['gamma']}) | " + " | ".join(value(cell.get((d, t))) for t in topologies)
-                + " |")
-  trees = " and trees' from `" + config["tree_acceptance"] + "`" if any(p.get("tree_nodes") for p in projected) else ""
-  sources = ", ".join(f"`{f}`" for f in projection.files_of(config["acceptance"]))
-  lines.append(f"Projected speedups of {projection.MODEL} (τ measured on this CPU, from {sources}{trees}; batch "
-               f"{config['batch_size']}, cache {config['cache_len']}):\n\n"
-               + "\n".join(rows))
-  lines.append(f"The accelerator projection of the experiments report and of [results](results.md) takes its round "
-               f"costs from [`{projection.COSTS_FILE.removeprefix('results/')}`]"
-               f"({prefix}{projection.COSTS_FILE.removeprefix('results/')}): {projection.MODEL} on "
-               f"{projection.TOPOLOGY} (experiments/projection.py).")
+  lines.append(f"XLA's counts project the drafters per topology in [`{default.folder}/results.md`]"
+               f"({prefix}{default.folder}/results.md) (copies of the cache between memory spaces included); the "
+               "accelerator projection of the experiments report, of [results](results.md) and of README reads the "
+               "analytic cost model's counts instead (below; experiments/projection.py).")
   return "\n\n".join(lines)
 
 
@@ -898,13 +876,19 @@ def cost_model_block(runs: Runs, prefix: str, folder: str = "cost_model") -> str
       f"{quantity} of {_join([f'`{m}`' for m in methods])} ({device}, `{source}`)"
       for (device, source, quantity), methods in groups.items()) if missed else "") + "."]
   workload = results["workload"]
+  sources = _join([f"`{f.removeprefix('results/')}`" for f in workload["acceptance"]])
   for model in dict.fromkeys(p["model"] for p in results["projections"]):
     stand_in = ("" if model == workload["acceptance_model"] else
                 f", {workload['acceptance_model']}'s as a stand-in: {model}'s own is unmeasured")
+    mine = [p for p in results["projections"] if p["model"] == model]
     lines += ["", f"Projected speedups of {model} ({workload['dtype']}, a cache of {workload['cache_len']} positions; "
-              f"τ and γ of `{workload['acceptance'].removeprefix('results/')}`{stand_in}; mesh (data, model) 1 x 1 "
-              "on one chip, 2 x 4 on eight; no overhead per product on a TPU):", "",
-              _projection_table([p for p in results["projections"] if p["model"] == model])]
+              f"τ and γ of {sources}{stand_in}; mesh (data, model) 1 x 1 on one chip, 2 x 4 on eight; no overhead "
+              "per product on a TPU):", "", _projection_table([p for p in mine if p["tree_nodes"] is None])]
+    if model == workload["acceptance_model"] and any(p["tree_nodes"] for p in mine):
+      lines += ["", "Its trees (τ and depth γ of "
+                + (f"`{workload['tree_acceptance'].removeprefix('results/')}`" if workload["tree_acceptance"]
+                   else "no run of configs/trees.py") + "; where it has none, the τ from which the tree pays):", "",
+                _trees_table([p for p in mine if p["tree_nodes"]])]
   return "\n".join(lines)
 
 
@@ -970,6 +954,22 @@ def _projection_table(projected: Sequence[dict[str, Any]]) -> str:
            for i, a in enumerate(methods) for b in methods[i + 1:] if ahead(a, b) and ahead(b, a)]
   rows += ["", f"Ranked {ranked}. " + (f"Pairs whose order differs between layouts: {'; '.join(flips)}."
                                         if flips else "No pair changes order between layouts.")]
+  return "\n".join(rows)
+
+
+def _trees_table(projected: Sequence[dict[str, Any]]) -> str:
+  """Trees' speedups (or, with τ unmeasured, the τ from which they pay) per tree (rows) and layout (columns)."""
+  layouts = list(dict.fromkeys((p["topology"], p["batch"]) for p in projected))
+  cell = {(p["acceptance_of"], p["topology"], p["batch"]): p for p in projected}
+  rows = ["| tree (τ, γ) | " + " | ".join(f"{t} batch {b}" for t, b in layouts) + " |",
+          "|---|" + "---:|" * len(layouts)]
+  for m in dict.fromkeys(p["acceptance_of"] for p in projected):
+    first = cell[next(key for key in cell if key[0] == m)]
+    tau = "τ unmeasured" if first["tau"] is None else f"{first['tau']:.2f}"
+    rows.append(f"| `{m}` ({tau}, {first['gamma']}) | " + " | ".join(
+        "–" if (m, t, b) not in cell else f"{cell[m, t, b]['projected_speedup']:.2f}x"
+        if cell[m, t, b]["projected_speedup"] is not None else f"pays at τ > {cell[m, t, b]['break_even_tau']:.2f}"
+        for t, b in layouts) + " |")
   return "\n".join(rows)
 
 
@@ -1122,20 +1122,14 @@ def _millions(values: Sequence[float]) -> str:
   return f"{low}M" if low == high else f"{low}–{high}M"
 
 
-def head_share(model: str) -> float:
-  """The LM head's share of the weights a decode step reads (`specjax.config.MODEL_SHAPES`' config)."""
-  config = shaped_config(model)
-  return config.vocab_size * config.hidden_size / config.num_params
-
-
 def readme_answer_block(runs: Runs, prefix: str) -> str:
   """Per target of `ANSWER_CONFIGS`, one paragraph from its adaptive run on this CPU: the fastest method overall,
   the fastest drafter trained on the budget (with the runner-up and their head-to-head ratio), the untrained drafters
   and the never-drafting control where the run has one, each with its median paired speedup over autoregressive
   decoding and its 90% interval; then the reason in that run's numbers (the LM head's share of a step, the draft cost
   per token c, the verification cost r, tokens per target forward), and the families ranked by the accelerator
-  projection of the analytic cost model (experiments/projection.py's `MODELED_FILE`, v5e:2x4 at batch 8) at the
-  tokens per forward of the fixed-γ run."""
+  projection (experiments/projection.py: the analytic cost model's costs, v5e:2x4 at batch 8) at the tokens per
+  forward of the fixed-γ run."""
   return "\n\n".join(_answer(runs, prefix, model, *(_newest(runs, c) for c in configs))
                       for model, configs in ANSWER_CONFIGS.items())
 
@@ -1187,11 +1181,12 @@ def _answer(runs: Runs, prefix: str, model: str, adaptive: Run, fixed: Run) -> s
              if s.get("draft_cost") is not None else "")
     return f"{labels[m]} {costs}{s['mean_accepted']:.2f} tokens per forward"
 
-  reason = (f"Why, in this run's numbers: the LM head is {head_share(config['model']):.0%} of the weights a target "
+  head = cost_model.head_share(shaped_config(config["model"]))
+  reason = (f"Why, in this run's numbers: the LM head is {head:.0%} of the weights a target "
             f"step reads; per drafter, the cost of a draft token c and of verifying γ + 1 tokens r in target steps, "
             f"and the tokens per target forward: " + "; ".join(map(numbers, shown)) + ".")
   text = f"{setting}: {lead}. {reason}"
-  costs = projection.read(projection.MODELED_FILE, model, projection.TOPOLOGY, batch=projection.BATCH)
+  costs = projection.read(str(runs.root / projection.COSTS_FILE), model)
   fixed_summary = fixed.results["summary"]["methods"]
   projected = {m: projection.project(fixed_summary[m], costs, m) for m in families if m in fixed_summary}
   projected = {m: p for m, p in projected.items() if p is not None}

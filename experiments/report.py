@@ -255,8 +255,8 @@ def calibrated_pair(method: str, methods: Sequence[str]) -> str | None:
 def add_costs(summary: dict[str, Any], costs: dict[str, Any],
               accelerator: dict[str, dict[str, Any]] | None = None) -> None:
   """Adds c, r, Leviathan's prediction and the efficiency to each drafted method, the accelerator projection where
-  `accelerator` (`projection.read`: round costs compiled for a TPU) has the method at its gamma and tree size (a
-  tree method's whether or not its costs on this CPU are measured), and
+  `accelerator` (`projection.read`: a round's costs on a TPU by the analytic cost model) has the method at its gamma
+  and tree size (a tree method's whether or not its costs on this CPU are measured), and
   `roofline_fraction` (the 1-token target step's bytes / its time / the read bandwidth, both measured in the run)
   to the summary.
 
@@ -268,7 +268,7 @@ def add_costs(summary: dict[str, Any], costs: dict[str, Any],
   if "roofline_fraction" in costs:
     summary["roofline_fraction"] = costs["roofline_fraction"]
   for name, s in summary["methods"].items():
-    # The round's costs compiled for a TPU, for a tree method too (its costs on this CPU are not measured).
+    # The round's costs on a TPU, for a tree method too (its costs on this CPU are not measured).
     projected = projection.project(s, accelerator or {}, name)
     if projected is not None:
       s["projected_speedup"] = projected
@@ -654,10 +654,10 @@ def json_safe(x):
 
 
 PROJECTION = ("**Accelerator projection** (not measured), for the methods drafting a fixed γ that the costs file "
-              "compiled: the measured mean accepted τ over a round's costs compiled for a TPU, projected = τ / (γ·c + "
-              "r + u) in decode steps of the target, each program's time the roofline bound max(bytes / bandwidth, "
-              "flops / peak) of XLA's count of it as compiled for the chip (experiments/projection.py; costs from "
-              "{source}).")
+              "projects: the measured mean accepted τ over a round's costs on a TPU, projected = τ / (γ·c + r + u) in "
+              "decode steps of the target, each program's time the analytic cost model's max((weights + cache) / "
+              "bandwidth, FLOPs / peak) + collectives / interconnect, counted from the model's config and the mesh "
+              "(experiments/cost_model.py, experiments/projection.py; costs from {source}).")
 
 
 def write(workdir: str, results: dict[str, Any]) -> str:

@@ -51,8 +51,9 @@ and results.md's "Forward costs" table gives them per method beside its rounds b
 
 Costs (`config.costs`, experiments/costs.py): after decoding, every drafter's draft cost c and verification cost
 r are measured in compiled loops, interleaved, on a cache of the prompts' typical size, with the bytes each step
-moves (specjax/roofline.py); the report adds Leviathan's prediction from alpha, c and r, the efficiency (measured
-/ predicted) and an accelerator projection (c and r from bytes moved).
+moves (specjax/roofline.py, experiments/cost_model.py); the report adds Leviathan's prediction from alpha, c and r,
+the efficiency (measured / predicted) and an accelerator projection (a round's costs on a TPU by the analytic cost
+model, experiments/projection.py).
 
 Temperatures: `config.temperatures` (a tuple; empty: just `config.temperature`) runs the whole comparison once
 per temperature, the first one being the main summary (`summary.methods`); every temperature's per-method
@@ -581,8 +582,8 @@ def _measure_costs(config: ml_collections.ConfigDict, model: specjax.Model, meth
 
 
 def _accelerator_costs() -> dict | None:
-  """The round costs compiled for a TPU that the accelerator projection reads (experiments/projection.py), or None
-  (with a warning) where the checkout has no such file."""
+  """The round costs on a TPU that the accelerator projection reads (experiments/projection.py: the analytic cost
+  model's), or None (with a warning) where the checkout has no such file."""
   try:
     return projection.read()
   except (OSError, ValueError) as e:

@@ -119,11 +119,11 @@ def decode_params(model: Model):
 
 
 def decode_draft_params(drafter):
-  """drafter.params as the decode loop reads them on one device: a draft model's layers and a truncated draft
-  vocabulary's output head packed for the CPU kernels where the process decodes on its CPU
-  (`specjax.backends.cpu.pack_draft_params`); the rest as it is. Packed once per parameter tree and kept on the
-  drafter."""
-  return _packed_once(drafter, cpu.pack_draft_params)
+  """drafter.params as the decode loop reads them on one device: a draft model's layers, stacked blocks (sequential
+  MTP modules, a block drafter's) and a truncated draft vocabulary's output head packed for the CPU kernels where the
+  process decodes on its CPU (`specjax.backends.cpu.pack_draft_params`); the rest as it is. Packed once per parameter
+  tree and kept on the drafter."""
+  return _packed_once(drafter, lambda params: cpu.pack_draft_params(params, drafter.param_specs))
 
 
 def place_on_mesh(model: Model, batch: Batch, mesh):

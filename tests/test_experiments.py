@@ -672,8 +672,8 @@ def _tiny_config(**overrides) -> ml_collections.ConfigDict:
   return config
 
 
-def test_a_tree_method_is_projected_from_its_compiled_round_though_its_cpu_costs_are_not_measured():
-  """A run's tree method (configs/trees.py) gets the accelerator projection of its tree size from the compiled costs
+def test_a_tree_method_is_projected_from_its_modeled_round_though_its_cpu_costs_are_not_measured():
+  """A run's tree method (configs/trees.py) gets the accelerator projection of its tree size from the costs file
   (experiments/projection.py), and none from a chain's or another size's."""
   summary = {"methods": {name: {"gamma": 4, "tree_nodes": nodes, "mean_accepted": 3.0, "adaptive": False,
                                 "alpha": None}
@@ -691,7 +691,7 @@ def test_run_reports_costs_prediction_efficiency_and_projection(tiny_chat, tmp_p
   config = _tiny_config(repeats=1)
   config.prompts.categories, config.prompts.per_category = ("qa",), 5
   config.costs.repeats = 3  # a tiny model's step is ~1 ms: a median of three keeps the load from flipping a sign
-  # The accelerator projection's costs file, as compiled: the heads at this run's gamma, the exit at another.
+  # The accelerator projection's costs file: the heads at this run's gamma, the exit at another.
   compiled = {"heads": {"gamma": 3, "draft_cost": 0.02, "verify_cost": 1.1, "update_cost": 0.01, "source": "f"},
               "exit2": {"gamma": 4, "draft_cost": 0.5, "verify_cost": 1.0, "update_cost": 0.0, "source": "f"}}
   monkeypatch.setattr(run.projection, "read", lambda: compiled)

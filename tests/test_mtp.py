@@ -13,8 +13,11 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax.drafters import DraftInputs, PromptInfo, block, draft_head
+from specjax.backends import cpu
+from specjax.decoding import decode_draft_params
+from specjax.drafters import DraftInputs, PromptInfo, RoundResult, block, draft_head
 from specjax.loading import CheckpointError
+from specjax.sampling import SamplingParams
 from specjax.train_drafter import train_drafter
 from tests.task_drafters import VOCAB, assert_greedy_lossless, fewer_layers, perturbed, progression
 
@@ -203,6 +206,46 @@ def test_a_block_drafts_every_slot_in_one_forward(random_target):
   out = specjax.generate(random_target, [[1, 2, 3, 4], [5, 6, 7]], max_new_tokens=12, drafter=drafter, gamma=4,
                          stop_ids=[], adaptive=False)
   assert out.stats["draft_calls"] == out.stats["rounds"] > 0, out.stats
+
+
+@pytest.mark.parametrize("name", ["sequential", "block_two_layers_truncated"])
+def test_stacked_blocks_packed_for_the_cpu_draft_what_the_stacks_draft(name, random_target):
+  """Decoding on a CPU lays a drafter's stacked blocks (DeepSeek-V3's chain of distinct MTP modules, a block drafter's
+  blocks) out one dict per block, packed for the kernels (`decode_draft_params`): the same chain and tree proposals
+  and the same state after an update as the stacks, within float32 rounding."""
+  if not cpu.available():
+    pytest.skip(f"the CPU kernels are not built here: {cpu.status()}")
+  drafter = make(name, random_target)
+  packed = decode_draft_params(drafter)
+  assert "wq" not in packed and len(packed["blocks"]) > 1 and isinstance(packed["blocks"][1]["wo"], cpu.Packed)
+  rng = np.random.default_rng(0)
+  b, t, d = 2, 10, random_target.config.hidden_size
+  tokens = jnp.asarray(rng.integers(0, VOCAB, (b, t)), jnp.int32)
+  features = jnp.asarray(rng.standard_normal((b, t, len(drafter.feature_layers), d)), jnp.float32)
+  prompt = PromptInfo(tokens=tokens, lengths=jnp.full((b,), t, jnp.int32), first_token=tokens[:, -1],
+                      last_hidden=jnp.zeros((b, d)), features=features, cache_len=24)
+  sequence = jnp.pad(tokens, ((0, 0), (0, 14)))
+  position = jnp.full((b,), t - 1, jnp.int32)
+  init = jax.jit(lambda params: drafter.init(random_target.params, params, drafter.options, prompt))
+  states = [init(drafter.params), init(packed)]
+
+  def close(a, b):
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-4), a, b)
+
+  close(*states)
+  for nodes in (None, 6):
+    inputs = DraftInputs(sequence=sequence, position=position, target_cache=None, key=jax.random.PRNGKey(0),
+                         tree_nodes=nodes)
+    propose = jax.jit(lambda params, state: drafter.propose(random_target.params, params, drafter.options, state,
+                                                            inputs, 3, SamplingParams()))
+    stacks, blocks = propose(drafter.params, states[0]), propose(packed, states[1])
+    np.testing.assert_array_equal(np.asarray(stacks.tokens), np.asarray(blocks.tokens))
+    if nodes:
+      np.testing.assert_array_equal(np.asarray(stacks.parents), np.asarray(blocks.parents))
+  result = RoundResult(sequence=sequence, position=position + 2, accepted=jnp.ones((b,), jnp.int32),
+                       verify_hidden=jnp.zeros((b, 4, d)), features=features[:, :4], verify_position=position)
+  update = jax.jit(lambda params, state: drafter.update(random_target.params, params, drafter.options, state, result))
+  close(update(drafter.params, states[0]), update(packed, states[1]))
 
 
 def test_the_block_drafters_loss_reads_the_context_before_each_anchor_only(random_target):

@@ -148,35 +148,37 @@ def test_a_speedup_cell_gives_the_median_and_its_interval_or_the_prompts():
   assert publish.speedup_cell([1.0, 1.2, 0.9]) == "1.00x (3 prompts)"
 
 
-def test_the_accelerator_projection_of_the_results_is_the_compile_runs_own():
-  """docs/results.md projects the fixed-γ comparison and the trees with the round costs compiled for a TPU
-  (experiments/projection.py): for the methods whose τ the compile run took from those runs, the same speedups as the
-  compile run's."""
+def test_the_accelerator_projection_of_the_results_is_the_cost_models_own():
+  """docs/results.md projects the fixed-γ comparisons and the trees with the analytic cost model's round costs
+  (experiments/projection.py's default file, model, topology and batch): for the methods whose τ the cost model took
+  from those runs, the same speedups as its own projections."""
   runs = publish.load_runs(ROOT)
-  compiled = runs["tpu_compile"].results
+  modeled = runs["cost_model"].results
   costs = projection.read()
-  # the fixed-γ comparisons the compile run took τ from (the one training budget's, the shipped checkpoints', the data
+  # the fixed-γ comparisons the cost model took τ from (the one training budget's, the shipped checkpoints', the data
   # control's), in its order: a method in several takes the first's τ, and its first row here
-  folders = [pathlib.Path(path).parent.name for path in projection.files_of(compiled["config"]["acceptance"])]
+  folders = [pathlib.Path(path).parent.name for path in modeled["workload"]["acceptance"]]
   assert {"compare_drafters", "compare_drafters-budget"} <= set(folders)
   table = "\n".join(publish.compare_drafters_block(runs, "", folder) for folder in folders)
+  assert "(XLA's counts)" not in table
+  assert f"| projected on TPU {projection.TOPOLOGY}, batch {projection.BATCH} |" in table
   trees = publish.trees_block(runs, "").splitlines()
-  mine = [p for p in compiled["projections"]
-          if p["model"] == projection.MODEL and p["topology"] == projection.TOPOLOGY]
-  assert mine
+  mine = [p for p in modeled["projections"]
+          if (p["model"], p["topology"], p["batch"]) == (projection.MODEL, projection.TOPOLOGY, projection.BATCH)]
+  assert any(p["tree_nodes"] and p["projected_speedup"] is not None for p in mine)
   for p in mine:
     cost = costs[p["acceptance_of"]]
-    assert cost["tree_nodes"] == p.get("tree_nodes")
-    assert projection.break_even_tau(cost) == pytest.approx(p["round_seconds"] / p["decode_step_seconds"])
-    if p.get("tree_nodes"):  # a tree's tau comes from the run of configs/trees.py, and its row is in that table
-      assert p["projected_speedup"] == (None if p["tau"] is None else pytest.approx(projection.speedup(p["tau"], cost)))
-      if p["projected_speedup"] is not None:
-        chain = p["acceptance_of"].removesuffix(f"_tree{p['tree_nodes']}")
-        row = next(line for line in trees if line.startswith(f"| `{chain}` | {p['tree_nodes']} |"))
-        assert row.endswith(f"| {p['projected_speedup']:.2f} |")
+    assert cost["tree_nodes"] == p["tree_nodes"]
+    round_seconds = p["draft_seconds"] + p["verify_seconds"] + p["update_seconds"]
+    assert projection.break_even_tau(cost) == pytest.approx(round_seconds / p["decode_step_seconds"])
+    if p["projected_speedup"] is None:  # a tree whose tau no run of configs/trees.py measured
       continue
     assert projection.speedup(p["tau"], cost) == pytest.approx(p["projected_speedup"])
-    row = next(line for line in table.splitlines() if line.startswith(f"| `{p['acceptance_of']}` |"))
+    if p["tree_nodes"]:  # its tau comes from the run of configs/trees.py, and its row is in that table
+      chain = p["acceptance_of"].removesuffix(f"_tree{p['tree_nodes']}")
+      row = next(line for line in trees if line.startswith(f"| `{chain}` | {p['tree_nodes']} |"))
+    else:
+      row = next(line for line in table.splitlines() if line.startswith(f"| `{p['acceptance_of']}` |"))
     assert row.endswith(f"| {p['projected_speedup']:.2f} |")
 
 

@@ -39,7 +39,7 @@ def small_shapes(config, target):
   """SmolLM2's shapes and config's drafters on `target`, at a short prompt and cache (compiling takes as long)."""
   config.batch_size, config.prompt_len, config.cache_len = 4, 64, 256
   return compile_for.model_shapes(shaped_config("smollm2-135m", config.dtype), 8192, target, config,
-                                  compile_for.measured_acceptance(config.acceptance))
+                                  projection.measured_acceptance(config.acceptance))
 
 
 @pytest.mark.slow
@@ -77,7 +77,7 @@ def test_a_tree_drafting_speculative_program_compiled_for_a_v5e_slice_holds_no_c
 
   def tree_program(target):
     shapes = compile_for.model_shapes(two_layers, 8192, target, config,
-                                      compile_for.measured_acceptance(config.acceptance))
+                                      projection.measured_acceptance(config.acceptance))
     chain, tree = compile_for.generate_programs(shapes, config, "speculative", ("mtp_parallel",), tree_nodes=(16,))
     assert (chain.tree_nodes, tree.tree_nodes, tree.static["policy"].tree_nodes) == (None, 16, 16)
     return tree
@@ -106,7 +106,7 @@ def test_a_gemma_speculative_program_compiled_for_a_v5e_slice_holds_no_cpu_custo
 
   def program(target):
     shapes = compile_for.model_shapes(two_layers, draft_vocab, target, config,
-                                      compile_for.measured_acceptance(config.acceptance))
+                                      projection.measured_acceptance(config.acceptance))
     (chain,) = compile_for.generate_programs(shapes, config, "speculative", ("mtp_sequential",))
     return chain
   on_cpu = compile_for.Target("cpu", sharding.make_mesh(1, 1), 0.0, 1.0, 1.0)
@@ -286,9 +286,9 @@ def test_a_round_is_projected_at_each_method_drafting_with_it_from_several_accep
                                                         for m, tau in methods.items()}}}))
     return str(path)
   files = (run_file("budget.json", {"budget_heads": 2.5, "heads": 9.0}), run_file("shipped.json", {"heads": 2.0}))
-  acceptance = compile_for.measured_acceptance(files)
+  acceptance = projection.measured_acceptance(files)
   assert (acceptance["heads"]["tau"], acceptance["budget_heads"]["tau"]) == (9.0, 2.5)
-  assert compile_for.measured_acceptance(files[1])["heads"]["tau"] == 2.0
+  assert projection.measured_acceptance(files[1])["heads"]["tau"] == 2.0
   config = compile_tpu.get_config()
   config.drafters = ({"name": "heads", "acceptance_of": ("heads", "budget_heads")},)
   records = [step_record("decode_step", None, 0, 819e6), step_record("verify_5", None, 0, 1638e6),
@@ -367,7 +367,7 @@ def test_a_run_writes_its_results_tables_plot_and_run_record(tmp_path, monkeypat
   assert "train: does_not_fit: `RESOURCE_EXHAUSTED" in table
   assert "| m | v5e:2x4 | heads | tree 16 | – (4) | 1000 | 1000 | 2000 | 0 | 3.00 | – |" in table
   assert f"No tree's tau is measured ({config.tree_acceptance} does not exist)" in table
-  tau = compile_for.measured_acceptance(config.acceptance)["mtp_parallel"]["tau"]
+  tau = projection.measured_acceptance(config.acceptance)["mtp_parallel"]["tau"]
   assert results["projections"][0]["projected_speedup"] == pytest.approx(tau * 1e-3 / (0.1e-3 + 1e-3))
   assert "python -m experiments.compile_for --config=x" in run_md
   assert "6 compiled, 1 do not fit in HBM, 0 failed; 65 s compiling, " in table
@@ -395,7 +395,7 @@ def test_a_run_writes_its_results_tables_plot_and_run_record(tmp_path, monkeypat
   chains = [p for p in compile_for.reproject(str(tmp_path), measured)["projections"] if not p["tree_nodes"]]
   assert [p["acceptance_of"] for p in chains] == ["mtp_parallel", "mtp_sequential"]
   assert chains[1]["projected_speedup"] == pytest.approx(
-      compile_for.measured_acceptance(config.acceptance)["mtp_sequential"]["tau"] / chains[0]["break_even_tau"])
+      projection.measured_acceptance(config.acceptance)["mtp_sequential"]["tau"] / chains[0]["break_even_tau"])
   other = copy.deepcopy(measured)
   other.batch_size = 16
   with pytest.raises(ValueError, match=r"compiled with another config \(it differs in \['batch_size'\]"):
@@ -407,7 +407,7 @@ def test_a_run_writes_its_results_tables_plot_and_run_record(tmp_path, monkeypat
 
 
 def test_the_acceptance_comes_from_a_fixed_gamma_run():
-  acceptance = compile_for.measured_acceptance(compile_tpu.get_config().acceptance)
+  acceptance = projection.measured_acceptance(compile_tpu.get_config().acceptance)
   assert acceptance["mtp_sequential"]["gamma"] == 4 and 1.0 < acceptance["mtp_sequential"]["tau"] < 5.0
   assert acceptance["layer_skip_best_set"]["gamma"] == 2
   assert "autoregressive" not in acceptance
@@ -475,7 +475,7 @@ def test_abstract_params_carry_the_shardings_of_the_rules(tiny_config):
 
 
 def test_the_published_run_is_of_the_default_config_and_compiled_every_program():
-  """results/tpu_compile/ (what docs/scaling.md and the experiments report's projection read): every program of
+  """results/tpu_compile/ (docs/scaling.md's memory per chip; its own results.md's projections): every program of
   the default grid compiled, and each drafter projected on every topology its steps were compiled for."""
   with open(RESULTS) as f:
     results = json.load(f)

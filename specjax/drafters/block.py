@@ -86,6 +86,10 @@ def param_specs(options: Options) -> dict:
 
 
 def _layer(params, i: int, config: ModelConfig) -> dict:
+  """Block i's arrays: sliced from the stacks, or as decoding on a CPU lays them out (`backends.cpu.pack_draft_params`:
+  one dict per block)."""
+  if "blocks" in params:
+    return params["blocks"][i]
   return {k: params[k][i] for k in block_keys(config)}
 
 

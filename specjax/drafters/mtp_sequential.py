@@ -101,6 +101,10 @@ def param_specs(options: Options) -> dict:
 
 
 def _module(params, m: int, config: ModelConfig) -> dict:
+  """Module m's arrays: sliced from the stacks, or as decoding on a CPU lays them out (`backends.cpu.pack_draft_params`:
+  one dict per module)."""
+  if "blocks" in params:
+    return params["blocks"][m]
   return {k: params[k][m] for k in INPUT + block_keys(config)}
 
 

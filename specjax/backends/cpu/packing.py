@@ -5,11 +5,12 @@ model is loaded for decoding, lets the kernel stream each weight exactly once, i
 rows. A `Packed` weight is logically the matrix [K, N]; it is stored as ceil(N / PANEL) panels, each one
 contiguous run of K x PANEL values.
 
-  pack(w, k_dims)            a weight as column panels (`Packed`); `Packed.unpack` gives it back
-  pack_params(params, cfg)   a decoder's parameters as the decode loop reads them (`specjax.decoding.decode_params`)
-  pack_draft_params(params)  a drafter's own parameters likewise (`specjax.decoding.decode_draft_params`)
-  matmul_panels(x, w)        x @ a `Packed` weight with jnp: where the kernel does not run (other platforms,
-                             shapes it does not take, gradients)
+  pack(w, k_dims)                   a weight as column panels (`Packed`); `Packed.unpack` gives it back
+  pack_params(params, cfg)          a decoder's parameters as the decode loop reads them
+                                    (`specjax.decoding.decode_params`)
+  pack_draft_params(params, specs)  a drafter's own parameters likewise (`specjax.decoding.decode_draft_params`)
+  matmul_panels(x, w)               x @ a `Packed` weight with jnp: where the kernel does not run (other platforms,
+                                    shapes it does not take, gradients)
 
 The packed tree fuses the products that read the same input: a layer's "wqkv" (wq, wk and wv side by side) and
 "w_gate_up" (w_gate and w_up), so one kernel call streams each group; `specjax.model` reads either layout.
@@ -115,9 +116,13 @@ def pack_params(params: dict, config) -> dict:
   return packed
 
 
-def pack_draft_params(params):
+def pack_draft_params(params, specs: dict | None = None):
   """A drafter's own parameters as the decode loop reads them where the kernels run: a draft model's layers
-  (`pack_layer`) and a truncated draft vocabulary's output head ("head") packed; the rest as it is."""
+  (`pack_layer`), a truncated draft vocabulary's output head ("head"), and blocks of the target's kind stacked along a
+  leading "stack" axis of `specs` (the drafter's `param_specs`: sequential MTP modules, a block drafter's blocks) as a
+  list "blocks" of one dict per block, its decoder arrays `pack_layer`'s and its other matrices packed (`unstack`);
+  the rest as it is. Unstacked, a block is read where it lies: XLA:CPU copies a slice of a stacked array before a
+  product reads it, which reads every block but the first twice and writes it once per use."""
   if not isinstance(params, dict) or not kernels.available():
     return params
   packed = dict(params)
@@ -125,4 +130,26 @@ def pack_draft_params(params):
     packed["layers"] = [pack_layer(layer) for layer in params["layers"]]
   if "head" in params:
     packed["head"] = pack(params["head"])
+  stacked = {k: spec for k, spec in (specs or {}).items()  # a draft model's specs hold lists of layers' too
+             if getattr(spec, "axes", ())[:1] == ("stack",) and k in params}
+  if "wq" in stacked:  # blocks of a decoder layer's arrays (parallel heads' stacked matrices stay one product)
+    packed["blocks"] = unstack({k: params[k] for k in stacked}, stacked)
+    for k in stacked:
+      del packed[k]
   return packed
+
+
+def unstack(stacked: dict, specs: dict) -> list[dict]:
+  """Blocks stacked along their first axis as a list of one dict per block: a decoder layer's matrices packed
+  (`pack_layer`), any other matrix (an axis "embed" among two or more besides the stack: an MTP module's input
+  projection) packed whole; norms and biases as they are."""
+  layer_keys = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+  blocks = []
+  for i in range(stacked["wq"].shape[0]):
+    block = {k: v[i] for k, v in stacked.items()}
+    others = {k: w for k, w in block.items() if k not in layer_keys}
+    matrices = {k for k in others if len(specs[k].axes) >= 3 and "embed" in specs[k].axes}
+    blocks.append({**pack_layer({k: block[k] for k in layer_keys} | {k: w for k, w in others.items()
+                                                                      if k not in matrices}),
+                   **{k: pack(others[k]) for k in matrices}})
+  return blocks
