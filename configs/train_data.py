@@ -14,17 +14,28 @@ on disk. Variants (comma-separated, e.g. `configs/train_data.py:regenerate,small
               layers 3, 5, 7, 9, 11, 15 and 29 (exit after k = 4, 6, 8, 10, 12, 16 layers; 29 for the MTP
               heads), ~3 GB for train; any other set: --config.feature_layers="(3,7,11)"
   small       a few conversations, for a one-minute end-to-end check
+  gemma3      the target Gemma-3-270M (a base model) instead of SmolLM2: with `regenerate` only (see below)
 
 Writes <workdir>/train/ and <workdir>/held_out/ feature caches (specjax.data.features; they hold their sequences, also
 in <split>.sequences.npz for ShareGPT's answers) and summary.json. Rerunning reuses whatever is finished and
 resumes a killed build (a regeneration after its last finished batch of prompts).
+Gemma-3-270M (`:regenerate,gemma3`; `:regenerate,gemma3,small` for the check) has no chat template, so its prompts are
+a ShareGPT exchange's user text as plain text, its BOS first (`specjax.data.sequences.prompt_ids` with chat=False,
+what the evaluation feeds it: `experiments.spec_bench.prompt_ids(..., chat=False)`, configs/bench_peers.py:gemma),
+and its answers its greedy continuations, up to <eos> or <end_of_turn> or seq_len. ShareGPT's own answers have no
+place after a plain prompt (specjax.data.sequences.check_data_answers), so `gemma3` takes `regenerate`. The same
+conversations, split and seq_len as SmolLM2's, so the budgets compare; the features of layers (2, 9, 15, 17)
+(`default_feature_layers(18)`: EAGLE-3's low/mid/high and the last); the answers are kept in data/answers/gemma3-270m/.
+GEMMA3_DECODE_TIME
 The two caches come from the two sides of a split by conversation id (specjax.data.sharegpt.split), so no
 held-out conversation is ever trained on. No Spec-Bench prompt is used.
 """
 
 import ml_collections
+from ml_collections import config_dict
 
-VARIANTS = ("regenerate", "exits", "small")
+VARIANTS = ("regenerate", "exits", "gemma3", "small")
+MODELS = {"gemma3": "gemma3-270m"}  # model variants; none: SmolLM2-135M-Instruct
 
 
 def get_config(arg=None):
@@ -32,9 +43,20 @@ def get_config(arg=None):
   unknown = sorted(set(variants) - set(VARIANTS))
   if unknown:
     raise ValueError(f"configs/train_data.py variants are {VARIANTS}, got {unknown}")
+  gemma3 = "gemma3" in variants
+  if gemma3 and ("regenerate" not in variants or "exits" in variants):
+    raise ValueError("configs/train_data.py:gemma3 takes `regenerate` (a base model's plain prompt has no place for "
+                     "ShareGPT's answers) and not `exits` (SmolLM2's layers; give --config.feature_layers), e.g. "
+                     f"':regenerate,gemma3', got {arg!r}")
+  variants = [v for v in VARIANTS if v in variants]  # the workdir's name in one order, however they were given
   config = ml_collections.ConfigDict()
-  config.model = "smollm2-135m"
+  config.model = MODELS["gemma3"] if gemma3 else "smollm2-135m"
   config.dtype = "float32"  # the target's compute dtype (the reference)
+  # The prompt format (specjax.data.sequences): True the chat template, False plain text (a base model); None: the
+  # model's (chat where it has a template), which is how the evaluation prompts it.
+  config.chat = config_dict.placeholder(bool)
+  if gemma3:
+    config.chat = False
 
   config.seq_len = 256
   # Conversations taken, in file order, from each side of the split. About 57% of ShareGPT's conversations
@@ -59,13 +81,21 @@ def get_config(arg=None):
   config.answers_dir = (f"data/answers/{config.model}" if config.regenerate and "small" not in variants else "")
 
   config.feature_layers = (2, 15, 27, 29)  # specjax.data.features.default_feature_layers(30); () for the default
+  if gemma3:
+    config.feature_layers = (2, 9, 15, 17)  # default_feature_layers(18)
   if "exits" in variants:
     config.feature_layers = (3, 5, 7, 9, 11, 15, 29)
   config.top_k = 32
   config.feature_dtype = "float16"
+  if gemma3:
+    # Gemma 3's residual stream outgrows float16 (max 65,504): after its layers 9, 15 and 17, |h| reaches 88k, 101k and
+    # 66k at the <bos> position and ~48k elsewhere (Spec-Bench prompts): twice the disk, ~2.6 MB a sequence.
+    config.feature_dtype = "float32"
   config.batch_size = 8  # sequences per target forward
   config.chunk_batches = 16  # batches between progress records (what a killed build redoes at most)
   config.token_map_sizes = (4096, 8192, 16384, 32768)  # truncated draft vocabularies to report coverage for
+  if gemma3:  # a vocabulary 5x SmolLM2's (262,144 tokens): experiments/draft_vocab.py's candidates
+    config.token_map_sizes = tuple(2 ** i for i in range(11, 17))
 
   if config.regenerate:
     # 62.5% of the train side's conversations give a prompt, answered with ~143 tokens at seq_len 256 (64

@@ -7,7 +7,9 @@ build the split's feature cache in <workdir>/<split>/: either render the data's 
 (`specjax.data.sequences.make_sequences`, saved to <workdir>/<split>.sequences.npz) and run the target over them
 (`specjax.data.features.build_feature_cache`), or, with `regenerate`, render only the prompts
 (`specjax.data.sequences.make_prompts`) and let the target answer them, keeping its features while it decodes
-(`experiments.regenerate.build_regenerated_cache`). Both builds resume a killed run. Prints the read statistics,
+(`experiments.regenerate.build_regenerated_cache`). Both builds resume a killed run. The prompts are in the format
+the evaluation gives the model (`config.chat`; None: the model's, `sequences.default_chat`): through the chat
+template, or plain text for a base model, which only the target's own answers can follow. Prints the read statistics,
 the masked positions, how much of the target's greedy tokens truncated draft vocabularies cover, and the wall
 time; writes the same to <workdir>/summary.json.
 """
@@ -32,9 +34,10 @@ _CONFIG = cli.define_config_flag("Data config: configs/train_data.py[:variants].
 SPLITS = ("train", "held_out")
 
 
-def source_description(config: ml_collections.ConfigDict, split: str, stats: sharegpt.ReadStats) -> dict[str, Any]:
+def source_description(config: ml_collections.ConfigDict, split: str, stats: sharegpt.ReadStats,
+                       chat: bool = True) -> dict[str, Any]:
   """What the sequences of one split are made of; stored with them and in the cache's meta.json."""
-  return {
+  source = {
       "dataset": os.path.basename(stats.path),
       "dataset_package": f"{sharegpt.DISTRIBUTION} {importlib.metadata.version(sharegpt.DISTRIBUTION)}",
       "conversations_in_file": stats.conversations,
@@ -51,6 +54,9 @@ def source_description(config: ml_collections.ConfigDict, split: str, stats: sha
       "model": config.model,
       "dtype": config.dtype,
   }
+  if config.regenerate:  # the data's own answers are always chat exchanges (make_sequences refuses plain text)
+    source["prompt_format"] = "chat" if chat else "plain"
+  return source
 
 
 def split_sequences(config: ml_collections.ConfigDict, model: specjax.Model, conversations: Sequence[dict],
@@ -71,7 +77,7 @@ def split_sequences(config: ml_collections.ConfigDict, model: specjax.Model, con
 
 
 def split_cache(config: ml_collections.ConfigDict, model: specjax.Model, conversations: Sequence[dict],
-                source: dict[str, Any], workdir: str, split: str, feature_layers: tuple[int, ...]
+                source: dict[str, Any], workdir: str, split: str, feature_layers: tuple[int, ...], chat: bool = True
                 ) -> tuple[features.FeatureCache, float]:
   """The split's feature cache, and the seconds spent making its sequences or prompts: of the target's own
   answers (`config.regenerate`: decoded with the features kept) or of the data's (a forward over them)."""
@@ -81,7 +87,7 @@ def split_cache(config: ml_collections.ConfigDict, model: specjax.Model, convers
                 dtype=config.feature_dtype, source=source)
   if config.regenerate:
     prompts = sequences.make_prompts(model, conversations, seq_len=config.seq_len,
-                                     max_pairs_per_conversation=config.max_pairs_per_conversation)
+                                     max_pairs_per_conversation=config.max_pairs_per_conversation, chat=chat)
     rendered = time.perf_counter() - start
     sampled = f"-temperature{config.regenerate_temperature:g}-seed{config.regenerate_seed}"
     answers_path = os.path.join(config.answers_dir or workdir,
@@ -102,6 +108,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   os.makedirs(workdir, exist_ok=True)
   model = specjax.load(config.model, dtype=config.dtype)
   feature_layers = tuple(config.feature_layers) or features.default_feature_layers(model.config.num_layers)
+  chat = sequences.default_chat(model.tokenizer) if config.get("chat") is None else config.chat
+  if not config.regenerate:  # said before reading ShareGPT, not after
+    sequences.check_data_answers(model, chat)
   conversations, stats = sharegpt.read_conversations()
   print(f"read {stats}")
   sides = dict(zip(SPLITS, sharegpt.split(conversations, config.held_out_fraction, config.seed)))
@@ -111,9 +120,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   for split in SPLITS:
     if wanted[split] > len(sides[split]):
       raise ValueError(f"{split} has {len(sides[split])} conversations, {wanted[split]} asked for")
-    source = source_description(config, split, stats)
+    source = source_description(config, split, stats, chat)
     cache, sequences_seconds = split_cache(config, model, sides[split][:wanted[split]], source, workdir, split,
-                                           feature_layers)
+                                           feature_layers, chat)
     caches[split] = cache
     disk = sum(os.path.getsize(os.path.join(cache.path, f)) for f in os.listdir(cache.path))
     summary[split] = {"path": os.path.abspath(cache.path), "sequences": len(cache),
@@ -152,7 +161,8 @@ def reproduce_command(data_dir: str) -> str:
             f"recorded ({path} is missing)")
   with open(path) as f:
     used = json.load(f)["config"]
-  variant = "regenerate" if used.get("regenerate") else ""
+  model_variants = [v for v, model in train_data.MODELS.items() if model == used.get("model")]
+  variant = ",".join((["regenerate"] if used.get("regenerate") else []) + model_variants[:1])
   default = train_data.get_config(variant or None).to_dict()
   overrides = []
   for key, value in used.items():

@@ -91,18 +91,21 @@ def build_regenerated_cache(model: Model, prompts: Sequence[Sequence[int]], out_
   """The target answers each prompt itself and a feature cache of prompt + answer is written to `out_dir`
   (`specjax.data.features`' format; one row per prompt, in prompt order).
 
-  Each answer takes what fits in seq_len after its prompt, up to the end-of-turn token; its loss mask marks
+  Each answer takes what fits in seq_len after its prompt, up to a stop token (the end of the turn, or of the text
+  for a base model's plain-text prompt); its loss mask marks
   the positions from the prompt's last token to the answer's last but one. The features and the target's top-K
   are kept while decoding (`specjax.generate.generate_recorded`): the prompt's prefill and the decode steps
   compute them anyway, so there is no second forward. Prompts of similar lengths are answered `batch_size` at
   a time; a progress record follows every batch, so a killed build redoes at most one.
 
   Args:
-    prompts: chat prompts as token ids (`specjax.data.sequences.make_prompts`), each shorter than seq_len.
+    prompts: prompts as token ids (`specjax.data.sequences.make_prompts`: chat, or plain text for a base model),
+      each shorter than seq_len.
     temperature: 0 answers greedily; above 0 samples from the target's softmax at that temperature, with the
       PRNG key of batch b `fold_in(PRNGKey(seed), b)`: the same prompts, batch size and seed give the same
       answers.
-    stop_ids: tokens that end an answer (default: the tokenizer's EOS and end-of-turn tokens).
+    stop_ids: tokens that end an answer (default: the tokenizer's EOS and end-of-turn tokens, as `specjax.generate`
+      stops by default).
     answers_path: an answers file (`save_answers`), rewritten after every decoded batch: a batch whose answers
       it already holds is not decoded again but built by one forward over them (`features.forward_rows`). It keeps
       the answers of other prompts it held.

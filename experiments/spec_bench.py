@@ -12,6 +12,8 @@ import json
 import os
 from typing import Sequence
 
+from specjax.data import sequences
+
 # The data lives at the repository root (next to `experiments/`); the package is installed editable.
 QUESTIONS_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                               "data", "spec_bench", "question.jsonl")
@@ -115,8 +117,7 @@ def prompt_text(question: Question, *, min_tokens: int = 0, tokenizer=None,
 def prompt_ids(question: Question, tokenizer, chat: bool, *, min_tokens: int = 0,
                questions: Sequence[Question] = ()) -> list[int]:
   """Token ids of the question's first turn (`prompt_text`: with `min_tokens`, after earlier questions): as a
-  one-message chat (with the generation prompt) or raw."""
+  one-message chat (with the generation prompt) or the plain text, its BOS included (a base model); the training data
+  writes its prompts with the same function (`specjax.data.sequences.prompt_ids`)."""
   text = prompt_text(question, min_tokens=min_tokens, tokenizer=tokenizer, questions=questions)
-  if chat:
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-  return tokenizer.encode(text)
+  return sequences.prompt_ids(tokenizer, text, chat)

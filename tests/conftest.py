@@ -194,22 +194,30 @@ def random_target(tiny) -> Model:
   return tiny
 
 
-def word_tokenizer(vocab_size: int = TINY_CONFIG.vocab_size) -> Tokenizer:
+def word_tokenizer(vocab_size: int = TINY_CONFIG.vocab_size, chat: bool = True) -> Tokenizer:
   """A word-level tokenizer with `vocab_size` ids (words it does not know are `<unk>`), bos/eos specials and a chat
-  template."""
-  from tokenizers import Tokenizer as Backend, models, pre_tokenizers
+  template; with chat=False a base model's instead: no chat template, and `encode` puts the bos first (as Gemma's)."""
+  from tokenizers import Tokenizer as Backend, models, pre_tokenizers, processors
   words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(vocab_size - 3)]
   backend = Backend(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
   backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
   backend.add_special_tokens(["<s>", "</s>"])
+  if not chat:
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", 1)])
   return Tokenizer(backend, {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"},
-                   chat_template="{% for m in messages %}{{ m.role }} {{ m.content }} </s> {% endfor %}")
+                   chat_template="{% for m in messages %}{{ m.role }} {{ m.content }} </s> {% endfor %}" if chat else None)
 
 
 @pytest.fixture(scope="session")
 def tiny_chat(tiny) -> Model:
   """`tiny` with a word-level tokenizer of its ids, for what needs text: Spec-Bench prompts, chat templates."""
   return Model(config=tiny.config, params=tiny.params, tokenizer=word_tokenizer(), name="tiny-chat")
+
+
+@pytest.fixture(scope="session")
+def tiny_base(tiny) -> Model:
+  """`tiny` as a base model: a word-level tokenizer without a chat template whose `encode` puts the bos first."""
+  return Model(config=tiny.config, params=tiny.params, tokenizer=word_tokenizer(chat=False), name="tiny-base")
 
 
 @pytest.fixture(scope="session")

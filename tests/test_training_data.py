@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from configs import train_data as train_data_config
-from experiments import regenerate
+from experiments import regenerate, spec_bench
 from specjax.data import features, sequences, sharegpt
 from specjax.loading import CheckpointError
 from specjax.model import forward, init_cache
@@ -144,6 +144,47 @@ def test_sequences_render_the_chat_template_and_mask_the_answer_with_its_end_of_
   assert long_prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
   assert long.loss_mask[answer_start - 1:-1].all() and not long.loss_mask[-1]
   assert len(sequences.make_sequences(smollm2, conversations[:1], seq_len=128, max_pairs_per_conversation=2)) == 2
+
+
+def test_plain_prompts_are_the_evaluations_prompt_ids_with_the_bos_first(tiny_base, tiny_chat):
+  """A base model's prompt is the user text as plain text, encoded as the evaluation encodes it (BOS first, nothing
+  after); a chat model's goes through its template; each model takes its own format by default."""
+  tokenizer = tiny_base.tokenizer
+  assert not sequences.default_chat(tokenizer) and sequences.default_chat(tiny_chat.tokenizer)
+  text = "w4 w5 w6 w7"
+  question = spec_bench.Question(1, "writing", (text,))
+  plain = spec_bench.prompt_ids(question, tokenizer, chat=False)
+  assert plain == sequences.prompt_ids(tokenizer, text, chat=False) == [tokenizer.bos_id, 7, 8, 9, 10]
+  conversations = [_conversation(0, ("human", text), ("gpt", "w9 w10")),
+                   _conversation(1, ("human", " ".join(f"w{i % 20 + 3}" for i in range(40))), ("gpt", "w9"))]
+  first, cut = sequences.make_prompts(tiny_base, conversations, seq_len=24)
+  assert first == plain
+  # A long user text is cut to its first words so that the prompt takes at most seq_len // 2 tokens.
+  assert len(cut) == 12 and cut == sequences.prompt_ids(tokenizer, " ".join(f"w{i % 20 + 3}" for i in range(11)),
+                                                        chat=False)
+  chat_question = spec_bench.prompt_ids(question, tiny_chat.tokenizer, chat=True)
+  assert sequences.make_prompts(tiny_chat, conversations[:1], seq_len=24) == [chat_question] != [plain]
+  assert sequences.make_prompts(tiny_chat, conversations[:1], seq_len=24, chat=False) == [
+      spec_bench.prompt_ids(question, tiny_chat.tokenizer, chat=False)]
+  # The data's own answers need a turn to fill: refused for the plain format, by name.
+  with pytest.raises(ValueError, match="ShareGPT's own answers need the chat format"):
+    sequences.make_sequences(tiny_base, conversations, seq_len=24)
+  with pytest.raises(ValueError, match="ShareGPT's own answers need the chat format"):
+    sequences.make_sequences(tiny_chat, conversations, seq_len=24, chat=False)
+
+
+@pytest.mark.slow
+def test_gemma3_training_prompts_are_its_evaluation_prompts(gemma3):
+  """Gemma-3-270M (a base model): the training prompt of a ShareGPT exchange is what the evaluation feeds it for the
+  same text, `<bos>` first."""
+  tokenizer = gemma3.tokenizer
+  text = "Explain what a compiler does, in two sentences."
+  assert not sequences.default_chat(tokenizer)
+  ids = spec_bench.prompt_ids(spec_bench.Question(1, "writing", (text,)), tokenizer, chat=False)
+  assert ids[0] == tokenizer.bos_id == tokenizer.token_to_id("<bos>") and tokenizer.bos_id not in ids[1:]
+  assert sequences.make_prompts(gemma3, [_conversation(0, ("human", text), ("gpt", "It translates."))],
+                                seq_len=256) == [ids]
+  assert sorted(tokenizer.stop_ids) == sorted(tokenizer.token_to_id(t) for t in ("<eos>", "<end_of_turn>"))
 
 
 def test_sequences_round_trip_through_a_file(tmp_path):
@@ -308,6 +349,42 @@ def test_regenerated_cache_holds_greedy_answers_and_the_features_of_a_second_for
   assert cache.meta["masked_positions"] == second.meta["masked_positions"]
 
 
+def test_a_plain_format_cache_holds_a_base_models_greedy_continuations(tiny_base, tmp_path, monkeypatch):
+  """prepare_data with the plain format (a base model: no chat template) regenerates: each row is the plain prompt
+  (BOS first) and the target's greedy continuation up to a stop token or seq_len, as `generate` decodes it; the
+  data's own answers are refused before ShareGPT is read."""
+  import specjax
+  from configs import train_data as train_data_config
+  from experiments import prepare_data
+  texts = [" ".join(f"w{(7 * i + j) % 28 + 3}" for j in range(3 + 2 * i)) for i in range(8)]
+  path = tmp_path / "sharegpt.json"
+  path.write_text(json.dumps([_conversation(i, ("human", t), ("gpt", "w5 w6")) for i, t in enumerate(texts)]))
+  read = sharegpt.read_conversations
+  monkeypatch.setattr(prepare_data.sharegpt, "read_conversations", lambda: read(str(path)))
+  monkeypatch.setattr(prepare_data.specjax, "load", lambda name, dtype: tiny_base)
+  config = train_data_config.get_config("regenerate,gemma3,small")
+  assert config.chat is False
+  config.update(seq_len=SEQ_LEN, feature_layers=FEATURE_LAYERS, top_k=TOP_K, num_train=5, num_held_out=1,
+                held_out_fraction=0.2, regenerate_batch_size=2, token_map_sizes=(8,))
+  summary = prepare_data.run(config, str(tmp_path / "data"))
+  cache = features.FeatureCache.open(summary["train"]["path"])
+  assert cache.meta["source"]["prompt_format"] == "plain" and cache.meta["stop_ids"] == [tiny_base.tokenizer.eos_id]
+  train_side, _ = sharegpt.split(read(str(path))[0], 0.2, 0)
+  prompts = [sequences.prompt_ids(tiny_base.tokenizer, sharegpt.to_messages(c)[0]["content"], chat=False)
+             for c in train_side[:5]]
+  assert len(cache) == len(prompts) == 5 and all(p[0] == tiny_base.tokenizer.bos_id for p in prompts)
+  for i, prompt in enumerate(prompts):
+    answer = specjax.generate(tiny_base, [prompt], max_new_tokens=SEQ_LEN - len(prompt)).tokens[0]
+    expected = sequences.sequence_from_ids(prompt, answer, SEQ_LEN)
+    n = cache.lengths[i]
+    assert cache.tokens[i, :n].tolist() == expected.tokens.tolist()
+    assert cache.mask[i, :n].tolist() == expected.loss_mask.tolist()
+  config.regenerate = False
+  monkeypatch.setattr(prepare_data.sharegpt, "read_conversations", None)  # refused before reading
+  with pytest.raises(ValueError, match="ShareGPT's own answers need the chat format"):
+    prepare_data.run(config, str(tmp_path / "sharegpt_answers"))
+
+
 def test_regenerated_cache_samples_reproducibly_from_its_seed(tiny, tmp_path):
   first = _regenerate(tiny, PROMPTS, tmp_path / "a", temperature=1.0, seed=3)
   again = _regenerate(tiny, PROMPTS, tmp_path / "b", temperature=1.0, seed=3)
@@ -399,5 +476,33 @@ def test_train_data_config_variants():
   assert regenerate.regenerate and regenerate.workdir == "workdirs/data/train_data-regenerate"
   assert regenerate.regenerate_temperature == 0.0 and regenerate.regenerate_batch_size >= 16
   assert regenerate.num_train > default.num_train and train_data_config.get_config("regenerate,small").num_train == 24
+  assert train_data_config.get_config("small,regenerate").workdir == "workdirs/data/train_data-regenerate-small"
   with pytest.raises(ValueError, match="variants are"):
     train_data_config.get_config("regenrate")
+
+
+def test_gemma3_data_config_is_smollm2s_regenerated_data_for_gemma3():
+  """Gemma-3-270M's regenerated data: its model, plain prompts, its answers dir and its own features by the same
+  rule, and SmolLM2's conversations, split and seq_len, so the budgets compare."""
+  smollm2 = train_data_config.get_config("regenerate")
+  gemma3 = train_data_config.get_config("regenerate,gemma3")
+  assert (gemma3.model, gemma3.chat, smollm2.chat) == ("gemma3-270m", False, None)
+  assert gemma3.answers_dir == "data/answers/gemma3-270m" and gemma3.workdir == "workdirs/data/train_data-regenerate-gemma3"
+  assert tuple(gemma3.feature_layers) == features.default_feature_layers(18) == (2, 9, 15, 17)
+  same = ("seq_len", "num_train", "num_held_out", "held_out_fraction", "seed", "max_pairs_per_conversation", "top_k",
+          "regenerate_temperature", "regenerate_batch_size")
+  assert {k: gemma3[k] for k in same} == {k: smollm2[k] for k in same}
+  assert gemma3.feature_dtype == "float32"  # Gemma's residual stream outgrows float16
+  small = train_data_config.get_config("regenerate,gemma3,small")
+  assert small.workdir == gemma3.workdir + "-small" and small.answers_dir == "" and small.num_train == 24
+  with pytest.raises(ValueError, match="takes `regenerate`"):
+    train_data_config.get_config("gemma3")
+
+
+def test_gemma3_data_reproduce_command_names_its_variant(tmp_path):
+  from experiments import prepare_data
+  used = train_data_config.get_config("regenerate,gemma3").to_dict()
+  used.update(num_train=100, workdir="/elsewhere")
+  (tmp_path / "summary.json").write_text(json.dumps({"config": used}))
+  assert prepare_data.reproduce_command(str(tmp_path)) == (
+      "python -m experiments.prepare_data --config=configs/train_data.py:regenerate,gemma3 --config.num_train=100")

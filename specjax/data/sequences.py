@@ -1,12 +1,22 @@
-"""Training sequences for drafters: a chat prompt and an answer as token ids, with a loss mask on the answer.
+"""Training sequences for drafters: a prompt and an answer as token ids, with a loss mask on the answer.
 
-A drafter learns to predict what the target would say next in an assistant answer, so a sequence is one
-(user, assistant) exchange rendered with the target's chat template, and its loss mask marks the positions t
-whose next token t+1 belongs to the answer (its end-of-turn token included): position t's hidden state and
-the target's distribution there are what predicts token t+1. The answer is either the one in the data
-(`make_sequences`: teacher forcing on human-written text) or the target's own answer to the same prompt
-(`make_prompts`, answered by `experiments.regenerate.build_regenerated_cache`; EAGLE's choice), which is the
-text the drafter will meet at inference.
+A drafter learns to predict what the target would say next after a prompt, so a sequence is one (user, assistant)
+exchange of the data, its prompt written the way the evaluation prompts the target (`prompt_ids`), and its loss mask
+marks the positions t whose next token t+1 belongs to the answer (its end-of-turn token included): position t's
+hidden state and the target's distribution there are what predicts token t+1. The answer is either the one in the
+data (`make_sequences`: teacher forcing on human-written text) or the target's own answer to the same prompt
+(`make_prompts`, answered by `experiments.regenerate.build_regenerated_cache`; EAGLE's choice), which is the text
+the drafter will meet at inference.
+
+Two prompt formats, one per kind of model (`default_chat`):
+  chat   an instruct model (one with a chat template): the user message through the template, its generation prompt
+         included (the template writes its BOS and system prompt); the answer ends with the end-of-turn token.
+  plain  a base model (no chat template, e.g. Gemma-3-270M): the user text alone, encoded as the tokenizer encodes
+         text (its BOS first, nothing after); the answer is the target's own continuation, up to one of its
+         end-of-sequence tokens or the end of the sequence. A base model has no turn for the data's answer to fill,
+         so only the target's own answers are made in this format (`make_sequences` refuses it).
+Either prompt equals `experiments.spec_bench.prompt_ids(question, tokenizer, chat)` for the same text (that function
+calls `prompt_ids`), so a drafter trains on the format it is evaluated on.
 """
 
 from __future__ import annotations
@@ -46,20 +56,35 @@ def _special_strings(tokenizer: Tokenizer) -> tuple[str, ...]:
   return tuple(t.content for t in tokenizer.backend.get_added_tokens_decoder().values() if t.special)
 
 
-def render_prompt(tokenizer: Tokenizer, user_text: str, max_tokens: int) -> tuple[list[int], str] | None:
-  """(chat prompt ids for one user message, generation prompt included, the user text it holds).
+def default_chat(tokenizer: Tokenizer) -> bool:
+  """Whether a model is prompted through its chat template (it has one: an instruct model) or with plain text (a base
+  model), as the evaluation prompts each (`configs/bench_peers.py:gemma`, `configs/calibrated_costs.py`)."""
+  return bool(tokenizer.chat_template)
+
+
+def prompt_ids(tokenizer: Tokenizer, user_text: str, chat: bool) -> list[int]:
+  """One user message as prompt ids: through the chat template with its generation prompt (`chat`), or the plain
+  text as `tokenizer.encode` gives it, its BOS included (a base model)."""
+  if chat:
+    return tokenizer.apply_chat_template([{"role": "user", "content": user_text}], add_generation_prompt=True)
+  return tokenizer.encode(user_text)
+
+
+def render_prompt(tokenizer: Tokenizer, user_text: str, max_tokens: int, chat: bool = True
+                  ) -> tuple[list[int], str] | None:
+  """(`prompt_ids` of one user message, the user text it holds).
 
   A prompt longer than `max_tokens` has its user message cut to its first tokens (at a token boundary of
   the message) so that it fits; None if even an empty message would not fit.
   """
-  prompt = tokenizer.apply_chat_template([{"role": "user", "content": user_text}], add_generation_prompt=True)
+  prompt = prompt_ids(tokenizer, user_text, chat)
   if len(prompt) <= max_tokens:
     return prompt, user_text
   offsets = tokenizer.backend.encode(user_text, add_special_tokens=False).offsets
   keep = len(offsets) - (len(prompt) - max_tokens)
   while keep > 0:
     cut = user_text[:offsets[keep - 1][1]]
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": cut}], add_generation_prompt=True)
+    prompt = prompt_ids(tokenizer, cut, chat)
     if len(prompt) <= max_tokens:
       return prompt, cut
     keep -= len(prompt) - max_tokens  # re-tokenizing at the cut can merge tokens differently
@@ -93,9 +118,11 @@ def exchanges(messages: Seq[dict], max_pairs: int) -> list[tuple[str, str]]:
 
 
 def _rendered_exchanges(tokenizer: Tokenizer, conversations: Seq[dict | Seq[dict]], seq_len: int,
-                        max_pairs_per_conversation: int, with_answers: bool, skipped: collections.Counter):
+                        max_pairs_per_conversation: int, with_answers: bool, skipped: collections.Counter,
+                        chat: bool = True):
   """(prompt ids, answer ids or None) of each usable exchange, in conversation order; counts the others in
-  `skipped`. Answers are rendered only `with_answers`, and only then does their text have to be usable."""
+  `skipped`. Answers are rendered only `with_answers` (chat only), and only then does their text have to be
+  usable."""
   specials = _special_strings(tokenizer)
   for conversation in conversations:
     messages = sharegpt.to_messages(conversation) if isinstance(conversation, dict) else list(conversation)
@@ -106,7 +133,7 @@ def _rendered_exchanges(tokenizer: Tokenizer, conversations: Seq[dict | Seq[dict
       if any(s in user_text or (with_answers and s in answer_text) for s in specials):
         skipped["special token spelled in the text"] += 1
         continue
-      rendered = render_prompt(tokenizer, user_text[:_CHARS_PER_POSITION * seq_len], seq_len // 2)
+      rendered = render_prompt(tokenizer, user_text[:_CHARS_PER_POSITION * seq_len], seq_len // 2, chat)
       if rendered is None:
         skipped["template alone longer than seq_len // 2"] += 1
         continue
@@ -122,12 +149,24 @@ def _rendered_exchanges(tokenizer: Tokenizer, conversations: Seq[dict | Seq[dict
 
 def _tokenizer_of(model: Model) -> Tokenizer:
   if model.tokenizer is None:
-    raise ValueError("rendering chat text needs the model's tokenizer")
+    raise ValueError("rendering text needs the model's tokenizer")
   return model.tokenizer
 
 
+def check_data_answers(model: Model, chat: bool) -> None:
+  """The data's own answers take the chat format: an error naming the alternative for the plain one. A chat answer
+  fills the assistant's turn; a base model's plain prompt has no turn, so the data's answer appended to the user's
+  text would be neither what the target writes after it nor what the evaluation decodes."""
+  if not chat:
+    raise ValueError(
+        f"{model.name} is prompted with plain text (no chat template): ShareGPT's own answers need the chat format, "
+        "where they fill the assistant's turn. Train it on its own answers: configs/train_data.py:regenerate,<model> "
+        "(make_prompts, then experiments.regenerate)")
+
+
 def make_sequences(model: Model, conversations: Seq[dict | Seq[dict]], *, seq_len: int,
-                   max_pairs_per_conversation: int = 1, min_answer_tokens: int = MIN_ANSWER_TOKENS) -> list[Sequence]:
+                   max_pairs_per_conversation: int = 1, min_answer_tokens: int = MIN_ANSWER_TOKENS,
+                   chat: bool | None = None) -> list[Sequence]:
   """Training sequences from conversations' own answers, in conversation order.
 
   Each (user, assistant) exchange (the first `max_pairs_per_conversation` of a conversation, each on its own
@@ -140,14 +179,16 @@ def make_sequences(model: Model, conversations: Seq[dict | Seq[dict]], *, seq_le
     model: the target, with a tokenizer.
     conversations: ShareGPT dicts (see `sharegpt.to_messages`) or lists of chat messages.
     seq_len: the longest sequence, prompt included.
+    chat: the prompt format; None: the model's (`default_chat`). Only the chat format takes the data's answers.
   """
   tokenizer = _tokenizer_of(model)
+  check_data_answers(model, default_chat(tokenizer) if chat is None else chat)
   if seq_len < 2 * min_answer_tokens:
     raise ValueError(f"seq_len {seq_len} leaves no room for a {min_answer_tokens}-token answer")
   skipped: collections.Counter = collections.Counter()
   sequences = []
   for prompt, answer in _rendered_exchanges(tokenizer, conversations, seq_len, max_pairs_per_conversation, True,
-                                            skipped):
+                                            skipped, chat=True):
     sequence = sequence_from_ids(prompt, answer, seq_len)
     if sequence.loss_mask.sum() < min_answer_tokens:
       skipped[f"fewer than {min_answer_tokens} answer tokens"] += 1
@@ -159,13 +200,16 @@ def make_sequences(model: Model, conversations: Seq[dict | Seq[dict]], *, seq_le
 
 
 def make_prompts(model: Model, conversations: Seq[dict | Seq[dict]], *, seq_len: int,
-                 max_pairs_per_conversation: int = 1) -> list[list[int]]:
-  """The chat prompts (generation prompt included) of the exchanges `make_sequences` would take, for the target
-  to answer itself (`experiments.regenerate.build_regenerated_cache`): a user message is cut so that the prompt
-  takes at most seq_len // 2 tokens; the conversation's own answer is not read."""
+                 max_pairs_per_conversation: int = 1, chat: bool | None = None) -> list[list[int]]:
+  """The prompts (`prompt_ids`: chat with the generation prompt, or plain text; None: the model's format,
+  `default_chat`) of the exchanges `make_sequences` would take, for the target to answer itself
+  (`experiments.regenerate.build_regenerated_cache`): a user message is cut so that the prompt takes at most
+  seq_len // 2 tokens; the conversation's own answer is not read."""
+  tokenizer = _tokenizer_of(model)
+  chat = default_chat(tokenizer) if chat is None else chat
   skipped: collections.Counter = collections.Counter()
-  prompts = [prompt for prompt, _ in _rendered_exchanges(_tokenizer_of(model), conversations, seq_len,
-                                                         max_pairs_per_conversation, False, skipped)]
+  prompts = [prompt for prompt, _ in _rendered_exchanges(tokenizer, conversations, seq_len,
+                                                         max_pairs_per_conversation, False, skipped, chat)]
   logging.info("%d prompts from %d conversations; skipped: %s", len(prompts), len(conversations),
                dict(skipped) or "none")
   return prompts
