@@ -1,4 +1,5 @@
-r"""Drafter training data: SmolLM2-135M-Instruct's features and next-token distributions on ShareGPT.
+r"""Drafter training data: the target's features and next-token distributions on ShareGPT (SmolLM2-135M-Instruct;
+Gemma-3-270M with `gemma3`).
 
   python -m experiments.prepare_data --config=configs/train_data.py [--config.workdir=DIR]
 
@@ -19,14 +20,23 @@ on disk. Variants (comma-separated, e.g. `configs/train_data.py:regenerate,small
 Writes <workdir>/train/ and <workdir>/held_out/ feature caches (specjax.data.features; they hold their sequences, also
 in <split>.sequences.npz for ShareGPT's answers) and summary.json. Rerunning reuses whatever is finished and
 resumes a killed build (a regeneration after its last finished batch of prompts).
-Gemma-3-270M (`:regenerate,gemma3`; `:regenerate,gemma3,small` for the check) has no chat template, so its prompts are
-a ShareGPT exchange's user text as plain text, its BOS first (`specjax.data.sequences.prompt_ids` with chat=False,
-what the evaluation feeds it: `experiments.spec_bench.prompt_ids(..., chat=False)`, configs/bench_peers.py:gemma),
-and its answers its greedy continuations, up to <eos> or <end_of_turn> or seq_len. ShareGPT's own answers have no
-place after a plain prompt (specjax.data.sequences.check_data_answers), so `gemma3` takes `regenerate`. The same
-conversations, split and seq_len as SmolLM2's, so the budgets compare; the features of layers (2, 9, 15, 17)
-(`default_feature_layers(18)`: EAGLE-3's low/mid/high and the last); the answers are kept in data/answers/gemma3-270m/.
-GEMMA3_DECODE_TIME
+
+Gemma-3-270M (`:regenerate,gemma3`; `:regenerate,gemma3,small` for the check) has no chat template, so its prompts
+are a ShareGPT exchange's user text as plain text, its BOS first (`specjax.data.sequences.prompt_ids` with
+chat=False, what the evaluation feeds it: `experiments.spec_bench.prompt_ids(..., chat=False)`,
+configs/bench_peers.py:gemma), and its answers its greedy continuations, up to <eos> or <end_of_turn> or seq_len.
+ShareGPT's own answers have no place after a plain prompt (specjax.data.sequences.check_data_answers), so `gemma3`
+takes `regenerate`. The same conversations, split and seq_len as SmolLM2's, so the budgets compare; the features of
+layers (2, 9, 15, 17) (`default_feature_layers(18)`: EAGLE-3's low/mid/high and the last); the answers are kept in
+data/answers/gemma3-270m/. Decoding is the cost: a 262,144-token head and its top-K at every step, and a base model
+rarely stops, so its answers fill the sequence (~215 answer tokens a prompt against SmolLM2's ~143). Measured with
+`:regenerate,gemma3,small` on 2 cores beside a long decoding job (nice 5; this one at nice 15, given ~0.6 of a core):
+19.0 answer tokens/s in batches of 16 (3,434 tokens of 16 prompts in 180 s), 17.0 in a batch of 7, 2026-12-07. The
+~7,500 train prompts are then ~1.6M answer tokens: ~24 hours at that rate (less on an idle machine), ~20 GB of
+float32 features (2.7 MB a sequence); a rebuild from the answers files is one forward, ~110 s per 16 sequences. The
+budget's pool (1M answer positions, configs/train_budget.py) is reached after the first ~4,700 answers:
+`--config.num_train=8000` (~5,000 prompts) would hold it in two thirds of the time.
+
 The two caches come from the two sides of a split by conversation id (specjax.data.sharegpt.split), so no
 held-out conversation is ever trained on. No Spec-Bench prompt is used.
 """

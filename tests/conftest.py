@@ -203,9 +203,11 @@ def word_tokenizer(vocab_size: int = TINY_CONFIG.vocab_size, chat: bool = True) 
   backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
   backend.add_special_tokens(["<s>", "</s>"])
   if not chat:
-    backend.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", 1)])
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B",
+                                                           special_tokens=[("<s>", 1)])
+  template = "{% for m in messages %}{{ m.role }} {{ m.content }} </s> {% endfor %}"
   return Tokenizer(backend, {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"},
-                   chat_template="{% for m in messages %}{{ m.role }} {{ m.content }} </s> {% endfor %}" if chat else None)
+                   chat_template=template if chat else None)
 
 
 @pytest.fixture(scope="session")

@@ -487,7 +487,8 @@ def test_gemma3_data_config_is_smollm2s_regenerated_data_for_gemma3():
   smollm2 = train_data_config.get_config("regenerate")
   gemma3 = train_data_config.get_config("regenerate,gemma3")
   assert (gemma3.model, gemma3.chat, smollm2.chat) == ("gemma3-270m", False, None)
-  assert gemma3.answers_dir == "data/answers/gemma3-270m" and gemma3.workdir == "workdirs/data/train_data-regenerate-gemma3"
+  assert gemma3.answers_dir == "data/answers/gemma3-270m"
+  assert gemma3.workdir == "workdirs/data/train_data-regenerate-gemma3"
   assert tuple(gemma3.feature_layers) == features.default_feature_layers(18) == (2, 9, 15, 17)
   same = ("seq_len", "num_train", "num_held_out", "held_out_fraction", "seed", "max_pairs_per_conversation", "top_k",
           "regenerate_temperature", "regenerate_batch_size")
