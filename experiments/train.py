@@ -26,10 +26,10 @@ from absl import app, flags, logging
 
 import specjax
 from specjax import drafters, export, sharding, train_drafter
-from specjax.data import features
+from specjax.data import features, sequences
 from specjax.drafters import draft_head, draft_model
 from specjax.loading import CheckpointError
-from experiments import cli, curves, prepare_data, rank_accuracy, spec_bench
+from experiments import cli, curves, draft_vocab, prepare_data, rank_accuracy, spec_bench
 from experiments.cli import code_commit, environment, parse_flags
 
 _CONFIG = cli.define_config_flag("Training config: configs/train_mtp.py:<variant>.")
@@ -51,16 +51,18 @@ def open_caches(data_dir: str, held_out_dir: str = "") -> dict[str, features.Fea
 def spec_bench_acceptance(model, drafter, config: ml_collections.ConfigDict,
                           references: dict[int, list] | None = None) -> dict[str, Any]:
   """Greedy mean_accepted (tokens per target forward, pooled over prompts) and alpha of `drafter` on the first
-  `per_category` Spec-Bench prompts of every category on the config's `split` side (dev); every output is checked against autoregressive decoding
-  (whose tokens are kept in `references`, by question id, when a dict is given: a run evaluated many times
+  `per_category` Spec-Bench prompts of every category on the config's `split` side (dev), in the model's prompt format
+  (chat, or plain text for a base model: `sequences.default_chat`); every output is checked against autoregressive
+  decoding (whose tokens are kept in `references`, by question id, when a dict is given: a run evaluated many times
   decodes each prompt autoregressively once)."""
   questions = spec_bench.select(spec_bench.load_questions(), per_category=config.per_category,
                                 split=config.get("split", "dev"))
   references = {} if references is None else references
   per_category: dict[str, list[float]] = {}
   lossless, produced, rounds, accepted, tested = True, 0, 0, 0, 0
+  chat = sequences.default_chat(model.tokenizer)
   for q in questions:
-    ids = spec_bench.prompt_ids(q, model.tokenizer, chat=True)
+    ids = spec_bench.prompt_ids(q, model.tokenizer, chat=chat)
     out = specjax.generate(model, [ids], max_new_tokens=config.max_new_tokens, drafter=drafter, gamma=config.gamma,
                            adaptive=False)  # a chain of gamma drafts every round: the acceptance of the drafter itself
     if q.question_id not in references:
@@ -217,15 +219,19 @@ def run(config: ml_collections.ConfigDict, command: str) -> dict[str, Any]:
   model = specjax.load(config.model, dtype="float32")
   caches = open_caches(config.data_dir, config.get("held_out_dir", ""))
   check_answers(caches["train"], config.get("data_answers", ""))
+  draft_size = config.draft_vocab
+  if config.get("draft_vocab_record"):  # the size chosen on the Spec-Bench dev prompts (experiments/draft_vocab.py)
+    draft_size = draft_vocab.load_draft_vocab(config.draft_vocab_record, config.model, caches["train"].token_counts)
+    print(f"draft vocabulary: {draft_size or 'the full vocabulary'} (from {config.draft_vocab_record})")
   # Each start of the run (a killed run resumes from its checkpoint at the code of its restart): when, at what code.
   os.makedirs(config.workdir, exist_ok=True)
   with open(os.path.join(config.workdir, "starts.jsonl"), "a") as f:
     f.write(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": code_commit(),
                         "command": command, "config": config.to_dict()}) + "\n")
   token_map, coverage = None, None
-  if config.draft_vocab:
+  if draft_size:
     counts = caches["train"].token_counts
-    token_map = features.top_token_map(counts, config.draft_vocab, caches["train"].meta.get("stop_ids", ()))
+    token_map = features.top_token_map(counts, draft_size, caches["train"].meta.get("stop_ids", ()))
     coverage = features.token_map_coverage(counts, token_map)
   fresh = specjax.make_drafter(config.drafter, model, token_map=token_map, **config.options.to_dict())
   if config.spec_bench.enabled and fresh.max_gamma is not None and fresh.max_gamma < config.spec_bench.gamma:
