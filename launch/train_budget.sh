@@ -4,12 +4,15 @@
 #   launch/train_budget.sh                 # starts the set in the background (nice 19) and returns
 #   launch/train_budget.sh --foreground    # the same, in this shell
 #   RUNS="sequential exit" launch/train_budget.sh --config.positions=100000   # some runs; overrides for every run
+#   RUNS="sequential,gemma3 exit,gemma3 exit10,gemma3" launch/train_budget.sh  # Gemma-3-270M's (workdirs/budget-gemma3)
 #
 # Rerunning it resumes the set: a run whose run.json exists (written when it ends) is skipped, a killed run resumes
 # from its last checkpoint without repeating or losing an evaluation point. One set runs at a time (a lock file).
 # A run's training data is built first where it is missing (prepare_data, itself resumable): the target's own
 # answers (configs/train_data.py:regenerate, ~3 CPU-hours) and, for the `sharegpt` control, ShareGPT's answers to
-# as many conversations (configs/train_budget.py says which; ~2.7 CPU-hours).
+# as many conversations (configs/train_budget.py says which; ~2.7 CPU-hours). A `gemma3` run builds Gemma-3-270M's
+# own answers (configs/train_data.py:regenerate,gemma3) and its draft vocabulary record (experiments/draft_vocab.py)
+# where they are missing, and goes to workdirs/budget-gemma3/<run>.
 # Log: workdirs/budget/train_budget.log; curves: python -m experiments.curves --workdirs=workdirs/budget.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,13 +35,24 @@ ensure_data() {  # $1: prepare_data's workdir (configs/train_budget.py's data_di
   python -m experiments.prepare_data "${@:2}" --config.workdir="$1"
 }
 for run in $RUNS; do
-  workdir="$ROOT/${run//,/-}"
+  name=$(sed 's/,gemma3,/,/; s/^,//; s/,$//' <<< ",$run,")  # the run's name within its target's folder
+  root=$ROOT
+  [[ ",$run," == *,gemma3,* ]] && root=workdirs/budget-gemma3
+  workdir="$root/${name//,/-}"
   if [[ -f "$workdir/run.json" ]]; then
     echo "$(date -Is) $run: finished before ($workdir/run.json), skipped"
     continue
   fi
   if [[ ",$run," == *,sharegpt,* ]]; then
     ensure_data workdirs/data/train_data --config=configs/train_data.py --config.num_train=14000
+  elif [[ ",$run," == *,gemma3,*small,* || ",$run," == *,small,*gemma3,* ]]; then
+    ensure_data workdirs/data/train_data-regenerate-gemma3-small --config=configs/train_data.py:regenerate,gemma3,small
+  elif [[ ",$run," == *,gemma3,* ]]; then
+    ensure_data workdirs/data/train_data-regenerate-gemma3 --config=configs/train_data.py:regenerate,gemma3
+    if [[ ! -f configs/draft_vocab/gemma3-270m.json ]]; then
+      echo "$(date -Is) choosing Gemma-3-270M's draft vocabulary on the Spec-Bench dev prompts"
+      python -m experiments.draft_vocab --model=gemma3-270m
+    fi
   else
     ensure_data workdirs/data/train_data-regenerate --config=configs/train_data.py:regenerate
   fi
@@ -46,5 +60,8 @@ for run in $RUNS; do
   python -m experiments.train --config="configs/train_budget.py:$run" "$@"
   echo "$(date -Is) $run: done"
 done
-python -m experiments.curves --workdirs="$ROOT" --out="$ROOT/curves"
-echo "$(date -Is) all runs done: $ROOT/curves/results.md"
+for root in $ROOT workdirs/budget-gemma3; do
+  [[ -d $root ]] || continue
+  python -m experiments.curves --workdirs="$root" --out="$root/curves"
+  echo "$(date -Is) all runs done: $root/curves/results.md"
+done

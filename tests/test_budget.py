@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import numpy as np
@@ -111,13 +112,14 @@ def test_killed_run_resumes_keeping_its_evaluation_points(tiny, caches, tmp_path
 
 
 def test_budget_config_names_its_families_and_one_budget_for_all():
-  with pytest.raises(ValueError, match=r"one family of \('parallel', 'sequential', 'deepseek', 'exit', 'exit16', 'draft', 'block'\)"):
+  with pytest.raises(ValueError, match=r"one family of \('parallel', 'sequential', 'deepseek', 'exit', 'exit16', 'exit10', 'draft', 'block'\)"):
     train_budget.get_config("medusa")
   with pytest.raises(ValueError, match="one family of"):
     train_budget.get_config("parallel,sequential")
   with pytest.raises(ValueError, match="one family of"):
     train_budget.get_config("sharegpt")
-  configs = [train_budget.get_config(f) for f in train_budget.FAMILIES] + [train_budget.get_config("sequential,sharegpt")]
+  configs = [train_budget.get_config(f) for f in train_budget.FAMILIES if f != "exit10"] + [
+      train_budget.get_config("sequential,sharegpt")]
   shared = ("positions", "pool_positions", "held_out_dir", "eval_fractions", "batch_size", "seed", "draft_vocab")
   for field in shared:
     assert len({str(c[field]) for c in configs}) == 1, field
@@ -127,6 +129,9 @@ def test_budget_config_names_its_families_and_one_budget_for_all():
   assert len(configs[0].eval_fractions) >= 5
   for exit in ("exit", "exit16"):  # a layer the regenerated cache holds
     assert train_budget.get_config(exit).options.exit_layer - 1 in (2, 15)
+  with pytest.raises(ValueError, match="exit10 exits after layer 9, which smollm2-135m's cache does not hold"):
+    train_budget.get_config("exit10")
+  assert all(c.model == "smollm2-135m" and c.draft_vocab == 8192 and not c.draft_vocab_record for c in configs)
   # The objectives: the same run but for its loss, in a workdir of its own.
   default, lk, ce = (train_budget.get_config(a) for a in ("sequential", "sequential,lk", "block,ce"))
   assert (default.objective, lk.objective, ce.objective) == ("kl", "lk", "ce")
@@ -137,16 +142,65 @@ def test_budget_config_names_its_families_and_one_budget_for_all():
     train_budget.get_config("sequential,lk,ce")
 
 
+def test_gemma3_budget_trains_every_family_on_gemma3s_cache_at_smollm2s_budget():
+  """`gemma3` with any family (and lk/ce, small): Gemma-3-270M, its regenerated cache and held-out split, runs of its
+  own, the draft vocabulary of its record, SmolLM2's positions, pool and evaluation points; each family's layers are
+  ones its cache holds."""
+  from configs import train_data
+  from experiments import draft_vocab
+  from specjax.config import ModelConfig
+  from specjax.drafters import block, draft_model, mtp_sequential
+  data = train_data.get_config("regenerate,gemma3")
+  cache_layers = tuple(data.feature_layers)
+  assert train_budget.TARGETS["gemma3"]["feature_layers"] == cache_layers
+  assert train_budget.TARGETS["smollm2"]["feature_layers"] == tuple(train_data.get_config("regenerate").feature_layers)
+  assert train_budget.REGENERATED == train_data.get_config("regenerate").workdir
+  shared = ("positions", "pool_positions", "eval_fractions", "batch_size", "seed", "learning_rate", "options",
+            "drafter", "warmup_steps", "spec_bench", "objective")
+  gemma_families = [f for f in train_budget.FAMILIES]
+  for family in gemma_families:
+    config = train_budget.get_config(f"{family},gemma3")
+    assert config.model == "gemma3-270m" and config.workdir == f"workdirs/budget-gemma3/{family}"
+    assert config.data_dir == data.workdir and config.held_out_dir == f"{data.workdir}/held_out"
+    assert config.data_answers == "regenerated"
+    assert config.draft_vocab_record == draft_vocab.record_path("gemma3-270m") and config.draft_vocab == 0
+    if family != "exit10":
+      smollm2 = train_budget.get_config(family)
+      assert {k: str(config[k]) for k in shared} == {k: str(smollm2[k]) for k in shared}
+    if "exit_layer" in config.options:
+      assert config.options.exit_layer - 1 in cache_layers
+  # The layers each family reads on an 18-layer target: all in the cache.
+  gemma = ModelConfig(vocab_size=64, hidden_size=8, intermediate_size=16, num_layers=18, num_heads=1, num_kv_heads=1,
+                      head_dim=8)
+  assert set(block.default_feature_layers(gemma)) <= set(cache_layers)
+  assert set(mtp_sequential.default_feature_layers(gemma, eagle3=True)) <= set(cache_layers)
+  assert mtp_sequential.default_feature_layers(gemma, eagle3=False) == (17,)
+  assert draft_model.evenly_spaced_layers(18, train_budget.FAMILIES["draft"]["options"]["num_layers"]) == (0, 6, 11, 17)
+  lk = train_budget.get_config("exit10,gemma3,lk")
+  assert lk.objective == "lk" and lk.workdir == "workdirs/budget-gemma3/exit10-lk"
+  small = train_budget.get_config("block,gemma3,small")
+  assert small.data_dir == train_data.get_config("regenerate,gemma3,small").workdir
+  assert small.workdir == "workdirs/budget-gemma3/block-small" and small.draft_vocab == 8192
+  with pytest.raises(ValueError, match="gemma3-270m is a base model"):
+    train_budget.get_config("sequential,sharegpt,gemma3")
+
+
 def test_budget_run_trains_to_its_positions_and_the_card_shows_the_curve(tiny, caches, tmp_path, monkeypatch):
   (cache_set, root) = caches
   model_dir = export.save_hf(tiny, str(tmp_path / "model"))
   config = train_budget.get_config("parallel,small")
   config.model, config.data_dir, config.held_out_dir = model_dir, str(root / "data"), str(root / "data" / "held_out")
-  config.draft_vocab, config.batch_size, config.positions, config.pool_positions = 16, 4, 400, 200
+  config.batch_size, config.positions, config.pool_positions = 4, 400, 200
   config.spec_bench.enabled, config.options.num_heads, config.workdir = False, 2, str(tmp_path / "run")
   with pytest.raises(ValueError, match="trains on regenerated answers, but the cache .* holds ShareGPT's own"):
     train.run(config, "test")
   config.data_answers = "sharegpt"  # the tiny caches record no regeneration
+  # The draft vocabulary from a record (experiments/draft_vocab.py), as Gemma-3-270M's runs take theirs.
+  config.draft_vocab_record = str(tmp_path / "draft_vocab.json")
+  with pytest.raises(FileNotFoundError, match=re.escape(f"python -m experiments.draft_vocab --model={model_dir}")):
+    train.run(config, "test")
+  (tmp_path / "draft_vocab.json").write_text(json.dumps({
+      "model": model_dir, "vocab_size": 32, "draft_vocab": 16, "train_cache": {"path": "", "token_counts_sha256": ""}}))
   card = train.run(config, "python -m experiments.train (test)")
   with open(os.path.join(config.workdir, "starts.jsonl")) as f:
     starts = [json.loads(line) for line in f]
@@ -155,6 +209,7 @@ def test_budget_run_trains_to_its_positions_and_the_card_shows_the_curve(tiny, c
   pool = td.pool_sequences(cache_set["train"], 200)
   seen = td.positions_seen(cache_set["train"], pool, 4, 0, card["steps"])
   assert seen[-1] >= 400 > seen[-2] and card["positions"] == seen[-1] and card["pool_sequences"] == pool
+  assert card["options"]["draft_vocab"] == 16
   assert [p["positions"] for p in card["curve"]] == [seen[s - 1] for s in td.steps_at_fractions(seen, (.25, .5, 1))]
   with open(os.path.join(config.workdir, "mtp_parallel.md")) as f:
     text = f.read()
@@ -162,8 +217,8 @@ def test_budget_run_trains_to_its_positions_and_the_card_shows_the_curve(tiny, c
   assert "built from mtp_parallel.ranks.json beside this file" in text and "started from" not in text
   # Continued training (--config.options.path): starts from the run's checkpoint, and its card says so.
   continued = train_budget.get_config("parallel,small")
-  continued.update({k: config[k] for k in ("model", "data_dir", "held_out_dir", "draft_vocab", "batch_size",
-                                           "positions", "pool_positions", "data_answers")})
+  continued.update({k: config[k] for k in ("model", "data_dir", "held_out_dir", "draft_vocab", "draft_vocab_record",
+                                           "batch_size", "positions", "pool_positions", "data_answers")})
   continued.spec_bench.enabled, continued.workdir = False, str(tmp_path / "continued")
   continued.options.path = os.path.join(config.workdir, "mtp_parallel.safetensors")
   again = train.run(continued, "python -m experiments.train (continued)")
