@@ -31,11 +31,12 @@ layers (2, 9, 15, 17) (`default_feature_layers(18)`: EAGLE-3's low/mid/high and 
 data/answers/gemma3-270m/. Decoding is the cost: a 262,144-token head and its top-K at every step, and a base model
 rarely stops, so its answers fill the sequence (~215 answer tokens a prompt against SmolLM2's ~143). Measured with
 `:regenerate,gemma3,small` on 2 cores beside a long decoding job (nice 5; this one at nice 15, given ~0.6 of a core):
-19.0 answer tokens/s in batches of 16 (3,434 tokens of 16 prompts in 180 s), 17.0 in a batch of 7, 2026-12-07. The
-~7,500 train prompts are then ~1.6M answer tokens: ~24 hours at that rate (less on an idle machine), ~20 GB of
+19.0 answer tokens/s in batches of 16 (3,434 tokens of 16 prompts in 180 s), 17.0 in a batch of 7, 2026-12-07. SmolLM2's
+~7,500 train prompts would be ~1.6M answer tokens, ~24 hours at that rate (less on an idle machine), ~20 GB of
 float32 features (2.7 MB a sequence); a rebuild from the answers files is one forward, ~110 s per 16 sequences. The
-budget's pool (1M answer positions, configs/train_budget.py) is reached after the first ~4,700 answers:
-`--config.num_train=8000` (~5,000 prompts) would hold it in two thirds of the time.
+budget's pool (1M answer positions, configs/train_budget.py) is reached after the first ~4,700 answers, so `gemma3`
+takes 9,000 train conversations (~5,600 prompts, ~1.2M answer positions: the pool with a margin for shorter answers)
+instead of 12,000: the same pool of positions as SmolLM2's in three quarters of the decoding.
 
 The two caches come from the two sides of a split by conversation id (specjax.data.sharegpt.split), so no
 held-out conversation is ever trained on. No Spec-Bench prompt is used.
@@ -111,7 +112,7 @@ def get_config(arg=None):
     # 62.5% of the train side's conversations give a prompt, answered with ~143 tokens at seq_len 256 (64
     # prompts): past the 887k answer positions of the largest cache of ShareGPT's own answers even if the mean
     # answer is 17% shorter.
-    config.num_train = 12000
+    config.num_train = 9000 if gemma3 else 12000
 
   name = "-".join(["train_data", *variants])
   config.workdir = f"workdirs/data/{name}"

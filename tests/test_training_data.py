@@ -483,14 +483,16 @@ def test_train_data_config_variants():
 
 def test_gemma3_data_config_is_smollm2s_regenerated_data_for_gemma3():
   """Gemma-3-270M's regenerated data: its model, plain prompts, its answers dir and its own features by the same
-  rule, and SmolLM2's conversations, split and seq_len, so the budgets compare."""
+  rule, and SmolLM2's split and seq_len and the first of its conversations (enough for the budget's pool of positions,
+  its answers being longer), so the budgets compare."""
   smollm2 = train_data_config.get_config("regenerate")
   gemma3 = train_data_config.get_config("regenerate,gemma3")
   assert (gemma3.model, gemma3.chat, smollm2.chat) == ("gemma3-270m", False, None)
   assert gemma3.answers_dir == "data/answers/gemma3-270m"
   assert gemma3.workdir == "workdirs/data/train_data-regenerate-gemma3"
   assert tuple(gemma3.feature_layers) == features.default_feature_layers(18) == (2, 9, 15, 17)
-  same = ("seq_len", "num_train", "num_held_out", "held_out_fraction", "seed", "max_pairs_per_conversation", "top_k",
+  assert gemma3.num_train == 9000 < smollm2.num_train
+  same = ("seq_len", "num_held_out", "held_out_fraction", "seed", "max_pairs_per_conversation", "top_k",
           "regenerate_temperature", "regenerate_batch_size")
   assert {k: gemma3[k] for k in same} == {k: smollm2[k] for k in same}
   assert gemma3.feature_dtype == "float32"  # Gemma's residual stream outgrows float16
