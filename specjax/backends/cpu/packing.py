@@ -24,7 +24,7 @@ from flax import struct
 
 from specjax.backends.cpu import kernels
 
-PANEL = 32  # output columns per packed panel (kernels.cc: kPanel)
+PANEL = kernels.PANEL  # output columns per packed panel
 
 
 @struct.dataclass
