@@ -283,16 +283,38 @@ inline vf Halves(const uint8_t* p) {
   return v;
 }
 
-inline vi Bytes(const uint8_t* p) {  // kLanes unsigned bytes, widened
+// kLanes bytes widened to int32 lanes. Explicitly vpmovzxbd / vpmovsxbd: GCC 12 widens a generic byte vector lane by
+// lane through general registers, which made a Q4_1 product 2.5x slower than the float32 one.
+inline vi Bytes(const uint8_t* p) {
+  vi out;
+#if defined(__AVX512F__)
+  const __m512i wide = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  std::memcpy(&out, &wide, sizeof(out));
+#elif defined(__AVX2__)
+  const __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  std::memcpy(&out, &wide, sizeof(out));
+#else
   vu8 b;
   std::memcpy(&b, p, sizeof(b));
-  return __builtin_convertvector(b, vi);
+  out = __builtin_convertvector(b, vi);
+#endif
+  return out;
 }
 
 inline vi SignedBytes(const uint8_t* p) {
+  vi out;
+#if defined(__AVX512F__)
+  const __m512i wide = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  std::memcpy(&out, &wide, sizeof(out));
+#elif defined(__AVX2__)
+  const __m256i wide = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  std::memcpy(&out, &wide, sizeof(out));
+#else
   vs8 b;
   std::memcpy(&b, p, sizeof(b));
-  return __builtin_convertvector(b, vi);
+  out = __builtin_convertvector(b, vi);
+#endif
+  return out;
 }
 
 // Vector v's columns (kLanes * v on) of a row of 16 bytes holding the panel's 32 4-bit codes: column c's code is the
@@ -303,26 +325,17 @@ inline vi Nibbles(const uint8_t* row, int v) {
   return c0 < 16 ? (wide & 15) : (wide >> 4);
 }
 
-// Vector v's columns of a 32-bit plane (bit c is column c's), as 0 or 1.
-inline vi Bits(const uint8_t* plane, int v) {
-  uint32_t word;
-  std::memcpy(&word, plane, sizeof(word));
-  vu32 shift;
-  for (int l = 0; l < kLanes; ++l) shift[l] = kLanes * v + l;
-  const vu32 bits = ((vu32{} + word) >> shift) & 1u;
-  vi out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
-
 // The types. kBlockK: the k of one block (GGUF's block, or its super-block for K-quants); kSubK: the k one scale
 // serves; kHeader: bytes of per-column scales at the block's start; kRow: bytes of one row of codes. Scales(block,
 // s, v) gives vector v's scale (and offset, kOffset) for sub-block s; Codes(row, v) their integer codes. A weight is
 // scale x code (+ offset). GGUF's formulas (ggml-quants.c, gguf-py's dequantize_blocks):
 //   Q8_0  d x q, q int8                        Q4_0  d x (q - 8), q 4-bit     Q4_1  d x q + m, q 4-bit
-//   Q5_0  d x (q - 16), q 5-bit                Q4_K  (d x sc_s) x q - dmin x m_s, sc, m 6-bit per 32 of 256
-//   Q6_K  (d x sc_s) x (q - 32), q 6-bit, sc int8 per 16 of 256;     d, m, dmin halves; products of a half and a
-// 6- or 8-bit integer are exact in float32, so the expanded scales lose nothing.
+//   Q4_K  (d x sc_s) x q - dmin x m_s, q 4-bit, sc and m 6-bit per 32 of 256
+//   Q6_K  (d x sc_s) x (q - 32), q 6-bit, sc int8 per 16 of 256;     d, m, dmin halves.
+// Products of a half and a 6- or 8-bit integer are exact in float32, so the expanded scales lose nothing. Q5_0
+// (d x (q - 16)) is widened to Q8_0 blocks when it is loaded (int8 codes q - 16), and Q6_K's codes to int8: on an AVX2
+// host (AMD EPYC Zen 3) decoding the 5th and 6th bits from bit planes took 2-3x the time of int8 codes, and the
+// product is bound by decoding, not by reading memory.
 struct Q8_0 {
   static constexpr int kBlockK = 32, kSubK = 32, kHeader = 2 * kPanel, kRow = kPanel;
   static constexpr bool kOffset = false;
@@ -347,13 +360,6 @@ struct Q4_1 {
   static vi Codes(const uint8_t* row, int v) { return Nibbles(row, v); }
 };
 
-struct Q5_0 {  // a row: 16 bytes of low 4 bits, then the 32 columns' fifth bits
-  static constexpr int kBlockK = 32, kSubK = 32, kHeader = 2 * kPanel, kRow = kPanel / 2 + 4;
-  static constexpr bool kOffset = false;
-  static void Scales(const uint8_t* block, int, int v, vf* scale, vf*) { *scale = Halves(block + 2 * kLanes * v); }
-  static vi Codes(const uint8_t* row, int v) { return (Nibbles(row, v) | (Bits(row + 16, v) << 4)) - 16; }
-};
-
 struct Q4_K {  // header: d [32], dmin [32] halves, sc [8][32], m [8][32] bytes
   static constexpr int kBlockK = 256, kSubK = 32, kHeader = 4 * kPanel + 16 * kPanel, kRow = kPanel / 2;
   static constexpr bool kOffset = true;
@@ -366,16 +372,14 @@ struct Q4_K {  // header: d [32], dmin [32] halves, sc [8][32], m [8][32] bytes
   static vi Codes(const uint8_t* row, int v) { return Nibbles(row, v); }
 };
 
-struct Q6_K {  // header: d [32] halves, sc [16][32] int8; a row: 16 bytes of low 4 bits, fifth bits, sixth bits
-  static constexpr int kBlockK = 256, kSubK = 16, kHeader = 2 * kPanel + 16 * kPanel, kRow = kPanel / 2 + 8;
+struct Q6_K {  // header: d [32] halves, sc [16][32] int8; a row: 32 int8 codes (GGUF's 6-bit q - 32, widened)
+  static constexpr int kBlockK = 256, kSubK = 16, kHeader = 2 * kPanel + 16 * kPanel, kRow = kPanel;
   static constexpr bool kOffset = false;
   static void Scales(const uint8_t* block, int s, int v, vf* scale, vf*) {
     *scale = Halves(block + 2 * kLanes * v) * __builtin_convertvector(SignedBytes(block + 2 * kPanel + s * kPanel +
                                                                                   kLanes * v), vf);
   }
-  static vi Codes(const uint8_t* row, int v) {
-    return (Nibbles(row, v) | (Bits(row + 16, v) << 4) | (Bits(row + 20, v) << 5)) - 32;
-  }
+  static vi Codes(const uint8_t* row, int v) { return SignedBytes(row + kLanes * v); }
 };
 
 template <typename Q>
@@ -391,49 +395,75 @@ inline vf Weight(const uint8_t* row, int v, vf scale, vf offset) {
   }
 }
 
-// Calls row(k, weights) for every k of one panel's blocks, in order, with the kVecs vectors of its decoded weights.
-template <typename Q, typename F>
-inline void DecodePanel(const uint8_t* __restrict panel, int64_t K, F row) {
+inline vf Splat(const float* p) {  // a broadcast load (vf{} + x is an addition: x = -0.f becomes +0.f)
+#if defined(__AVX512F__)
+  const __m512 v = _mm512_set1_ps(*p);
+#elif defined(__AVX__)
+  const __m256 v = _mm256_broadcast_ss(p);
+#else
+  float v[kLanes];
+  for (int l = 0; l < kLanes; ++l) v[l] = *p;
+#endif
+  vf out;
+  std::memcpy(&out, &v, sizeof(out));
+  return out;
+}
+
+// Vectors of a panel a block of rows decodes together. One row's four AVX2 vectors of weights, scales and offsets fit
+// the 16 registers; two rows' accumulators with them spilled one to the stack, so a block of more rows decodes two
+// vectors (v and v + 2: the low and high halves of the same 4-bit codes) and passes over the panel twice. With
+// AVX-512 the whole panel.
+constexpr int PassVecs(int rows) { return kLanes == 16 || rows == 1 ? kVecs : 2; }
+
+// Calls row(k, weights) for every k of one panel's blocks, in order, with the decoded weights of NV of its vectors:
+// v0, v0 + kVecs / NV, ... (NV = kVecs: all of them).
+template <typename Q, int NV, typename F>
+inline void DecodePanel(const uint8_t* __restrict panel, int64_t K, int v0, F row) {
   constexpr int64_t kSubBytes = static_cast<int64_t>(Q::kSubK) * Q::kRow;
   const uint8_t* block = panel;
   for (int64_t k0 = 0; k0 < K; k0 += Q::kBlockK, block += BlockBytes<Q>()) {
     for (int s = 0; s < Q::kBlockK / Q::kSubK; ++s) {
-      vf scale[kVecs], offset[kVecs];
-      for (int j = 0; j < kVecs; ++j) {
+      vf scale[NV], offset[NV];
+      for (int j = 0; j < NV; ++j) {
         offset[j] = vf{};
-        Q::Scales(block, s, j, &scale[j], &offset[j]);
+        Q::Scales(block, s, v0 + j * (kVecs / NV), &scale[j], &offset[j]);
       }
       const uint8_t* rows = block + Q::kHeader + s * kSubBytes;
       for (int64_t byte = 0; byte < kSubBytes; byte += 64)
         __builtin_prefetch(rows + kPrefetchBytes + byte, 0, kPrefetchLocality);
       for (int kk = 0; kk < Q::kSubK; ++kk) {
-        vf w[kVecs];
-        for (int j = 0; j < kVecs; ++j) w[j] = Weight<Q>(rows + kk * Q::kRow, j, scale[j], offset[j]);
+        vf w[NV];
+        for (int j = 0; j < NV; ++j) w[j] = Weight<Q>(rows + kk * Q::kRow, v0 + j * (kVecs / NV), scale[j], offset[j]);
         row(k0 + s * Q::kSubK + kk, w);
       }
     }
   }
 }
 
-// MR rows x the whole panel over all K, decoding each weight once for the MR rows (PanelBlock's loop).
-template <typename Q, int MR>
-void QuantPanelBlock(const float* __restrict x, int64_t K, const uint8_t* __restrict panel, float* __restrict out,
-                     int64_t ldo) {
-  vf acc[MR][kVecs];
+// MR rows x NV vectors of a panel (v0, v0 + kVecs / NV, ...) over all K, decoding each weight once for the MR rows
+// (PanelBlock's loop); out points at the panel's first column.
+template <typename Q, int MR, int NV>
+void QuantPanelBlock(const float* __restrict x, int64_t K, const uint8_t* __restrict panel, int v0,
+                     float* __restrict out, int64_t ldo) {
+  vf acc[MR][NV];
   for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < kVecs; ++j) acc[m][j] = vf{};
-  DecodePanel<Q>(panel, K, [&](int64_t k, const vf* w) {
+    for (int j = 0; j < NV; ++j) acc[m][j] = vf{};
+  DecodePanel<Q, NV>(panel, K, v0, [&](int64_t k, const vf* w) {
     for (int m = 0; m < MR; ++m) {
-      const vf xv = vf{} + x[m * K + k];
-      for (int j = 0; j < kVecs; ++j) acc[m][j] = Fma(xv, w[j], acc[m][j]);
+      const vf xv = Splat(x + m * K + k);
+      for (int j = 0; j < NV; ++j) acc[m][j] = Fma(xv, w[j], acc[m][j]);
     }
   });
   for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < kVecs; ++j) Store(out + m * ldo + kLanes * j, acc[m][j]);
+    for (int j = 0; j < NV; ++j) Store(out + m * ldo + kLanes * (v0 + j * (kVecs / NV)), acc[m][j]);
 }
 
-// Rows that decode in registers as they stream (one block of rows); more rows decode a panel into scratch first.
-constexpr int64_t kStreamedRows = kWideRows;
+// Up to kStreamedRows rows decode the weights in registers as they stream them, in blocks of at most kBlockRows rows
+// (one pass over the panel per block and PassVecs); more rows decode a panel into a float scratch panel first, which
+// Panels' float32 blocks then read. Measured on one AVX2 core (AMD EPYC Zen 3), 512 x 49,152 weights of each type:
+// streaming took half the scratch path's time at 3 rows, 0.6-0.8x at 9, about the same at 17.
+constexpr int64_t kStreamedRows = 16;
+constexpr int64_t kBlockRows = kLanes == 16 ? 8 : 4;
 
 // This thread's float panel [K, kPanel], kept between calls.
 inline float* PanelScratch(int64_t floats) {
@@ -447,15 +477,24 @@ void QuantPanels(const float* x, int64_t M, int64_t K, const uint8_t* w, float* 
                  int64_t b1) {
   const int64_t panel_bytes = K / Q::kBlockK * BlockBytes<Q>();
   if (M <= kStreamedRows) {
-    for (int64_t b = b0; b < b1; ++b)
-      WithConstant<1, 2, 3, 4, 5, 6, 7, 8>(M, [&](auto rows) {
-        QuantPanelBlock<Q, decltype(rows)::value>(x, K, w + b * panel_bytes, out + b * kPanel, N);
-      });
+    const int64_t groups = (M + kBlockRows - 1) / kBlockRows;
+    for (int64_t b = b0; b < b1; ++b) {
+      int64_t m0 = 0;
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t mr = (M - m0) / (groups - g);
+        WithConstant<1, 2, 3, 4, 5, 6, 7, 8>(mr, [&](auto rows) {
+          constexpr int kRows = decltype(rows)::value, kPass = PassVecs(kRows);
+          for (int v0 = 0; v0 < kVecs / kPass; ++v0)
+            QuantPanelBlock<Q, kRows, kPass>(x + m0 * K, K, w + b * panel_bytes, v0, out + m0 * N + b * kPanel, N);
+        });
+        m0 += mr;
+      }
+    }
     return;
   }
   float* scratch = PanelScratch(K * kPanel);
   for (int64_t b = b0; b < b1; ++b) {
-    DecodePanel<Q>(w + b * panel_bytes, K, [&](int64_t k, const vf* wv) {
+    DecodePanel<Q, kVecs>(w + b * panel_bytes, K, 0, [&](int64_t k, const vf* wv) {
       for (int j = 0; j < kVecs; ++j) Store(scratch + k * kPanel + kLanes * j, wv[j]);
     });
     Panels(x, M, K, static_cast<const float*>(scratch), out + b * kPanel, N, 0, 1);
@@ -872,6 +911,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CacheWriteBF16, CacheWrite<ffi::BF16>, CacheWriteB
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizedMatmulQ8_0, QuantizedMatmul<Q8_0>, QuantizedBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizedMatmulQ4_0, QuantizedMatmul<Q4_0>, QuantizedBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizedMatmulQ4_1, QuantizedMatmul<Q4_1>, QuantizedBinding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizedMatmulQ5_0, QuantizedMatmul<Q5_0>, QuantizedBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizedMatmulQ4_K, QuantizedMatmul<Q4_K>, QuantizedBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizedMatmulQ6_K, QuantizedMatmul<Q6_K>, QuantizedBinding());

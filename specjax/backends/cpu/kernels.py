@@ -59,7 +59,7 @@ _KERNELS = {
     ("cache_write", "float32"): ("specjax_cache_write", "CacheWriteF32"),
     ("cache_write", "bfloat16"): ("specjax_cache_write_bf16", "CacheWriteBF16"),
     **{("quantized", kind): (f"specjax_quantized_matmul_{kind.lower()}", f"QuantizedMatmul{kind}")
-       for kind in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K")},
+       for kind in ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")},
 }
 _WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16)  # weights and caches either; activations widened to float32
 PANEL = 32  # output columns per panel of a packed or quantized weight (kernels.cc: kPanel)

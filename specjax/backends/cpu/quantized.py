@@ -8,17 +8,17 @@ streams each weight's bits once, in order:
 
   data [NB, K / block_k, block_bytes] uint8: panel b holds output columns 32b .. 32b + 31 (zeros past N); each of
   its blocks is a header of the 32 columns' scales, then block_k rows of `row` bytes, row k holding the 32 columns'
-  codes at input k:
-    Q8_0  header d [32] halves;                row: 32 int8 codes                          1088 B / 1024 weights
-    Q4_0  header d [32];                       row: 16 bytes of 4-bit codes                 576 B
-    Q4_1  header d [32], m [32];               row: 16 bytes of 4-bit codes                 640 B
-    Q5_0  header d [32];                       row: 4-bit codes, then a 32-bit plane of     704 B
-                                               the fifth bits (bit c: column c's)
-    Q4_K  header d, dmin [32] halves, sc [8][32], m [8][32] 6-bit bytes;   row: 4-bit codes    4736 B / 8192
-    Q6_K  header d [32], sc [16][32] int8;     row: 4-bit codes, fifth-bit plane, sixth-bit plane   6720 B / 8192
+  codes at input k (`kind` names the layout; bits a weight, as read per product, against GGUF's):
+    Q8_0  header d [32] halves;                         row: 32 int8 codes       1088 B / 1024 weights: 8.5 (8.5)
+    Q4_0  header d [32];                                row: 16 bytes, 4-bit     576 B / 1024: 4.5 (4.5)
+    Q4_1  header d [32], m [32];                        row: 16 bytes, 4-bit     640 B / 1024: 5.0 (5.0)
+    Q4_K  header d, dmin [32] halves, sc [8][32], m [8][32] 6-bit bytes;  row: 16 bytes, 4-bit
+                                                                                 4736 B / 8192: 4.625 (4.5)
+    Q6_K  header d [32], sc [16][32] int8;              row: 32 int8 codes q - 32   8768 B / 8192: 8.56 (6.56)
   A row's 4-bit codes: column c's is the low half of byte c for c < 16, the high half of byte c - 16 otherwise.
-So a panel reads the bytes GGUF stores, scales included (Q4_K's half-precision scales come once per 32 columns
-rather than once per column: 4.62 bits a weight against GGUF's 4.5); nothing is widened.
+  GGUF's Q5_0 (d x (q - 16), q 5-bit) loads as Q8_0 blocks of codes q - 16: 8.5 bits a weight against its 5.5.
+Q6_K's and Q5_0's fifth and sixth bits are widened because on an AVX2 host decoding them from bit planes took 2-3x
+the time of int8 codes, and there the product is bound by decoding, not by memory (kernels.cc: the types).
 
 A `Quantized` is what `Model.params` holds for each such matrix: logically the float32 array gguf's dequantization
 gives (`dequantize()`), used as the matrix [K, N] of a product x @ W, like `Packed` (`shape`, `k_dims`), or, for an
@@ -44,12 +44,11 @@ PANEL = kernels.PANEL
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-  """One type's block (kernels.cc: the struct of that name)."""
+  """One layout's block (kernels.cc: the struct of that name)."""
   block_k: int  # inputs per block: GGUF's block, or a K-quant's super-block
   sub_k: int  # inputs one scale serves
   header: int  # bytes of the 32 columns' scales at a block's start
   row: int  # bytes of one row of codes (the 32 columns at one input)
-  gguf_bytes: int  # bytes of one GGUF block (one column's block_k inputs)
 
   @property
   def block_bytes(self) -> int:
@@ -57,14 +56,16 @@ class Layout:
 
 
 LAYOUTS = {
-    "Q8_0": Layout(block_k=32, sub_k=32, header=64, row=32, gguf_bytes=34),
-    "Q4_0": Layout(block_k=32, sub_k=32, header=64, row=16, gguf_bytes=18),
-    "Q4_1": Layout(block_k=32, sub_k=32, header=128, row=16, gguf_bytes=20),
-    "Q5_0": Layout(block_k=32, sub_k=32, header=64, row=20, gguf_bytes=22),
-    "Q4_K": Layout(block_k=256, sub_k=32, header=640, row=16, gguf_bytes=144),
-    "Q6_K": Layout(block_k=256, sub_k=16, header=576, row=24, gguf_bytes=210),
+    "Q8_0": Layout(block_k=32, sub_k=32, header=64, row=32),
+    "Q4_0": Layout(block_k=32, sub_k=32, header=64, row=16),
+    "Q4_1": Layout(block_k=32, sub_k=32, header=128, row=16),
+    "Q4_K": Layout(block_k=256, sub_k=32, header=640, row=16),
+    "Q6_K": Layout(block_k=256, sub_k=16, header=576, row=32),
 }
 KINDS = tuple(LAYOUTS)
+# The GGUF types kept quantized: (inputs per GGUF block, bytes per GGUF block, the layout they load as).
+GGUF_TYPES = {"Q8_0": (32, 34, "Q8_0"), "Q4_0": (32, 18, "Q4_0"), "Q4_1": (32, 20, "Q4_1"), "Q5_0": (32, 22, "Q8_0"),
+              "Q4_K": (256, 144, "Q4_K"), "Q6_K": (256, 210, "Q6_K")}
 
 
 @struct.dataclass
@@ -166,7 +167,6 @@ def _decode(kind: str, read, k, c) -> jax.Array:
 
   row = layout.header + k * layout.row
   nibble = lambda: (read(row + c % 16) >> (4 * (c // 16))) & 15
-  bit = lambda plane: (read(row + plane + c // 8) >> (c % 8)) & 1
   sub = k // layout.sub_k
   if kind == "Q8_0":
     return half(0) * signed(read(row + c)).astype(jnp.float32)
@@ -174,15 +174,13 @@ def _decode(kind: str, read, k, c) -> jax.Array:
     return half(0) * (nibble() - 8).astype(jnp.float32)
   if kind == "Q4_1":
     return half(0) * nibble().astype(jnp.float32) + half(2 * PANEL)
-  if kind == "Q5_0":
-    return half(0) * ((nibble() | (bit(16) << 4)) - 16).astype(jnp.float32)
   if kind == "Q4_K":
     scale = half(0) * read(4 * PANEL + sub * PANEL + c).astype(jnp.float32)
     least = half(2 * PANEL) * read(12 * PANEL + sub * PANEL + c).astype(jnp.float32)
     return scale * nibble().astype(jnp.float32) - least
   if kind == "Q6_K":
     scale = half(0) * signed(read(2 * PANEL + sub * PANEL + c)).astype(jnp.float32)
-    return scale * ((nibble() | (bit(16) << 4) | (bit(20) << 5)) - 32).astype(jnp.float32)
+    return scale * signed(read(row + c)).astype(jnp.float32)
   raise ValueError(f"no quantized layout for {kind}; layouts: {', '.join(KINDS)}")
 
 
@@ -190,7 +188,8 @@ def _decode(kind: str, read, k, c) -> jax.Array:
 
 def _gguf_fields(kind: str, blocks: np.ndarray) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], np.ndarray]:
   """A GGUF tensor's blocks [N, KB, gguf_bytes] as (per-block halves {name: [N, KB, 2] bytes}, per-sub-block bytes
-  {name: [N, KB, subs]}, codes [N, KB, block_k] uint8): gguf-py's dequantize_blocks, up to the arithmetic."""
+  {name: [N, KB, subs]}, codes [N, KB, block_k] uint8: 4-bit codes, or the bytes of int8 codes): gguf-py's
+  dequantize_blocks, up to the arithmetic."""
   from gguf import quants
 
   def nibbles(qs):  # [..., 16] -> [..., 32]: the low halves, then the high halves
@@ -202,9 +201,9 @@ def _gguf_fields(kind: str, blocks: np.ndarray) -> tuple[dict[str, np.ndarray], 
     return {"d": blocks[..., :2]}, {}, nibbles(blocks[..., 2:])
   if kind == "Q4_1":
     return {"d": blocks[..., :2], "m": blocks[..., 2:4]}, {}, nibbles(blocks[..., 4:])
-  if kind == "Q5_0":
+  if kind == "Q5_0":  # as Q8_0: d and int8 codes q - 16
     high = np.unpackbits(blocks[..., 2:6], axis=-1, bitorder="little")  # bit i of the little-endian word: input i
-    return {"d": blocks[..., :2]}, {}, nibbles(blocks[..., 6:]) | (high << 4)
+    return {"d": blocks[..., :2]}, {}, ((nibbles(blocks[..., 6:]) | (high << 4)) - np.uint8(16))
   if kind == "Q4_K":
     n, kb, _ = blocks.shape
     sc, m = quants.Q4_K.get_scale_min(np.ascontiguousarray(blocks[..., 4:16]).reshape(n * kb, 12))
@@ -216,32 +215,34 @@ def _gguf_fields(kind: str, blocks: np.ndarray) -> tuple[dict[str, np.ndarray], 
     ql = blocks[..., :128].reshape(n, kb, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
     qh = blocks[..., 128:192].reshape(n, kb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)
     codes = (ql & 15).reshape(n, kb, 256) | ((qh & 3).reshape(n, kb, 256) << 4)
-    return {"d": blocks[..., 208:210]}, {"sc": blocks[..., 192:208]}, codes
+    return {"d": blocks[..., 208:210]}, {"sc": blocks[..., 192:208]}, codes - np.uint8(32)  # int8 q - 32
   raise ValueError(f"no quantized layout for {kind}; layouts: {', '.join(KINDS)}")
 
 
-def from_gguf(rows: np.ndarray, kind: str, shape: tuple[int, ...], k_dims: int = 1,
+def from_gguf(rows: np.ndarray, gguf_type: str, shape: tuple[int, ...], k_dims: int = 1,
               transposed: bool = False) -> Quantized:
-  """A GGUF tensor's data, rows [N, K / block_k * gguf_bytes] uint8 (one row per output column, as
-  `gguf.GGUFReader` gives a quantized tensor), repacked as `Quantized` panels of logical `shape` (see `Quantized`).
-  Rows may be reordered before (llama.cpp's Q/K head permutation): blocks never straddle rows."""
-  if kind not in LAYOUTS:
-    raise ValueError(f"no quantized layout for {kind}; layouts: {', '.join(KINDS)}")
+  """A GGUF tensor's data of `gguf_type` (one of `GGUF_TYPES`), rows [N, K / block_k * block bytes] uint8 (one row
+  per output column, as `gguf.GGUFReader` gives a quantized tensor), repacked as `Quantized` panels of logical
+  `shape` (see `Quantized`). Rows may be reordered before (llama.cpp's Q/K head permutation): blocks never straddle
+  rows."""
+  if gguf_type not in GGUF_TYPES:
+    raise ValueError(f"no quantized layout for {gguf_type}; GGUF types kept quantized: {', '.join(GGUF_TYPES)}")
+  block_k, gguf_bytes, kind = GGUF_TYPES[gguf_type]
   layout = LAYOUTS[kind]
   rows = np.asarray(rows, np.uint8)
   n, width = rows.shape
-  if width % layout.gguf_bytes:
-    raise ValueError(f"{kind} rows of {width} bytes are not whole blocks of {layout.gguf_bytes}")
-  kb = width // layout.gguf_bytes
+  if width % gguf_bytes:
+    raise ValueError(f"{gguf_type} rows of {width} bytes are not whole blocks of {gguf_bytes}")
+  kb = width // gguf_bytes
   quantized = Quantized(data=None, kind=kind, shape=tuple(int(d) for d in shape), k_dims=k_dims,
                         transposed=transposed)
-  if quantized.matrix_shape != (kb * layout.block_k, n):
-    raise ValueError(f"{n} rows of {kb * layout.block_k} {kind} inputs are not the matrix of shape {shape} "
+  if quantized.matrix_shape != (kb * block_k, n):
+    raise ValueError(f"{n} rows of {kb * block_k} {gguf_type} inputs are not the matrix of shape {shape} "
                      f"({quantized.matrix_shape})")
   nb = -(-n // PANEL)
-  padded = np.zeros((nb * PANEL, kb, layout.gguf_bytes), np.uint8)  # zero scales: zero weights
-  padded[:n] = rows.reshape(n, kb, layout.gguf_bytes)
-  halves, subs, codes = _gguf_fields(kind, padded)
+  padded = np.zeros((nb * PANEL, kb, gguf_bytes), np.uint8)  # zero scales: zero weights
+  padded[:n] = rows.reshape(n, kb, gguf_bytes)
+  halves, subs, codes = _gguf_fields(gguf_type, padded)
 
   def columns_last(a):  # [NB * P, KB, ...] -> [NB, KB, ..., P]
     a = a.reshape(nb, PANEL, kb, *a.shape[2:])
@@ -250,13 +251,11 @@ def from_gguf(rows: np.ndarray, kind: str, shape: tuple[int, ...], k_dims: int =
   header = [np.swapaxes(columns_last(h), -1, -2).reshape(nb, kb, 2 * PANEL) for h in halves.values()]
   header += [columns_last(s).reshape(nb, kb, -1) for s in subs.values()]
   codes = columns_last(codes)  # [NB, KB, block_k, P]
-  if kind == "Q8_0":
-    row = [codes]
-  else:
-    row = [(codes[..., :16] & 15) | ((codes[..., 16:] & 15) << 4)]
-    row += [np.packbits((codes >> bit) & 1, axis=-1, bitorder="little") for bit in (4, 5)[:{"Q5_0": 1, "Q6_K": 2}.get(
-        kind, 0)]]
-  row = np.concatenate(row, axis=-1).reshape(nb, kb, layout.block_k * layout.row)
+  if layout.row == PANEL:  # int8 codes
+    row = codes
+  else:  # 4-bit codes: column c in the low half of byte c % 16 (c < 16), the high half otherwise
+    row = (codes[..., :16] & 15) | ((codes[..., 16:] & 15) << 4)
+  row = row.reshape(nb, kb, layout.block_k * layout.row)
   data = np.concatenate(header + [row], axis=-1)
   assert data.shape == (nb, kb, layout.block_bytes), (kind, data.shape)
   return quantized.replace(data=jnp.asarray(data))
