@@ -52,6 +52,13 @@ def matmul_transposed(x: jax.Array, table, preferred_element_type=None) -> jax.A
   return jnp.einsum("...k,nk->...n", x, table, preferred_element_type=preferred_element_type)
 
 
+def dequantize(w):
+  """w as an array, or a tree of weights as arrays: a quantized weight's (`backends.cpu.Quantized`) float32 values,
+  any other as it is. For code that copies or reshapes a weight (a drafter initialised from a target layer, export,
+  a mesh); products and gathers take the weight itself (`matmul`, `take`)."""
+  return cpu.dequantize_params(w)
+
+
 def take(table, ids: jax.Array, axis: int = 0) -> jax.Array:
   """jnp.take(table, ids, axis): an embedding lookup, a head's columns. A quantized table (`backends.cpu.Quantized`)
   decodes the entries it gathers only, to the float32 values its products multiply by."""

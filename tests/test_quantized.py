@@ -267,6 +267,21 @@ def test_a_verification_gives_each_token_the_logits_a_decode_step_gives_it(quant
   np.testing.assert_array_equal(verified, np.stack(one_by_one, 1))
 
 
+@pytest.mark.parametrize("drafter, options", [("layer_skip", {"exit_layer": 1, "token_map": np.arange(0, 300, 3)}),
+                                              ("prompt_lookup", {})])
+def test_greedy_speculative_decoding_on_a_quantized_target_equals_its_autoregressive_decoding(quantized_gguf, drafter,
+                                                                                              options):
+  """Layer skip's early exit reads the quantized head's columns (a truncated draft vocabulary) and reuses the
+  prefix's cache; prompt lookup verifies chains of the target's own n-grams."""
+  _, model, _ = quantized_gguf
+  rng = np.random.default_rng(1)
+  prompts = [list(rng.integers(0, VOCAB, 6)) * 3, list(rng.integers(0, VOCAB, 11))]
+  expected = specjax.generate(model, prompts, max_new_tokens=12, stop_ids=())
+  out = specjax.generate(model, prompts, max_new_tokens=12, stop_ids=(), gamma=3, adaptive=False,
+                         drafter=specjax.make_drafter(drafter, model, **options))
+  assert out.tokens == expected.tokens
+
+
 # ------------------------------------------------------------------------------------- SmolLM2
 
 def spec_bench_prompts(model, n: int) -> list[list[int]]:
