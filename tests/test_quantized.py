@@ -86,14 +86,17 @@ def test_q5_0_is_read_as_int8_codes_and_every_type_as_bytes_per_weight():
 
 # ------------------------------------------------------------------------------------- the kernel
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 17, 65])
+@pytest.mark.parametrize("rows", [1, 2, 5, 17, 65, 130])
 @pytest.mark.parametrize("gguf_type", TYPES)
 def test_the_kernel_equals_a_float32_product_over_the_dequantized_matrix(gguf_type, rows):
+  """Decode (1 row), verification widths (up to 65: the product kernel), a prefill (more: XLA's product over the
+  matrix the kernel dequantizes)."""
   k, n = _k(gguf_type), 100
   weights = gguf_rows(gguf_type, n, k, seed=rows)
   w = quantized.from_gguf(weights, gguf_type, (k, n))
   x = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32)
-  assert _has_kernel(ops.matmul, jnp.asarray(x), w)
+  kernel = "specjax_quantized_matmul" if rows <= quantized.MAX_KERNEL_ROWS else "specjax_dequantize"
+  assert kernel in jax.jit(ops.matmul).lower(jnp.asarray(x), w).as_text()
   got = np.asarray(jax.jit(ops.matmul)(jnp.asarray(x), w))
   want = x.astype(np.float64) @ dequantized(weights, gguf_type).T.astype(np.float64)
   assert got.shape == (rows, n)

@@ -519,6 +519,28 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   return ffi::Error::Success();
 }
 
+// DequantizeMatrix<Q>: out [K, NB * P], the float32 matrix of the panels w (the values QuantizedMatmul multiplies by),
+// for products over many rows (a prefill), which XLA's matrix product then computes faster than Panels' blocks.
+template <typename Q>
+ffi::Error DequantizeMatrix(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> out) {
+  const auto wd = w.dimensions();
+  const auto od = out->dimensions();
+  if (wd.size() != 3 || wd[2] != BlockBytes<Q>() || od.size() != 2 || od[0] != wd[1] * Q::kBlockK ||
+      od[1] != wd[0] * kPanel)
+    return ffi::Error::InvalidArgument("specjax: dequantize takes panels [NB, K / block, block bytes] -> [K, NB * 32]");
+  const int64_t K = od[0], N = od[1];
+  const int64_t panel_bytes = wd[1] * BlockBytes<Q>();
+  const uint8_t* wp = w.typed_data();
+  float* op = out->typed_data();
+  ParallelFor(pool, wd[0], [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      DecodePanel<Q, kVecs>(wp + b * panel_bytes, K, 0, [&](int64_t k, const vf* wv) {
+        for (int j = 0; j < kVecs; ++j) Store(op + k * N + b * kPanel + kLanes * j, wv[j]);
+      });
+  });
+  return ffi::Error::Success();
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // Attention. q [B, T, H, D], k/v cache [B, S, KV, D], positions and starts [B, T] (query t of row b sits at
 // positions[b, t] and sees cache slots starts[b, t]..positions[b, t], none when starts > positions); out
@@ -895,6 +917,10 @@ auto CacheWriteBinding() {
       .template Arg<ffi::Buffer<ffi::S32>>().template Ret<ffi::Buffer<WT>>();
 }
 
+auto DequantizeBinding() {
+  return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::U8>>().Ret<ffi::Buffer<ffi::F32>>();
+}
+
 auto QuantizedBinding() {
   return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::U8>>()
       .Ret<ffi::Buffer<ffi::F32>>();
@@ -913,3 +939,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizedMatmulQ4_0, QuantizedMatmul<Q4_0>, Quanti
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizedMatmulQ4_1, QuantizedMatmul<Q4_1>, QuantizedBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizedMatmulQ4_K, QuantizedMatmul<Q4_K>, QuantizedBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizedMatmulQ6_K, QuantizedMatmul<Q6_K>, QuantizedBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DequantizeMatrixQ8_0, DequantizeMatrix<Q8_0>, DequantizeBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DequantizeMatrixQ4_0, DequantizeMatrix<Q4_0>, DequantizeBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DequantizeMatrixQ4_1, DequantizeMatrix<Q4_1>, DequantizeBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DequantizeMatrixQ4_K, DequantizeMatrix<Q4_K>, DequantizeBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DequantizeMatrixQ6_K, DequantizeMatrix<Q6_K>, DequantizeBinding());

@@ -60,6 +60,8 @@ _KERNELS = {
     ("cache_write", "bfloat16"): ("specjax_cache_write_bf16", "CacheWriteBF16"),
     **{("quantized", kind): (f"specjax_quantized_matmul_{kind.lower()}", f"QuantizedMatmul{kind}")
        for kind in ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")},
+    **{("dequantize", kind): (f"specjax_dequantize_{kind.lower()}", f"DequantizeMatrix{kind}")
+       for kind in ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")},
 }
 _WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16)  # weights and caches either; activations widened to float32
 PANEL = 32  # output columns per panel of a packed or quantized weight (kernels.cc: kPanel)
@@ -226,6 +228,13 @@ def quantized_matmul_applies(x: jax.Array, w) -> bool:
   if x.dtype not in _WEIGHT_DTYPES or ("quantized", w.kind) not in _KERNELS or rows == 0:
     return False
   return usable()
+
+
+def dequantize(w) -> jax.Array:
+  """The float32 matrix [K, NB * PANEL] of a `quantized.Quantized` weight's panels (padding columns included), by
+  the kernel: what `quantized_matmul` multiplies by."""
+  out = jax.ShapeDtypeStruct((w.matrix_shape[0], w.data.shape[0] * PANEL), jnp.float32)
+  return jax.ffi.ffi_call(_KERNELS[("dequantize", w.kind)][0], out, vmap_method="sequential")(w.data)
 
 
 def quantized_matmul(x: jax.Array, w, matrix, preferred_element_type=None) -> jax.Array:
