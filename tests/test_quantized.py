@@ -103,6 +103,21 @@ def test_the_kernel_equals_a_float32_product_over_the_dequantized_matrix(gguf_ty
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
+def test_subnormal_and_zero_half_scales_are_read_exactly():
+  """A half below 2^-14 is subnormal (a float32 is not): F16C's conversion and the scalar one of hosts without it."""
+  k, n = 64, 40
+  rows = gguf_rows("Q4_1", n, k).reshape(n, 2, 20)
+  scales = np.array([2 ** -24, 3 * 2 ** -20, 0.0, -(2 ** -15), 6e-5], np.float16)
+  rows[:, :, 0:2] = scales[np.arange(2 * n) % 5].reshape(n, 2, 1).view(np.uint8)  # d
+  rows[:, :, 2:4] = scales[np.arange(2 * n) % 3].reshape(n, 2, 1).view(np.uint8)  # m
+  rows = rows.reshape(n, -1)
+  w = quantized.from_gguf(rows, "Q4_1", (k, n))
+  want = dequantized(rows, "Q4_1")
+  np.testing.assert_array_equal(np.asarray(w.dequantize()), want.T)
+  x = jnp.asarray(np.eye(k, dtype=np.float32))  # the product's rows are the weights themselves
+  np.testing.assert_array_equal(np.asarray(jax.jit(ops.matmul)(x, w)), want.T)
+
+
 @pytest.mark.parametrize("gguf_type", ["Q8_0", "Q4_1", "Q4_K", "Q6_K"])
 def test_a_rows_product_does_not_depend_on_the_other_rows_of_the_call(gguf_type):
   """Bit for bit, a row alone, among 5 (decoded in registers as the weights stream) and among 65 (decoded into a
