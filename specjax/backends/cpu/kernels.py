@@ -9,6 +9,9 @@ ones, so halving the bytes did not pay. benchmarks/bench_verify.py and bench_aut
 
   packed_matmul(x, w)   x @ w for a weight packed as column panels (`packing.Packed`, packed once when a model is
                         loaded for decoding: `specjax.decoding.decode_params`)
+  quantized_matmul(x, w, matrix)   x @ w for a GGUF-quantized weight (`quantized.Quantized`, repacked as column panels
+                        of its blocks when it is loaded), each weight decoded to its float32 value in the product;
+                        dequantize(w) gives that float32 matrix (for products over many rows: a prefill)
   cache_write(cache, update, positions, reference)   update [B, T, ...] written into cache [B, S, ...] at
                         positions [B, T], in place (the result aliases the cache)
   attention(q, k_cache, v_cache, positions, starts, reference)   causal grouped-query attention over a range of
