@@ -21,9 +21,9 @@ For each case (dtype x batch size) it times greedy `specjax.generate` for exactl
                          8.7-12.9 s in five rounds on a shared 2-core host), and divided over new_tokens - 1 steps
                          that noise can outweigh the step; the range says when it does
   compile time         = first call - median of the later calls (for each of the two programs)
-  bytes per step       = all parameter bytes (quantized: the blocks) + KV bytes attended (`specjax.roofline.kv_bytes_read`: per layer
-                         {K,V} x batch x positions it reads (a sliding layer at most its window), averaged over
-                         the decode, x kv_heads x head_dim x itemsize)
+  bytes per step       = all parameter bytes (quantized: the blocks) + KV bytes attended
+                         (`specjax.roofline.kv_bytes_read`: per layer {K,V} x batch x positions it reads (a sliding
+                         layer at most its window), averaged over the decode, x kv_heads x head_dim x itemsize)
   roofline fraction    = bytes per step / step time / read bandwidth,
 where read bandwidth is what a jitted sum over a large array reads per second (`experiments.costs`), measured in
 the same run, interleaved with the cases.

@@ -226,9 +226,9 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
 // ---------------------------------------------------------------------------------------------------------
 // Quantized weights. QuantizedMatmul<Q>: out[M, NB * P] = x[M, K] @ w, w a GGUF-quantized matrix repacked once when it
 // is loaded (quantized.py, where the layout is drawn) as NB column panels of P = kPanel columns, each panel
-// K / Q::kBlockK blocks of Q::kBytes: a header of per-column scales, then Q::kBlockK rows of Q::kRow bytes, row k
-// holding the P columns' codes at k. A call streams the blocks once, in order, as PackedMatmul streams float panels,
-// at 4.5-8.5 bits a weight instead of 32.
+// K / Q::kBlockK blocks of BlockBytes<Q>(): a header of per-column scales, then Q::kBlockK rows of Q::kRow bytes, row
+// k holding the P columns' codes at k. A call streams the blocks once, in order, as PackedMatmul streams float
+// panels, at 4.5-8.6 bits a weight instead of 32.
 //
 // Each weight is decoded to float32 as gguf's dequantization computes it (the scale products it forms are exact,
 // and its one rounding, a product or a multiply-add, is the same), then multiplied into float32 accumulators in k
@@ -236,9 +236,10 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
 // never depends on the other rows of the call. Activations stay float32 (llama.cpp rounds them to 8 bits).
 //
 // A type is a struct (Q8_0 ... Q6_K below) that says where its scales and codes are and how a code becomes an
-// integer; one product loop (QuantPanelBlock) and one panel decoder (DequantizePanel) serve every type. A few rows
-// decode each weight in registers as they stream it; more rows (a long verification, a prefill) decode a panel into
-// a float scratch panel first, which the float32 loop (Panels) then reads from L2 for every group of rows.
+// integer; one panel decoder (DecodePanel) feeds one product loop (QuantPanelBlock) for every type. Up to 16 rows
+// decode each weight in registers as they stream it; more (a 65-node tree's verification) decode a panel into a
+// float scratch panel first, which the float32 loop (Panels) then reads from L2 for every group of rows.
+// DequantizeMatrix writes the whole float32 matrix, for XLA's product over a prefill's rows (quantized.py).
 
 typedef int32_t vi __attribute__((vector_size(4 * kLanes)));
 typedef uint8_t vu8 __attribute__((vector_size(kLanes)));
