@@ -70,6 +70,7 @@ import statistics
 import textwrap
 from typing import Any, NamedTuple, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
@@ -258,12 +259,27 @@ def one_device(config: ModelConfig, positions: float, rows: int = 1) -> Setting:
   return Setting(config, batch=rows, positions=positions, whole_cache=False)
 
 
-def step_bytes(config: ModelConfig, positions: float, rows: int = 1, tokens: int = 1) -> float:
+def step_bytes(config: ModelConfig, positions: float, rows: int = 1, tokens: int = 1, params=None) -> float:
   """Bytes a target forward of `tokens` tokens a row reads and writes on one device of this CPU with `positions`
   in use: its weights W (of the embedding, the gathered rows) and its cache K, the roofline of batch-1 decoding
-  (Williams et al. 2009): a decode step's time is at least these bytes over the read bandwidth."""
+  (Williams et al. 2009): a decode step's time is at least these bytes over the read bandwidth. W is counted from
+  the config at its dtype, or, given the model's `params`, as they are stored (a quantized model's blocks and scales:
+  `stored_weight_bytes`)."""
   work = target(one_device(config, positions, rows), tokens)
-  return work.weight_bytes + work.cache_bytes
+  weights = work.weight_bytes if params is None else stored_weight_bytes(params, config, rows * tokens)
+  return weights + work.cache_bytes
+
+
+def stored_weight_bytes(params, config: ModelConfig, vectors: int = 1) -> float:
+  """Bytes of the weights a forward over `vectors` token vectors reads, as the arrays of `params` (`Model.params`,
+  not a decode copy) store them: every array once, of an untied embedding table only the gathered rows (at its bytes
+  per element); a tied table is read whole as the head."""
+  size = lambda tree: sum(x.nbytes for x in jax.tree_util.tree_leaves(tree))
+  total = size(params)
+  if not config.tie_embeddings:
+    embed = size(params["embed"])
+    total += embed * (vectors / config.vocab_size - 1)
+  return total
 
 
 def head_share(config: ModelConfig) -> float:

@@ -17,6 +17,7 @@ import os
 
 import numpy as np
 
+from specjax import ops
 from specjax.config import ModelConfig
 from specjax.loading import Model, save_safetensors
 
@@ -55,7 +56,7 @@ def hf_config(model: Model, dtype: str = "float32") -> dict:
 
 def hf_weights(model: Model, dtype: str = "float32") -> dict[str, np.ndarray]:
   """HF tensor names -> torch-layout arrays (the inverse of `specjax.loading._to_params`)."""
-  c, p = model.config, model.params
+  c, p = model.config, ops.dequantize(model.params)
   d = c.hidden_size
 
   def array(x):

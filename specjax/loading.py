@@ -1,6 +1,10 @@
 """Checkpoint loading: GGUF files (any quantization `gguf` can dequantize) and HF model directories.
 
 Loaders are kept apart from the model: each turns a checkpoint into (ModelConfig, params, Tokenizer).
+
+A GGUF file loads dequantized to float32 arrays by default. With `quantized=True` its matrices of the types the CPU
+kernels multiply by (`QUANTIZED_TYPES`) keep their blocks (`specjax.backends.cpu.Quantized`, repacked once here as
+column panels); a matrix of any other type is dequantized, and said so in one line.
 """
 
 from __future__ import annotations
@@ -11,12 +15,14 @@ import importlib
 import importlib.util
 import json
 import os
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.backends.cpu import quantized
 from specjax.config import FAMILIES, ModelConfig, cache_dir
 from specjax.model import Params, is_spec, param_shapes
 
@@ -100,7 +106,7 @@ def _assembled(module, filename: str) -> str:
   return path
 
 
-def load(name_or_path: str, dtype: str | Any = "float32") -> Model:
+def load(name_or_path: str, dtype: str | Any = "float32", quantized: bool = False) -> Model:
   """Loads a Llama-family model.
 
   Args:
@@ -108,22 +114,29 @@ def load(name_or_path: str, dtype: str | Any = "float32") -> Model:
       architecture, or an HF directory with config.json, *.safetensors, tokenizer.json.
     dtype: parameter and compute dtype: "float32" (the reference, tested for parity with HF), "bfloat16"
       or "float16" (for TPU/GPU; softmax, norms and logits stay float32).
+    quantized: a GGUF's matrices of `QUANTIZED_TYPES` stay quantized (`specjax.backends.cpu.Quantized`, the
+      embedding table too): they stand for the float32 values they dequantize to, and a CPU multiplies by their
+      blocks (4.5-8.5 bits a weight read per step instead of 32). float32 only.
   """
   dtype = jnp.dtype(dtype).name
   if dtype not in ("float32", "bfloat16", "float16"):
     raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+  if quantized and dtype != "float32":
+    raise ValueError(f"quantized=True computes in float32 (the kernels' activations); got dtype={dtype}")
   path = resolve_path(name_or_path)
   if os.path.isdir(path):
     if os.path.exists(os.path.join(path, "config.json")):
+      if quantized:
+        raise CheckpointError(f"{path}: quantized=True keeps a GGUF file's blocks; an HF directory has none")
       config, params, tokenizer = _load_hf_dir(path, dtype)
     else:
       ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
       if len(ggufs) != 1:
         raise CheckpointError(f"{path} has no config.json and {len(ggufs)} .gguf files; point at one file")
       path = ggufs[0]
-      config, params, tokenizer = _load_gguf(path, dtype)
+      config, params, tokenizer = _load_gguf(path, dtype, quantized)
   else:
-    config, params, tokenizer = _load_gguf(path, dtype)
+    config, params, tokenizer = _load_gguf(path, dtype, quantized)
   _check_shapes(config, params, path)
   return Model(config=config, params=params, tokenizer=tokenizer, name=str(name_or_path))
 
@@ -147,7 +160,7 @@ def save_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[s
 
 def _check_shapes(config: ModelConfig, params: Params, path: str) -> None:
   specs = jax.tree_util.tree_leaves_with_path(param_shapes(config), is_leaf=is_spec)
-  arrays = dict(jax.tree_util.tree_leaves_with_path(params))
+  arrays = dict(jax.tree_util.tree_leaves_with_path(params, is_leaf=lambda x: isinstance(x, quantized.Quantized)))
   for key, spec in specs:
     if key not in arrays:
       raise CheckpointError(f"{path}: missing parameter {jax.tree_util.keystr(key)}")
@@ -156,9 +169,18 @@ def _check_shapes(config: ModelConfig, params: Params, path: str) -> None:
                             f"expected {spec.shape}")
 
 
-def _to_params(weights: dict[str, np.ndarray], config: ModelConfig, dtype: str, norm_offset: float = 0.0) -> Params:
+@dataclasses.dataclass(frozen=True)
+class _Blocks:
+  """A GGUF matrix kept quantized: its rows [out, in blocks] of `kind` blocks, as the file holds them."""
+  rows: np.ndarray
+  kind: str
+
+
+def _to_params(weights: dict[str, np.ndarray | _Blocks], config: ModelConfig, dtype: str,
+               norm_offset: float = 0.0) -> Params:
   """Torch-layout [out, in] weights (HF names, HF RoPE layout) -> specjax parameter tree. `norm_offset` is added to
-  every norm weight: Gemma's HF checkpoints store w of the multiplier 1 + w."""
+  every norm weight: Gemma's HF checkpoints store w of the multiplier 1 + w. A matrix given as `_Blocks` becomes a
+  `quantized.Quantized` of the same logical shape."""
   d, h, kv, hd = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
 
   def take(name):
@@ -172,6 +194,25 @@ def _to_params(weights: dict[str, np.ndarray], config: ModelConfig, dtype: str, 
   def norm(name):
     return cast(np.asarray(take(name), np.float32) + norm_offset)
 
+  def blocks(name, w, shape, **layout):
+    try:
+      return quantized.from_gguf(w.rows, w.kind, shape, **layout)
+    except ValueError as e:
+      raise CheckpointError(f"tensor {name}: {e}") from e
+
+  def matrix(name, shape, k_dims=1):  # [out, in] -> [in..., out...] of `shape`, its first k_dims axes the inputs
+    w = take(name)
+    if isinstance(w, _Blocks):
+      return blocks(name, w, shape, k_dims=k_dims)
+    w = w.T
+    return cast(w.reshape(shape) if w.size == np.prod(shape) else w)  # a misfit is _check_shapes' to report
+
+  def table(name):  # [vocab, embed], as stored
+    w = take(name)
+    if isinstance(w, _Blocks):
+      return blocks(name, w, (config.vocab_size, d), transposed=True)
+    return cast(w)
+
   # The norm before the MLP is Llama's post_attention_layernorm; with post-norms (Gemma) that name is the norm
   # after attention, and the MLP's are pre_ and post_feedforward_layernorm.
   norms = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
@@ -184,13 +225,13 @@ def _to_params(weights: dict[str, np.ndarray], config: ModelConfig, dtype: str, 
   for i in range(config.num_layers):
     p = f"model.layers.{i}."
     layer = {
-        "wq": cast(take(p + "self_attn.q_proj.weight").T.reshape(d, h, hd)),
-        "wk": cast(take(p + "self_attn.k_proj.weight").T.reshape(d, kv, hd)),
-        "wv": cast(take(p + "self_attn.v_proj.weight").T.reshape(d, kv, hd)),
-        "wo": cast(take(p + "self_attn.o_proj.weight").T.reshape(h, hd, d)),
-        "w_gate": cast(take(p + "mlp.gate_proj.weight").T),
-        "w_up": cast(take(p + "mlp.up_proj.weight").T),
-        "w_down": cast(take(p + "mlp.down_proj.weight").T),
+        "wq": matrix(p + "self_attn.q_proj.weight", (d, h, hd)),
+        "wk": matrix(p + "self_attn.k_proj.weight", (d, kv, hd)),
+        "wv": matrix(p + "self_attn.v_proj.weight", (d, kv, hd)),
+        "wo": matrix(p + "self_attn.o_proj.weight", (h, hd, d), k_dims=2),
+        "w_gate": matrix(p + "mlp.gate_proj.weight", (d, config.intermediate_size)),
+        "w_up": matrix(p + "mlp.up_proj.weight", (d, config.intermediate_size)),
+        "w_down": matrix(p + "mlp.down_proj.weight", (config.intermediate_size, d)),
         **{ours: norm(p + theirs + ".weight") for ours, theirs in norms.items()},
     }
     if config.qkv_bias:
@@ -198,9 +239,9 @@ def _to_params(weights: dict[str, np.ndarray], config: ModelConfig, dtype: str, 
                    bk=cast(take(p + "self_attn.k_proj.bias").reshape(kv, hd)),
                    bv=cast(take(p + "self_attn.v_proj.bias").reshape(kv, hd)))
     layers.append(layer)
-  params = {"embed": cast(take("model.embed_tokens.weight")), "layers": layers, "final_norm": norm("model.norm.weight")}
+  params = {"embed": table("model.embed_tokens.weight"), "layers": layers, "final_norm": norm("model.norm.weight")}
   if not config.tie_embeddings:
-    params["lm_head"] = cast(take("lm_head.weight").T)
+    params["lm_head"] = matrix("lm_head.weight", (d, config.vocab_size))
   # Leftovers (biases, extra layers) mean the checkpoint computes something this model would not.
   unused = sorted(k for k in weights if not k.endswith("rotary_emb.inv_freq"))
   if unused:
@@ -227,8 +268,11 @@ GGUF_ARCHITECTURES = {"llama": "llama", "gemma3": "gemma3_text"}
 _GEMMA3_GLOBAL_EVERY, _GEMMA3_LOCAL_ROPE_THETA = 6, 10000.0
 
 
-def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
-  """Undoes llama.cpp's Q/K row permutation (interleaved RoPE pairs -> HF's rotate-half halves)."""
+def _unpermute_rope(w, n_heads: int):
+  """Undoes llama.cpp's Q/K row permutation (interleaved RoPE pairs -> HF's rotate-half halves); of a quantized
+  matrix's rows too (one row per output, its blocks along the inputs)."""
+  if isinstance(w, _Blocks):
+    return _Blocks(_unpermute_rope(w.rows, n_heads), w.kind)
   return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
@@ -262,7 +306,11 @@ def _required_field(reader, path: str, key: str):
   return value
 
 
-def _load_gguf(path: str, dtype: str):
+# GGUF types whose blocks `quantized=True` keeps (the CPU kernels multiply by them).
+QUANTIZED_TYPES = tuple(quantized.GGUF_TYPES)
+
+
+def _load_gguf(path: str, dtype: str, keep_quantized: bool = False):
   reader = _gguf_reader(path)
   arch = _field(reader, "general.architecture")
   if arch not in GGUF_ARCHITECTURES:
@@ -321,6 +369,7 @@ def _load_gguf(path: str, dtype: str):
     raise CheckpointError(f"{path}: {e}") from e
   names = _GGUF_TO_HF_POST_NORMS if config.post_norms else _GGUF_TO_HF
   weights = {}
+  dequantized = {}  # type -> matrices of it dequantized although quantized=True
   for name, tensor in tensors.items():
     if name == "token_embd.weight":
       hf = "model.embed_tokens.weight"
@@ -335,12 +384,21 @@ def _load_gguf(path: str, dtype: str):
       hf = f"model.layers.{idx}.{names[kind]}.weight"
     else:
       raise CheckpointError(f"{path}: unexpected tensor {name}")
-    w = _dequantize(tensor)
+    kind = tensor.tensor_type.name
+    if keep_quantized and len(tensor.shape) == 2 and kind in QUANTIZED_TYPES:
+      w = _Blocks(np.asarray(tensor.data, np.uint8), kind)
+    else:
+      if keep_quantized and len(tensor.shape) == 2:
+        dequantized[kind] = dequantized.get(kind, 0) + 1
+      w = _dequantize(tensor)
     if arch == "llama" and name.endswith("attn_q.weight"):  # llama.cpp permutes Llama's Q and K only
       w = _unpermute_rope(w, config.num_heads)
     elif arch == "llama" and name.endswith("attn_k.weight"):
       w = _unpermute_rope(w, config.num_kv_heads)
     weights[hf] = w
+  if dequantized:
+    warnings.warn(f"{path}: quantized=True keeps {', '.join(QUANTIZED_TYPES)} blocks; dequantized to float32: "
+                  + ", ".join(f"{n} {kind} matri{'x' if n == 1 else 'ces'}" for kind, n in sorted(dequantized.items())))
   from specjax.tokenizer import Tokenizer
   try:
     tokenizer = Tokenizer.from_gguf(reader)

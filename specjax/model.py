@@ -15,6 +15,9 @@ the last `sliding_window` of them.
 Decoding on a CPU reads them laid out for its kernels (`specjax.backends.cpu.pack_params`): a layer's "wqkv" and
 "w_gate_up" (the products that read the same input, side by side) and "lm_head_packed"; `forward` reads either
 layout. Products and attention go through `specjax.ops`, which chooses by the platform a program is compiled for.
+A GGUF loaded with `quantized=True` holds a matrix (the embedding table too) as its quantized blocks
+(`specjax.backends.cpu.Quantized`), which stand for the float32 values gguf dequantizes them to: `ops.matmul`
+multiplies by them, `ops.take` gathers from them (the embedding lookup decodes the looked-up rows only).
 
 The KV cache is an explicit pytree passed in and returned; each row writes its T new positions at its own
 offset (`positions[b]`), so rows of a batch may have different lengths. Query at absolute position p
@@ -257,7 +260,7 @@ def output_projection(params: Params, h: jax.Array, config: ModelConfig) -> jax.
   if "lm_head_packed" in params:  # laid out for decoding (backends.cpu.pack_params)
     logits = ops.matmul(h, params["lm_head_packed"], preferred_element_type=jnp.float32)
   elif config.tie_embeddings:
-    logits = jnp.einsum("...d,vd->...v", h, params["embed"], preferred_element_type=jnp.float32)
+    logits = ops.matmul_transposed(h, params["embed"], preferred_element_type=jnp.float32)
   else:
     logits = ops.matmul(h, params["lm_head"], preferred_element_type=jnp.float32)
   return softcap_logits(logits, config)
@@ -272,7 +275,7 @@ def softcap_logits(logits: jax.Array, config: ModelConfig) -> jax.Array:
 
 def embed(params: Params, tokens: jax.Array, config: ModelConfig) -> jax.Array:
   """The input embeddings of tokens, times sqrt(hidden_size) in the parameter dtype where the family scales them."""
-  x = jnp.take(params["embed"], tokens, axis=0)
+  x = ops.take(params["embed"], tokens)
   if config.scale_embeddings:
     x = x * jnp.asarray(np.sqrt(config.hidden_size), x.dtype)
   return x

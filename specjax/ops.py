@@ -1,4 +1,5 @@
-"""The operations whose implementation depends on the platform: matrix products, attention and cache writes.
+"""The operations whose implementation depends on the platform or on how a weight is stored: matrix products,
+gathers from a weight, attention and cache writes.
 
 Each is plain jnp, which is what runs on TPU and GPU and what a reader should read. Where a program is compiled for
 a CPU, `specjax.backends.cpu`'s kernels serve the cases they take (products over weights packed as column panels,
@@ -23,8 +24,17 @@ def matmul(x: jax.Array, w, preferred_element_type=None) -> jax.Array:
   """x [..., K] @ w [K, N] -> [..., N], as jnp.matmul(x, w, preferred_element_type=...).
 
   w is an array, or a weight packed as column panels (`backends.cpu.Packed`: how decoding on a CPU reads the
-  weights), multiplied by the kernel where the program is compiled for a CPU and over its panels with jnp elsewhere.
+  weights), multiplied by the kernel where the program is compiled for a CPU and over its panels with jnp elsewhere,
+  or a GGUF-quantized weight (`backends.cpu.Quantized`, `specjax.load(..., quantized=True)`), multiplied by its
+  kernel (decoding its blocks as it reads them) where the program is compiled for a CPU and as its dequantized
+  float32 matrix with jnp elsewhere.
   """
+  if isinstance(w, cpu.Quantized):
+    reference = functools.partial(cpu.quantized.matmul_reference, preferred_element_type=preferred_element_type)
+    if not cpu.quantized_matmul_applies(x, w):
+      return reference(x, w)
+    kernel = functools.partial(cpu.quantized.quantized_matmul, preferred_element_type=preferred_element_type)
+    return jax.lax.platform_dependent(x, w, cpu=kernel, default=reference)
   if not isinstance(w, cpu.Packed):
     return jnp.matmul(x, w, preferred_element_type=preferred_element_type)
   panels = functools.partial(cpu.matmul_panels, preferred_element_type=preferred_element_type)
@@ -32,6 +42,29 @@ def matmul(x: jax.Array, w, preferred_element_type=None) -> jax.Array:
     return panels(x, w)
   kernel = functools.partial(cpu.packed_matmul, preferred_element_type=preferred_element_type)
   return jax.lax.platform_dependent(x, w, cpu=kernel, default=panels)
+
+
+def matmul_transposed(x: jax.Array, table, preferred_element_type=None) -> jax.Array:
+  """x [..., K] @ table.T for a table [N, K] (a tied embedding table as the LM head), without a transposed copy of an
+  array; a quantized table (`backends.cpu.Quantized`) through `matmul`."""
+  if isinstance(table, cpu.Quantized):
+    return matmul(x, table.T, preferred_element_type=preferred_element_type)
+  return jnp.einsum("...k,nk->...n", x, table, preferred_element_type=preferred_element_type)
+
+
+def dequantize(w):
+  """w as an array, or a tree of weights as arrays: a quantized weight's (`backends.cpu.Quantized`) float32 values,
+  any other as it is. For code that copies or reshapes a weight (a drafter initialised from a target layer, export,
+  a mesh); products and gathers take the weight itself (`matmul`, `take`)."""
+  return cpu.dequantize_params(w)
+
+
+def take(table, ids: jax.Array, axis: int = 0) -> jax.Array:
+  """jnp.take(table, ids, axis): an embedding lookup, a head's columns. A quantized table (`backends.cpu.Quantized`)
+  decodes the entries it gathers only, to the float32 values its products multiply by."""
+  if isinstance(table, cpu.Quantized):
+    return table.take(ids, axis)
+  return jnp.take(table, ids, axis=axis)
 
 
 def attention(q: jax.Array, keys: jax.Array, values: jax.Array, positions: jax.Array, *, mask: jax.Array | None = None,

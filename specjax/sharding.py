@@ -29,6 +29,7 @@ import numpy as np
 from absl import logging
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from specjax import ops
 from specjax.config import ModelConfig
 from specjax.model import KVCache, Params, is_spec, param_shapes
 
@@ -137,8 +138,9 @@ def param_shardings(config: ModelConfig, mesh: Mesh, rules: ShardingRules = DEFA
 
 
 def shard_params(params: Params, config: ModelConfig, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES) -> Params:
-  """Places parameters on the mesh (a no-op for arrays that already have their target sharding)."""
-  return shard_tree(params, param_shapes(config), mesh, rules)
+  """Places parameters on the mesh (a no-op for arrays that already have their target sharding). Quantized weights
+  (`specjax.load(..., quantized=True)`) are placed as their float32 values: their kernel runs on one device."""
+  return shard_tree(ops.dequantize(params), param_shapes(config), mesh, rules)
 
 
 def shard_model(model, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES):

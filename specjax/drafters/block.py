@@ -254,9 +254,10 @@ def fresh_params(model, options: Options, token_map=None) -> dict:
   d, n, f = config.hidden_size, options.layers, len(options.feature_layers)
   dtype = jnp.dtype(config.dtype)
   last = model.params["layers"][config.num_layers - 1]
-  params = {k: jnp.broadcast_to(last[k], (n,) + last[k].shape).astype(dtype) for k in block_keys(config)}
+  params = {k: jnp.broadcast_to(ops.dequantize(last[k]), (n,) + last[k].shape).astype(dtype)
+            for k in block_keys(config)}
   params["feature_proj"] = (jnp.tile(jnp.eye(d), (f, 1)) / f).astype(dtype)
-  mean = jnp.mean(model.params["embed"].astype(jnp.float32), axis=0)
+  mean = jnp.mean(ops.dequantize(model.params["embed"]).astype(jnp.float32), axis=0)
   if config.scale_embeddings:
     mean = mean * np.sqrt(d)
   params["mask"] = mean.astype(dtype)

@@ -43,8 +43,8 @@ def head_columns(target_params, config: ModelConfig, token_map) -> jax.Array:
   """W[:, token_map] [D, V'] of the target's output projection."""
   token_map = jnp.asarray(token_map, jnp.int32)
   if config.tie_embeddings:
-    return jnp.take(target_params["embed"], token_map, axis=0).T
-  return jnp.take(target_params["lm_head"], token_map, axis=1)
+    return ops.take(target_params["embed"], token_map, axis=0).T
+  return ops.take(target_params["lm_head"], token_map, axis=1)
 
 
 def logits(target_params, params, hidden: jax.Array, config: ModelConfig) -> jax.Array:

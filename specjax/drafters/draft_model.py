@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import leviathan
+from specjax import leviathan, ops
 from specjax.config import ModelConfig
 from specjax.drafters import (DraftCost, Drafter, DraftInputs, PromptInfo, RoundResult, draft_head, draft_tokens,
                               draft_tree_tokens)
@@ -200,7 +200,8 @@ def _distilled_options(target_config: ModelConfig, init_layers, draft_vocab) -> 
 
 def fresh_params(model, options: Options, token_map=None) -> dict:
   """Copies of the target's layers `init_layers` and of its final norm."""
-  params = {"layers": [{k: jnp.array(v) for k, v in model.params["layers"][i].items()} for i in options.init_layers],
+  params = {"layers": [{k: jnp.array(ops.dequantize(v)) for k, v in model.params["layers"][i].items()}
+                       for i in options.init_layers],
             "final_norm": jnp.array(model.params["final_norm"])}
   if options.draft_vocab is not None:
     params["token_map"] = jnp.asarray(token_map, jnp.int32)

@@ -35,7 +35,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specjax import leviathan
+from specjax import leviathan, ops
 from specjax.config import ModelConfig
 from specjax.drafters import (DraftCost, Drafter, DraftInputs, PromptInfo, RoundResult, draft_head, draft_tokens,
                               draft_tree_tokens)
@@ -185,7 +185,7 @@ def loss(target_params, params, options: Options, batch, objective: str = "kl"):
 def fresh_params(model, options: Options, token_map=None) -> dict:
   """A copy of the target's layer k (the first one the draft skips): its attention, and its MLP with mlp=True."""
   layer = model.params["layers"][options.exit_layer]
-  params = {k: jnp.array(layer[k]) for k in _keys(options)}
+  params = {k: jnp.array(ops.dequantize(layer[k])) for k in _keys(options)}
   if options.draft_vocab is not None:
     params["token_map"] = jnp.asarray(token_map, jnp.int32)
   return params

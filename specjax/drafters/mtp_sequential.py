@@ -323,7 +323,7 @@ def fresh_params(model, options: Options, token_map=None, seed: int = 0) -> dict
   last = model.params["layers"][config.num_layers - 1]
   fc = jnp.concatenate([0.02 * jax.random.normal(key, (m, d, d)), jnp.broadcast_to(jnp.eye(d), (m, d, d))], axis=1)
   params = {"fc": fc.astype(dtype), "emb_norm": jnp.ones((m, d), dtype), "hidden_norm": jnp.ones((m, d), dtype)}
-  params.update({name: jnp.broadcast_to(last[name], (m,) + last[name].shape).astype(dtype)
+  params.update({name: jnp.broadcast_to(ops.dequantize(last[name]), (m,) + last[name].shape).astype(dtype)
                  for name in block_keys(config)})
   if len(options.feature_layers) > 1:
     n = len(options.feature_layers)

@@ -224,6 +224,325 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
 }
 
 // ---------------------------------------------------------------------------------------------------------
+// Quantized weights. QuantizedMatmul<Q>: out[M, NB * P] = x[M, K] @ w, w a GGUF-quantized matrix repacked once when it
+// is loaded (quantized.py, where the layout is drawn) as NB column panels of P = kPanel columns, each panel
+// K / Q::kBlockK blocks of BlockBytes<Q>(): a header of per-column scales, then Q::kBlockK rows of Q::kRow bytes, row
+// k holding the P columns' codes at k. A call streams the blocks once, in order, as PackedMatmul streams float
+// panels, at 4.5-8.6 bits a weight instead of 32.
+//
+// Each weight is decoded to float32 as gguf's dequantization computes it (the scale products it forms are exact,
+// and its one rounding, a product or a multiply-add, is the same), then multiplied into float32 accumulators in k
+// order: a product equals a float32 product over the dequantized matrix up to summation order, and a row's result
+// never depends on the other rows of the call. Activations stay float32 (llama.cpp rounds them to 8 bits).
+//
+// A type is a struct (Q8_0 ... Q6_K below) that says where its scales and codes are and how a code becomes an
+// integer; one panel decoder (DecodePanel) feeds one product loop (QuantPanelBlock) for every type. Up to 16 rows
+// decode each weight in registers as they stream it; more (a 65-node tree's verification) decode a panel into a
+// float scratch panel first, which the float32 loop (Panels) then reads from L2 for every group of rows.
+// DequantizeMatrix writes the whole float32 matrix, for XLA's product over a prefill's rows (quantized.py).
+
+typedef int32_t vi __attribute__((vector_size(4 * kLanes)));
+typedef uint8_t vu8 __attribute__((vector_size(kLanes)));
+typedef int8_t vs8 __attribute__((vector_size(kLanes)));
+
+// An IEEE half's float32 value, exactly (subnormals included), for hosts without F16C.
+inline float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu;
+  uint32_t mantissa = h & 0x3ffu, bits;
+  if (exponent == 0x1f) {
+    bits = sign | 0x7f800000u | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal: mantissa x 2^-24, normal in float32
+    uint32_t e = 113;
+    while (!(mantissa & 0x400u)) mantissa <<= 1, --e;
+    bits = sign | (e << 23) | ((mantissa & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// kLanes consecutive halves as float32 (exact: every half is a float32).
+inline vf Halves(const uint8_t* p) {
+#if defined(__AVX512F__)
+  const __m512 wide = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__)
+  const __m256 wide = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  float wide[kLanes];
+  for (int l = 0; l < kLanes; ++l) {
+    uint16_t h;
+    std::memcpy(&h, p + 2 * l, sizeof(h));
+    wide[l] = HalfToFloat(h);
+  }
+#endif
+  vf v;
+  std::memcpy(&v, &wide, sizeof(v));
+  return v;
+}
+
+// kLanes bytes widened to int32 lanes. Explicitly vpmovzxbd / vpmovsxbd: GCC 12 widens a generic byte vector lane by
+// lane through general registers, which made a Q4_1 product 2.5x slower than the float32 one.
+inline vi Bytes(const uint8_t* p) {
+  vi out;
+#if defined(__AVX512F__)
+  const __m512i wide = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  std::memcpy(&out, &wide, sizeof(out));
+#elif defined(__AVX2__)
+  const __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  std::memcpy(&out, &wide, sizeof(out));
+#else
+  vu8 b;
+  std::memcpy(&b, p, sizeof(b));
+  out = __builtin_convertvector(b, vi);
+#endif
+  return out;
+}
+
+inline vi SignedBytes(const uint8_t* p) {
+  vi out;
+#if defined(__AVX512F__)
+  const __m512i wide = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  std::memcpy(&out, &wide, sizeof(out));
+#elif defined(__AVX2__)
+  const __m256i wide = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  std::memcpy(&out, &wide, sizeof(out));
+#else
+  vs8 b;
+  std::memcpy(&b, p, sizeof(b));
+  out = __builtin_convertvector(b, vi);
+#endif
+  return out;
+}
+
+// Vector v's columns (kLanes * v on) of a row of 16 bytes holding the panel's 32 4-bit codes: column c's code is the
+// low half of byte c for c < 16, the high half of byte c - 16 otherwise, so each vector's codes are one load.
+inline vi Nibbles(const uint8_t* row, int v) {
+  const int c0 = kLanes * v;
+  const vi wide = Bytes(row + (c0 & 15));
+  return c0 < 16 ? (wide & 15) : (wide >> 4);
+}
+
+// The types. kBlockK: the k of one block (GGUF's block, or its super-block for K-quants); kSubK: the k one scale
+// serves; kHeader: bytes of per-column scales at the block's start; kRow: bytes of one row of codes. Scales(block,
+// s, v) gives vector v's scale (and offset, kOffset) for sub-block s; Codes(row, v) their integer codes. A weight is
+// scale x code (+ offset). GGUF's formulas (ggml-quants.c, gguf-py's dequantize_blocks):
+//   Q8_0  d x q, q int8                        Q4_0  d x (q - 8), q 4-bit     Q4_1  d x q + m, q 4-bit
+//   Q4_K  (d x sc_s) x q - dmin x m_s, q 4-bit, sc and m 6-bit per 32 of 256
+//   Q6_K  (d x sc_s) x (q - 32), q 6-bit, sc int8 per 16 of 256;     d, m, dmin halves.
+// Products of a half and a 6- or 8-bit integer are exact in float32, so the expanded scales lose nothing. Q5_0
+// (d x (q - 16)) is widened to Q8_0 blocks when it is loaded (int8 codes q - 16), and Q6_K's codes to int8: on an AVX2
+// host (AMD EPYC Zen 3) decoding the 5th and 6th bits from bit planes took 2-3x the time of int8 codes, and the
+// product is bound by decoding, not by reading memory.
+struct Q8_0 {
+  static constexpr int kBlockK = 32, kSubK = 32, kHeader = 2 * kPanel, kRow = kPanel;
+  static constexpr bool kOffset = false;
+  static void Scales(const uint8_t* block, int, int v, vf* scale, vf*) { *scale = Halves(block + 2 * kLanes * v); }
+  static vi Codes(const uint8_t* row, int v) { return SignedBytes(row + kLanes * v); }
+};
+
+struct Q4_0 {
+  static constexpr int kBlockK = 32, kSubK = 32, kHeader = 2 * kPanel, kRow = kPanel / 2;
+  static constexpr bool kOffset = false;
+  static void Scales(const uint8_t* block, int, int v, vf* scale, vf*) { *scale = Halves(block + 2 * kLanes * v); }
+  static vi Codes(const uint8_t* row, int v) { return Nibbles(row, v) - 8; }
+};
+
+struct Q4_1 {
+  static constexpr int kBlockK = 32, kSubK = 32, kHeader = 4 * kPanel, kRow = kPanel / 2;
+  static constexpr bool kOffset = true;
+  static void Scales(const uint8_t* block, int, int v, vf* scale, vf* offset) {
+    *scale = Halves(block + 2 * kLanes * v);
+    *offset = Halves(block + 2 * kPanel + 2 * kLanes * v);
+  }
+  static vi Codes(const uint8_t* row, int v) { return Nibbles(row, v); }
+};
+
+struct Q4_K {  // header: d [32], dmin [32] halves, sc [8][32], m [8][32] bytes
+  static constexpr int kBlockK = 256, kSubK = 32, kHeader = 4 * kPanel + 16 * kPanel, kRow = kPanel / 2;
+  static constexpr bool kOffset = true;
+  static void Scales(const uint8_t* block, int s, int v, vf* scale, vf* offset) {
+    const vf sc = __builtin_convertvector(Bytes(block + 4 * kPanel + s * kPanel + kLanes * v), vf);
+    const vf m = __builtin_convertvector(Bytes(block + 12 * kPanel + s * kPanel + kLanes * v), vf);
+    *scale = Halves(block + 2 * kLanes * v) * sc;
+    *offset = -(Halves(block + 2 * kPanel + 2 * kLanes * v) * m);
+  }
+  static vi Codes(const uint8_t* row, int v) { return Nibbles(row, v); }
+};
+
+struct Q6_K {  // header: d [32] halves, sc [16][32] int8; a row: 32 int8 codes (GGUF's 6-bit q - 32, widened)
+  static constexpr int kBlockK = 256, kSubK = 16, kHeader = 2 * kPanel + 16 * kPanel, kRow = kPanel;
+  static constexpr bool kOffset = false;
+  static void Scales(const uint8_t* block, int s, int v, vf* scale, vf*) {
+    *scale = Halves(block + 2 * kLanes * v) * __builtin_convertvector(SignedBytes(block + 2 * kPanel + s * kPanel +
+                                                                                  kLanes * v), vf);
+  }
+  static vi Codes(const uint8_t* row, int v) { return SignedBytes(row + kLanes * v); }
+};
+
+template <typename Q>
+constexpr int64_t BlockBytes() { return Q::kHeader + static_cast<int64_t>(Q::kBlockK) * Q::kRow; }
+
+template <typename Q>
+inline vf Weight(const uint8_t* row, int v, vf scale, vf offset) {
+  const vf code = __builtin_convertvector(Q::Codes(row, v), vf);
+  if constexpr (Q::kOffset) {
+    return Fma(scale, code, offset);  // d x q is exact: the one rounding is the sum's, as in d * q + m
+  } else {
+    return scale * code;
+  }
+}
+
+inline vf Splat(const float* p) {  // a broadcast load (vf{} + x is an addition: x = -0.f becomes +0.f)
+#if defined(__AVX512F__)
+  const __m512 v = _mm512_set1_ps(*p);
+#elif defined(__AVX__)
+  const __m256 v = _mm256_broadcast_ss(p);
+#else
+  float v[kLanes];
+  for (int l = 0; l < kLanes; ++l) v[l] = *p;
+#endif
+  vf out;
+  std::memcpy(&out, &v, sizeof(out));
+  return out;
+}
+
+// Vectors of a panel a block of rows decodes together. One row's four AVX2 vectors of weights, scales and offsets fit
+// the 16 registers; two rows' accumulators with them spilled one to the stack, so a block of more rows decodes two
+// vectors (v and v + 2: the low and high halves of the same 4-bit codes) and passes over the panel twice. With
+// AVX-512 the whole panel.
+constexpr int PassVecs(int rows) { return kLanes == 16 || rows == 1 ? kVecs : 2; }
+
+// Calls row(k, weights) for every k of one panel's blocks, in order, with the decoded weights of NV of its vectors:
+// v0, v0 + kVecs / NV, ... (NV = kVecs: all of them).
+template <typename Q, int NV, typename F>
+inline void DecodePanel(const uint8_t* __restrict panel, int64_t K, int v0, F row) {
+  constexpr int64_t kSubBytes = static_cast<int64_t>(Q::kSubK) * Q::kRow;
+  const uint8_t* block = panel;
+  for (int64_t k0 = 0; k0 < K; k0 += Q::kBlockK, block += BlockBytes<Q>()) {
+    for (int s = 0; s < Q::kBlockK / Q::kSubK; ++s) {
+      vf scale[NV], offset[NV];
+      for (int j = 0; j < NV; ++j) {
+        offset[j] = vf{};
+        Q::Scales(block, s, v0 + j * (kVecs / NV), &scale[j], &offset[j]);
+      }
+      const uint8_t* rows = block + Q::kHeader + s * kSubBytes;
+      for (int64_t byte = 0; byte < kSubBytes; byte += 64)
+        __builtin_prefetch(rows + kPrefetchBytes + byte, 0, kPrefetchLocality);
+      for (int kk = 0; kk < Q::kSubK; ++kk) {
+        vf w[NV];
+        for (int j = 0; j < NV; ++j) w[j] = Weight<Q>(rows + kk * Q::kRow, v0 + j * (kVecs / NV), scale[j], offset[j]);
+        row(k0 + s * Q::kSubK + kk, w);
+      }
+    }
+  }
+}
+
+// MR rows x NV vectors of a panel (v0, v0 + kVecs / NV, ...) over all K, decoding each weight once for the MR rows
+// (PanelBlock's loop); out points at the panel's first column.
+template <typename Q, int MR, int NV>
+void QuantPanelBlock(const float* __restrict x, int64_t K, const uint8_t* __restrict panel, int v0,
+                     float* __restrict out, int64_t ldo) {
+  vf acc[MR][NV];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NV; ++j) acc[m][j] = vf{};
+  DecodePanel<Q, NV>(panel, K, v0, [&](int64_t k, const vf* w) {
+    for (int m = 0; m < MR; ++m) {
+      const vf xv = Splat(x + m * K + k);
+      for (int j = 0; j < NV; ++j) acc[m][j] = Fma(xv, w[j], acc[m][j]);
+    }
+  });
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NV; ++j) Store(out + m * ldo + kLanes * (v0 + j * (kVecs / NV)), acc[m][j]);
+}
+
+// Up to kStreamedRows rows decode the weights in registers as they stream them, in blocks of at most kBlockRows rows
+// (one pass over the panel per block and PassVecs); more rows decode a panel into a float scratch panel first, which
+// Panels' float32 blocks then read. Measured on one AVX2 core (AMD EPYC Zen 3), 512 x 49,152 weights of each type:
+// streaming took half the scratch path's time at 3 rows, 0.6-0.8x at 9, about the same at 17.
+constexpr int64_t kStreamedRows = 16;
+constexpr int64_t kBlockRows = kLanes == 16 ? 8 : 4;
+
+// This thread's float panel [K, kPanel], kept between calls.
+inline float* PanelScratch(int64_t floats) {
+  thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < floats) buffer.resize(floats);
+  return buffer.data();
+}
+
+template <typename Q>
+void QuantPanels(const float* x, int64_t M, int64_t K, const uint8_t* w, float* out, int64_t N, int64_t b0,
+                 int64_t b1) {
+  const int64_t panel_bytes = K / Q::kBlockK * BlockBytes<Q>();
+  if (M <= kStreamedRows) {
+    const int64_t groups = (M + kBlockRows - 1) / kBlockRows;
+    for (int64_t b = b0; b < b1; ++b) {
+      int64_t m0 = 0;
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t mr = (M - m0) / (groups - g);
+        WithConstant<1, 2, 3, 4, 5, 6, 7, 8>(mr, [&](auto rows) {
+          constexpr int kRows = decltype(rows)::value, kPass = PassVecs(kRows);
+          for (int v0 = 0; v0 < kVecs / kPass; ++v0)
+            QuantPanelBlock<Q, kRows, kPass>(x + m0 * K, K, w + b * panel_bytes, v0, out + m0 * N + b * kPanel, N);
+        });
+        m0 += mr;
+      }
+    }
+    return;
+  }
+  float* scratch = PanelScratch(K * kPanel);
+  for (int64_t b = b0; b < b1; ++b) {
+    DecodePanel<Q, kVecs>(w + b * panel_bytes, K, 0, [&](int64_t k, const vf* wv) {
+      for (int j = 0; j < kVecs; ++j) Store(scratch + k * kPanel + kLanes * j, wv[j]);
+    });
+    Panels(x, M, K, static_cast<const float*>(scratch), out + b * kPanel, N, 0, 1);
+  }
+}
+
+template <typename Q>
+ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                           ffi::ResultBuffer<ffi::F32> out) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (wd.size() != 3 || xd.size() < 1 || wd[2] != BlockBytes<Q>())
+    return ffi::Error::InvalidArgument("specjax: w must be quantized panels [NB, K / block, block bytes]");
+  const int64_t K = xd.back(), NB = wd[0], N = NB * kPanel;
+  if (wd[1] * Q::kBlockK != K) return ffi::Error::InvalidArgument("specjax: contraction sizes differ");
+  const int64_t M = K ? x.element_count() / K : 0;
+  const float* xp = x.typed_data();
+  const uint8_t* wp = w.typed_data();
+  float* op = out->typed_data();
+  if (M > 0 && NB > 0)
+    ParallelFor(pool, NB, [&](int64_t b0, int64_t b1) { QuantPanels<Q>(xp, M, K, wp, op, N, b0, b1); });
+  return ffi::Error::Success();
+}
+
+// DequantizeMatrix<Q>: out [K, NB * P], the float32 matrix of the panels w (the values QuantizedMatmul multiplies by),
+// for products over many rows (a prefill), which XLA's matrix product then computes faster than Panels' blocks.
+template <typename Q>
+ffi::Error DequantizeMatrix(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> out) {
+  const auto wd = w.dimensions();
+  const auto od = out->dimensions();
+  if (wd.size() != 3 || wd[2] != BlockBytes<Q>() || od.size() != 2 || od[0] != wd[1] * Q::kBlockK ||
+      od[1] != wd[0] * kPanel)
+    return ffi::Error::InvalidArgument("specjax: dequantize takes panels [NB, K / block, block bytes] -> [K, NB * 32]");
+  const int64_t K = od[0], N = od[1];
+  const int64_t panel_bytes = wd[1] * BlockBytes<Q>();
+  const uint8_t* wp = w.typed_data();
+  float* op = out->typed_data();
+  ParallelFor(pool, wd[0], [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      DecodePanel<Q, kVecs>(wp + b * panel_bytes, K, 0, [&](int64_t k, const vf* wv) {
+        for (int j = 0; j < kVecs; ++j) Store(op + k * N + b * kPanel + kLanes * j, wv[j]);
+      });
+  });
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------------------------------
 // Attention. q [B, T, H, D], k/v cache [B, S, KV, D], positions and starts [B, T] (query t of row b sits at
 // positions[b, t] and sees cache slots starts[b, t]..positions[b, t], none when starts > positions); out
 // [B, T, H, D] and lse [B, T, H], the log of each query's softmax denominator (log sum over its slots of
@@ -247,8 +566,6 @@ struct Attention {
   int64_t B, T, H, KV, S, D;
   float scale;
 };
-
-typedef int32_t vi __attribute__((vector_size(4 * kLanes)));
 
 inline vf Select(vi mask, vf yes, vf no) {  // mask lanes are all ones or all zeros
   vi y, n;
@@ -601,6 +918,15 @@ auto CacheWriteBinding() {
       .template Arg<ffi::Buffer<ffi::S32>>().template Ret<ffi::Buffer<WT>>();
 }
 
+auto DequantizeBinding() {
+  return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::U8>>().Ret<ffi::Buffer<ffi::F32>>();
+}
+
+auto QuantizedBinding() {
+  return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::U8>>()
+      .Ret<ffi::Buffer<ffi::F32>>();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PackedMatmulF32, PackedMatmul<ffi::F32>, MatmulBinding<ffi::F32>());
@@ -609,3 +935,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttention, AttentionImpl<ffi::F32>, Attentio
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttentionBF16, AttentionImpl<ffi::BF16>, AttentionBinding<ffi::BF16>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CacheWriteF32, CacheWrite<ffi::F32>, CacheWriteBinding<ffi::F32>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CacheWriteBF16, CacheWrite<ffi::BF16>, CacheWriteBinding<ffi::BF16>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizedMatmulQ8_0, QuantizedMatmul<Q8_0>, QuantizedBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizedMatmulQ4_0, QuantizedMatmul<Q4_0>, QuantizedBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizedMatmulQ4_1, QuantizedMatmul<Q4_1>, QuantizedBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizedMatmulQ4_K, QuantizedMatmul<Q4_K>, QuantizedBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizedMatmulQ6_K, QuantizedMatmul<Q6_K>, QuantizedBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DequantizeMatrixQ8_0, DequantizeMatrix<Q8_0>, DequantizeBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DequantizeMatrixQ4_0, DequantizeMatrix<Q4_0>, DequantizeBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DequantizeMatrixQ4_1, DequantizeMatrix<Q4_1>, DequantizeBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DequantizeMatrixQ4_K, DequantizeMatrix<Q4_K>, DequantizeBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DequantizeMatrixQ6_K, DequantizeMatrix<Q6_K>, DequantizeBinding());

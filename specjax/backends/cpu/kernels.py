@@ -9,6 +9,9 @@ ones, so halving the bytes did not pay. benchmarks/bench_verify.py and bench_aut
 
   packed_matmul(x, w)   x @ w for a weight packed as column panels (`packing.Packed`, packed once when a model is
                         loaded for decoding: `specjax.decoding.decode_params`)
+  quantized_matmul(x, w, matrix)   x @ w for a GGUF-quantized weight (`quantized.Quantized`, repacked as column panels
+                        of its blocks when it is loaded), each weight decoded to its float32 value in the product;
+                        dequantize(w) gives that float32 matrix (for products over many rows: a prefill)
   cache_write(cache, update, positions, reference)   update [B, T, ...] written into cache [B, S, ...] at
                         positions [B, T], in place (the result aliases the cache)
   attention(q, k_cache, v_cache, positions, starts, reference)   causal grouped-query attention over a range of
@@ -58,8 +61,13 @@ _KERNELS = {
     ("attention", "bfloat16"): ("specjax_decode_attention_bf16", "DecodeAttentionBF16"),
     ("cache_write", "float32"): ("specjax_cache_write", "CacheWriteF32"),
     ("cache_write", "bfloat16"): ("specjax_cache_write_bf16", "CacheWriteBF16"),
+    **{("quantized", kind): (f"specjax_quantized_matmul_{kind.lower()}", f"QuantizedMatmul{kind}")
+       for kind in ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")},
+    **{("dequantize", kind): (f"specjax_dequantize_{kind.lower()}", f"DequantizeMatrix{kind}")
+       for kind in ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")},
 }
 _WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16)  # weights and caches either; activations widened to float32
+PANEL = 32  # output columns per panel of a packed or quantized weight (kernels.cc: kPanel)
 MAX_QUERY_TOKENS = 65  # attention: new tokens per row (decode, a chain or a 64-node tree); prefill uses XLA's
 _lock = threading.Lock()
 _state: dict = {"built": None, "error": None, "enabled": os.environ.get("SPECJAX_CPU_KERNELS", "1") != "0"}
@@ -209,6 +217,45 @@ def packed_matmul(x: jax.Array, w, preferred_element_type=None) -> jax.Array:
     (x, data), (dx, ddata) = primals, tangents
     tangent = (panels_product(dx, data, preferred_element_type=jnp.float32)
                + panels_product(x, ddata, preferred_element_type=jnp.float32))
+    return kernel(x, data), tangent.astype(out_dtype)
+
+  out = kernel(x, w.data)
+  n = w.matrix_shape[1]
+  return out if out.shape[-1] == n else out[..., :n]
+
+
+def quantized_matmul_applies(x: jax.Array, w) -> bool:
+  """Whether `quantized_matmul` takes x and the quantized weight w (`quantized.Quantized`) and the kernels are
+  `usable`."""
+  rows = int(np.prod(x.shape[:-1], dtype=np.int64))
+  if x.dtype not in _WEIGHT_DTYPES or ("quantized", w.kind) not in _KERNELS or rows == 0:
+    return False
+  return usable()
+
+
+def dequantize(w) -> jax.Array:
+  """The float32 matrix [K, NB * PANEL] of a `quantized.Quantized` weight's panels (padding columns included), by
+  the kernel: what `quantized_matmul` multiplies by."""
+  out = jax.ShapeDtypeStruct((w.matrix_shape[0], w.data.shape[0] * PANEL), jnp.float32)
+  return jax.ffi.ffi_call(_KERNELS[("dequantize", w.kind)][0], out, vmap_method="sequential")(w.data)
+
+
+def quantized_matmul(x: jax.Array, w, matrix, preferred_element_type=None) -> jax.Array:
+  """x [..., K] @ w -> [..., N] for a `quantized.Quantized` weight w, its blocks decoded in the product, float32
+  accumulation. `matrix(data)` gives the float32 matrix [K, NB * PANEL] of w's blocks `data` (the kernel's padded
+  output columns): derivatives are XLA's product with it (the codes have none)."""
+  target = _KERNELS[("quantized", w.kind)][0]
+  out_dtype = preferred_element_type or jnp.result_type(x.dtype, jnp.float32)
+
+  @jax.custom_jvp
+  def kernel(x, data):
+    out = jax.ShapeDtypeStruct(x.shape[:-1] + (data.shape[0] * PANEL,), jnp.float32)
+    return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x.astype(jnp.float32), data).astype(out_dtype)
+
+  @kernel.defjvp
+  def kernel_jvp(primals, tangents):
+    (x, data), (dx, _) = primals, tangents
+    tangent = jnp.matmul(dx, matrix(data), preferred_element_type=jnp.float32)
     return kernel(x, data), tangent.astype(out_dtype)
 
   out = kernel(x, w.data)

@@ -13,7 +13,8 @@ contiguous run of K x PANEL values.
                                     shapes it does not take, gradients)
 
 The packed tree fuses the products that read the same input: a layer's "wqkv" (wq, wk and wv side by side) and
-"w_gate_up" (w_gate and w_up), so one kernel call streams each group; `specjax.model` reads either layout.
+"w_gate_up" (w_gate and w_up), so one kernel call streams each group; `specjax.model` reads either layout. A
+quantized weight (`quantized.Quantized`) is already laid out as panels: packing only puts such weights side by side.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax.backends.cpu import kernels
+from specjax.backends.cpu import kernels, quantized
 
-PANEL = 32  # output columns per packed panel (kernels.cc: kPanel)
+PANEL = kernels.PANEL  # output columns per packed panel
 
 
 @struct.dataclass
@@ -87,17 +88,42 @@ def matmul_panels(x: jax.Array, w: Packed, preferred_element_type=None) -> jax.A
   return out if out.shape[-1] == n else out[..., :n]
 
 
+def _packed(w, k_dims: int = 1):
+  """A weight as the kernels read it: packed as panels, or as it is where it is quantized (already panels)."""
+  return w if isinstance(w, quantized.Quantized) else pack(w, k_dims)
+
+
+def _side_by_side(weights: list, d: int):
+  """Weights that multiply one input [.., D] as one weight [D, N1 + N2 + ...] (one product for all), or None where
+  they cannot be: quantized weights of different types, or quantized beside float ones."""
+  if all(isinstance(w, quantized.Quantized) for w in weights):
+    return quantized.concatenate([w.reshape(d, -1) for w in weights])
+  if any(isinstance(w, quantized.Quantized) for w in weights):
+    return None
+  return pack(jnp.concatenate([w.reshape(d, -1) for w in weights], axis=1))
+
+
+# The products that read the same input, and the name of the one weight that does all of them.
+_FUSED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
+
+
 def pack_layer(layer: dict) -> dict:
   """A decoder layer's matrices as `Packed` panels, as decoding reads them: "wqkv" (wq, wk and wv side by side,
   one product for the three), "wo", "w_gate_up" (w_gate, w_up side by side) and "w_down"; norms and biases as they
-  are."""
+  are. Quantized matrices (`quantized.Quantized`) are panels already: those of one type go side by side; where
+  types differ (Gemma-3-270M's Q4_K_M file: Q5_0 queries beside Q8_0 values), they stay apart, each its own
+  product."""
   d = layer["wq"].shape[0]
   packed = {name: w for name, w in layer.items()
             if name not in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}  # norms and biases
-  packed["wqkv"] = pack(jnp.concatenate([layer[n].reshape(d, -1) for n in ("wq", "wk", "wv")], axis=1))
-  packed["wo"] = pack(layer["wo"], k_dims=2)
-  packed["w_gate_up"] = pack(jnp.concatenate([layer["w_gate"], layer["w_up"]], axis=1))
-  packed["w_down"] = pack(layer["w_down"])
+  for fused, names in _FUSED.items():
+    together = _side_by_side([layer[n] for n in names], d)
+    if together is None:
+      packed.update({n: _packed(layer[n]) for n in names})
+    else:
+      packed[fused] = together
+  packed["wo"] = _packed(layer["wo"], k_dims=2)
+  packed["w_down"] = _packed(layer["w_down"])
   return packed
 
 
@@ -112,7 +138,7 @@ def pack_params(params: dict, config) -> dict:
   packed = dict(params)
   packed["layers"] = [pack_layer(layer) for layer in params["layers"]]
   head = params["embed"].T if config.tie_embeddings else params["lm_head"]
-  packed["lm_head_packed"] = pack(head)
+  packed["lm_head_packed"] = _packed(head)  # a quantized table's transpose is its blocks again: no copy
   return packed
 
 
