@@ -374,12 +374,16 @@ def _module(s: Setting, tokens: int, whole: bool, written: int | None = None) ->
 
 
 def _blocks(s: Setting, d: Drafter, gamma: int) -> Work:
-  """A block drafter's forward: the pending token's embedding and gamma mask slots through its blocks, each reading
-  its context cache and writing none (the block's own keys stay in the forward), then the head over gamma slots."""
+  """A block drafter's forward: the pending token's anchor W_in [norm(emb); norm(c)] (one product over one position),
+  added to gamma slot embeddings, through its blocks, each reading its context cache and writing none (the block's
+  own keys stay in the forward), then the head over gamma slots."""
   c = s.config
-  mask = arrays(s, [ParamSpec((c.hidden_size,), ("embed",))], 1)
+  dim = c.hidden_size
+  anchor = arrays(s, [ParamSpec((2 * dim, dim), ("embed", "embed")), ParamSpec((dim,), ("norm",)),
+                      ParamSpec((dim,), ("norm",))], 1)
+  slots = gamma * arrays(s, [ParamSpec((dim,), ("embed",))], 1)  # added to the anchor, not multiplied
   own = d.blocks * block(s, tuple(layer_shapes(c)), None, gamma + 1, written=0)
-  return gather(s, 1) + mask + own + head(s, _columns(s, d), gamma)
+  return gather(s, 1) + anchor + slots + own + head(s, _columns(s, d), gamma)
 
 
 def propose(s: Setting, d: Drafter, gamma: int) -> Work:

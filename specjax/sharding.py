@@ -71,6 +71,7 @@ class ShardingRules:
   mlp: MeshAxes = "model"
   norm: MeshAxes = None
   stack: MeshAxes = None  # a leading axis stacking per-depth copies of a drafter's parameters
+  block_slot: MeshAxes = None  # a block drafter's mask slots (one embedding each; not blocks to unstack)
 
   def mesh_axes(self, logical: str) -> tuple[str, ...]:
     axes = getattr(self, logical)

@@ -200,15 +200,16 @@ def test_tree_costs_grow_with_their_nodes():
 
 
 def test_a_block_drafts_gamma_tokens_in_one_forward():
-  """specjax/drafters/block.py: one forward of its blocks over [pending, mask x gamma], the head over gamma slots:
-  every weight read once whatever gamma (c falls as 1 / gamma), where a chain reads its weights per token."""
+  """specjax/drafters/block.py: the pending token's anchor (one product), one forward of its blocks over [pending,
+  mask x gamma], the head over gamma slots: every weight read once whatever gamma (c falls as 1 / gamma), where a
+  chain reads its weights per token."""
   s = cm.Setting(SMOLLM2, cache_len=256, positions=145)
   one, two = cm.block_drafter(SMOLLM2, 1, 8192), cm.block_drafter(SMOLLM2, 2, 8192)
   assert one.features == 3  # EAGLE-3's three feature layers
   at = {g: cm.propose(s, one, g) for g in (1, 2, 4)}
-  assert at[4].products == 7 + 1  # one block's 7 products and the head's, once
+  assert at[4].products == 1 + 7 + 1  # the anchor's, one block's 7 products and the head's, once
   assert at[1].weight_bytes == pytest.approx(at[4].weight_bytes, rel=1e-3)  # + 3 rows of the head's gather, no more
-  assert cm.propose(s, two, 4).products == 2 * 7 + 1
+  assert cm.propose(s, two, 4).products == 1 + 2 * 7 + 1
   d = SMOLLM2.hidden_size
   assert at[4].flops > at[1].flops  # 5 positions a block, the head over 4 slots
   chain = cm.mtp_sequential(SMOLLM2, 4, recurrent=True, eagle3=True, draft_vocab=8192)

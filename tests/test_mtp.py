@@ -262,15 +262,51 @@ def test_the_block_drafters_loss_reads_the_context_before_each_anchor_only(rando
   g2 = block.block_outputs(random_target.params, drafter.params, drafter.options, changed)
   np.testing.assert_allclose(np.asarray(g[:, :6]), np.asarray(g2[:, :6]), rtol=1e-5, atol=1e-5)
   assert not np.allclose(np.asarray(g[:, 6:]), np.asarray(g2[:, 6:]))
-  # and the decoding forward gives what training gives at the same anchor
-  state = drafter.init(random_target.params, drafter.params, drafter.options, PromptInfo(
-      tokens=batch["tokens"], lengths=jnp.full((b,), t, jnp.int32), first_token=batch["tokens"][:, -1],
-      last_hidden=jnp.zeros((b, d)), features=batch["features"], cache_len=16))
-  inputs = DraftInputs(sequence=jnp.pad(batch["tokens"], ((0, 0), (0, 6))), position=jnp.full((b,), 5, jnp.int32),
-                       target_cache=None, key=jax.random.PRNGKey(0))
-  logits = block.draft_logits(random_target.params, drafter.params, drafter.options, state, inputs, 5)
-  want = draft_head.logits(random_target.params, drafter.params, g[:, 5], random_target.config)
-  np.testing.assert_allclose(np.asarray(logits), np.asarray(want), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["block", "block_two_layers_truncated"])
+def test_the_block_drafters_training_inputs_are_what_decoding_builds(name, random_target):
+  """Decoding carries c_(p-1), the context at each row's newest committed position: the prompt's last after `init`,
+  the verified position `accepted` after `update` (rows ragged; the features of a row's prompt padding and of the
+  drafts it rejected are noise, never read). Its draft logits at pending position p equal the loss's slot logits at
+  anchor p over the same sequence (`depth_logits`, the training path), before and after the update."""
+  drafter = make(name, random_target)
+  options, params, target = drafter.options, drafter.params, random_target.params
+  rng = np.random.default_rng(0)
+  b, t, f, d = 2, 14, len(drafter.feature_layers), random_target.config.hidden_size
+  tokens = jnp.asarray(rng.integers(0, VOCAB, (b, t)), jnp.int32)
+  features = jnp.asarray(rng.standard_normal((b, t, f, d)), jnp.float32)
+  noise = jnp.asarray(10 * rng.standard_normal((b, t, f, d)), jnp.float32)
+  c = block.context(params, features, jnp.float32)
+  training = jnp.stack([logits for logits, _ in block.depth_logits(target, params, options,
+                                                                    {"tokens": tokens, "features": features})], 2)
+  rows, gamma = jnp.arange(b), options.block_size
+
+  def decoded(state, position):
+    inputs = DraftInputs(sequence=tokens, position=position, target_cache=None, key=jax.random.PRNGKey(0))
+    return block.draft_logits(target, params, options, state, inputs, gamma)
+
+  lengths = jnp.asarray([5, 3], jnp.int32)
+  padded = jnp.where((jnp.arange(t)[None] < lengths[:, None])[..., None, None], features, noise)
+  state = drafter.init(target, params, options, PromptInfo(
+      tokens=tokens, lengths=lengths, first_token=tokens[rows, lengths], last_hidden=jnp.zeros((b, d)),
+      features=padded, cache_len=t))
+  np.testing.assert_allclose(np.asarray(state["last_context"]), np.asarray(c[rows, lengths - 1]), rtol=1e-5,
+                             atol=1e-5)
+  np.testing.assert_allclose(np.asarray(decoded(state, lengths)), np.asarray(training[rows, lengths]), rtol=1e-4,
+                             atol=1e-4)
+
+  w, accepted = 4, jnp.asarray([2, 0], jnp.int32)  # row 0 accepts two drafts, row 1 none
+  verified = lengths[:, None] + jnp.arange(w)[None]
+  kept = (jnp.arange(w)[None] <= accepted[:, None])[..., None, None]
+  result = RoundResult(sequence=tokens, position=lengths + accepted + 1, accepted=accepted,
+                       verify_hidden=jnp.zeros((b, w, d)), verify_position=lengths,
+                       features=jnp.where(kept, features[rows[:, None], verified], noise[rows[:, None], verified]))
+  state = drafter.update(target, params, options, state, result)
+  np.testing.assert_allclose(np.asarray(state["last_context"]), np.asarray(c[rows, lengths + accepted]), rtol=1e-5,
+                             atol=1e-5)
+  np.testing.assert_allclose(np.asarray(decoded(state, result.position)), np.asarray(training[rows, result.position]),
+                             rtol=1e-4, atol=1e-4)
 
 
 def test_the_lk_objective_is_the_negative_log_of_the_acceptance_bound():

@@ -2,23 +2,33 @@
 target's features; PARD, An et al. 2025, a parallel draft model predicting several mask tokens at once).
 
 A small transformer of the target's own block kind (`layers` decoder blocks, the target's norms and activation)
-reads gamma + 1 queries in one forward: the pending token x_p at position p (its embedding) and gamma mask slots at
-positions p + 1 .. p + gamma (one learned embedding, `mask`). The queries attend to each other bidirectionally and
-to a cache of the target's features over the committed positions 0 .. p - 1 (DFlash's feature injection):
+reads gamma + 1 queries in one forward: the pending token x_p at position p and gamma mask slots at positions
+p + 1 .. p + gamma. The queries attend to each other bidirectionally and to a cache of the target's features over
+the committed positions 0 .. p - 1 (DFlash's feature injection). Every query's input holds the anchor directly, fused
+as EAGLE fuses a token with the feature before it (`anchor`):
 
     c_t = W_f [h^(l_1)_t; ...; h^(l_F)_t]                 (the target's residual stream after `feature_layers`)
     K_t, V_t = the block's own key/value projections of c_t at position t (RoPE), in each of its layers
-    g = Blocks([emb(x_p); mask; ...; mask])               (attention: the cache, then the block's own keys)
+    a_p = W_in [RMSNorm(emb(x_p)); RMSNorm(c_(p-1))]      (the pending token and the newest committed feature)
+    g = Blocks([a_p; m_1 + a_p; ...; m_gamma + a_p])       (m_i: slot i's learned embedding; attention: the cache,
+                                                           then the block's own keys)
     logits_i = LMHead(FinalNorm(g_i)), i = 1 .. gamma      (the target's, frozen; truncated: `draft_head`)
 
 so slot i predicts token p + i, the target's distribution at position p + i - 1. Drafting costs one forward over
 gamma + 1 positions whatever gamma (`Proposal.steps` = 1, so `stats["draft_calls"]` counts one per drafting round),
 and `DraftCost.round` prices it for the drafting policy (`specjax.adaptive`).
 
+Why the anchor is in every input: with one shared mask embedding every mask slot's input is the same vector, so a slot
+reaches x_p and c_(p-1) only through attention whose query does not depend on them; trained on a real target's
+answers (SmolLM2-135M), its slots put ~0.8 of their attention on the other (identical) mask slots and none on x_p or
+c_(p-1), their outputs hardly vary across anchors, and every slot learns the unigram distribution.
+
 Context cache: `init` writes the prompt's features; after every verification (`update`, also after a plain step)
 the features of the verified positions, from that same verification forward (`RoundResult.features`), are
 projected and written at their positions. Slots past a row's committed length are overwritten by the next update
-before a query reads them (a query at pending p reads slots 0 .. p - 1 only).
+before a query reads them (a query at pending p reads slots 0 .. p - 1 only). The state also carries c_(p-1) at each
+row's newest committed position (`last_context`, as the sequential module carries its `hidden`): the prompt's last
+feature after `init`, the feature at verify_position + accepted (the new pending position - 1) after `update`.
 
 Trees: the slots' distributions depend on the context, not on each other's tokens, so a tree is built as the
 parallel heads' are: Medusa's static tree from measured per-(slot, rank) accuracy (`draft_tree.rank_accuracy`,
@@ -26,8 +36,9 @@ parallel heads' are: Medusa's static tree from measured per-(slot, rank) accurac
 rule over the slots' distributions (`draft_tree.grow`), expanding a node costing nothing.
 
 Training (`loss`, self-distillation on cached features): every position t of a sequence is an anchor at once: its
-block [x_t, mask x gamma] attends to the context features at positions < t and to its own block, and slot i learns
-the target's distribution at position t + i - 1, weighted 0.8^(i-1).
+block [a_t, m_1 + a_t, ..., m_gamma + a_t], with a_t fused from emb(x_t) and c_(t-1) (the cached features shifted by
+one; zero before the first position), attends to the context features at positions < t and to its own block, and
+slot i learns the target's distribution at position t + i - 1, weighted 0.8^(i-1): the inputs decoding builds.
 """
 
 from __future__ import annotations
@@ -42,12 +53,13 @@ from specjax import leviathan, ops
 from specjax.config import ModelConfig
 from specjax.drafters import (DraftCost, Drafter, DraftInputs, PromptInfo, Proposal, RoundResult, choose_tokens,
                               confidence, draft_head, draft_lengths, draft_tree)
-from specjax.model import ParamSpec, attend, attention_output, embed, layer_shapes, mlp_block, qkv
+from specjax.model import ParamSpec, attend, attention_output, embed, layer_shapes, mlp_block, qkv, rms_norm
 from specjax.sampling import SamplingParams
 
 NAME = "block"
 DEPTH_DECAY = 0.8
 TREES = True  # drafts Medusa's static trees, or EAGLE-2's grown ones (`propose` with `DraftInputs.tree_nodes`)
+INPUT = ("fc", "emb_norm", "context_norm")  # the anchor's fusion W_in [RMSNorm(emb); RMSNorm(c)] (`anchor`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +86,9 @@ def saved_specs(options: Options) -> dict:
   c, n = options.config, options.layers
   d = c.hidden_size
   specs = {"feature_proj": ParamSpec((len(options.feature_layers) * d, d), ("embed", "embed")),
-           "mask": ParamSpec((d,), ("embed",)),
+           "fc": ParamSpec((2 * d, d), ("embed", "embed")),
+           "emb_norm": ParamSpec((d,), ("norm",)), "context_norm": ParamSpec((d,), ("norm",)),
+           "mask": ParamSpec((options.block_size, d), ("block_slot", "embed")),
            **{k: ParamSpec((n,) + spec.shape, ("stack",) + spec.axes) for k, spec in layer_shapes(c).items()}}
   if options.draft_vocab is not None:
     specs["token_map"] = draft_head.head_specs(c, options.draft_vocab)["token_map"]
@@ -99,9 +113,8 @@ def context(params, features: jax.Array, dtype) -> jax.Array:
   return ops.matmul(flat, params["feature_proj"].astype(dtype))
 
 
-def context_kv(params, options: Options, features: jax.Array, positions: jax.Array, dtype):
-  """Each layer's keys and values [B, T, KV, hd] of the context at `positions` [B, T]."""
-  c = context(params, features, dtype)
+def context_kv(params, options: Options, c: jax.Array, positions: jax.Array):
+  """Each layer's keys and values [B, T, KV, hd] of the context c [B, T, D] at `positions` [B, T]."""
   out = []
   for i in range(options.layers):
     _, k, v = qkv(_layer(params, i, options.config), c, positions, options.config)
@@ -109,11 +122,22 @@ def context_kv(params, options: Options, features: jax.Array, positions: jax.Arr
   return out
 
 
-def block_input(target_params, params, tokens: jax.Array, gamma: int, config: ModelConfig) -> jax.Array:
-  """[emb(x); mask x gamma] [..., gamma + 1, D] for anchor tokens [...]."""
-  x = embed(target_params, tokens[..., None], config)
-  mask = jnp.broadcast_to(params["mask"].astype(x.dtype), tokens.shape + (gamma, x.shape[-1]))
-  return jnp.concatenate([x, mask], axis=-2)
+def anchor(target_params, params, tokens: jax.Array, last_context: jax.Array, config: ModelConfig) -> jax.Array:
+  """a = W_in [RMSNorm(emb(x)); RMSNorm(c)] [..., D]: anchor tokens [...] fused with the context c [..., D] at the
+  position before each (EAGLE's pairing of a token with the feature that predicted it)."""
+  x = embed(target_params, tokens, config)
+  c = last_context.astype(x.dtype)
+  eps = config.rms_norm_eps
+  both = jnp.concatenate([rms_norm(x, params["emb_norm"], eps), rms_norm(c, params["context_norm"], eps)], axis=-1)
+  return ops.matmul(both, params["fc"].astype(x.dtype))
+
+
+def block_input(target_params, params, tokens: jax.Array, last_context: jax.Array, gamma: int,
+                config: ModelConfig) -> jax.Array:
+  """[a; m_1 + a; ...; m_gamma + a] [..., gamma + 1, D] for anchor tokens [...] and the context [..., D] before each:
+  the pending slot's input and every mask slot's hold the anchor (`anchor`), each slot its own embedding m_i."""
+  a = anchor(target_params, params, tokens, last_context, config)[..., None, :]
+  return jnp.concatenate([a, params["mask"][:gamma].astype(a.dtype) + a], axis=-2)
 
 
 def run_block(params, options: Options, x: jax.Array, positions: jax.Array, seen: jax.Array, caches) -> jax.Array:
@@ -144,10 +168,13 @@ def run_block(params, options: Options, x: jax.Array, positions: jax.Array, seen
 
 
 def _write(state, options: Options, params, features, positions):
+  """The context of `features` [B, W, F, D] at `positions` [B, W] written into every layer's cache; returns
+  (state, c [B, W, D])."""
   dtype = state["k"][0].dtype
-  new = context_kv(params, options, features, positions, dtype)
-  return {"k": [ops.cache_write(c, k, positions) for c, (k, _) in zip(state["k"], new)],
-          "v": [ops.cache_write(c, v, positions) for c, (_, v) in zip(state["v"], new)]}
+  c = context(params, features, dtype)
+  new = context_kv(params, options, c, positions)
+  return {**state, "k": [ops.cache_write(cache, k, positions) for cache, (k, _) in zip(state["k"], new)],
+          "v": [ops.cache_write(cache, v, positions) for cache, (_, v) in zip(state["v"], new)]}, c
 
 
 def init(target_params, params, options: Options, prompt: PromptInfo):
@@ -158,13 +185,16 @@ def init(target_params, params, options: Options, prompt: PromptInfo):
   state = {"k": [jnp.zeros(shape, dtype) for _ in range(options.layers)],
            "v": [jnp.zeros(shape, dtype) for _ in range(options.layers)]}
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
-  return _write(state, options, params, prompt.features, positions)
+  state, c = _write(state, options, params, prompt.features, positions)
+  return {**state, "last_context": c[jnp.arange(b), prompt.lengths - 1]}  # c_(p-1) for the first pending p
 
 
 def update(target_params, params, options: Options, state, result: RoundResult):
-  w = result.features.shape[1]
+  b, w = result.features.shape[:2]
   positions = result.verify_position[:, None] + jnp.arange(w, dtype=jnp.int32)[None]
-  return _write(state, options, params, result.features, positions)
+  state, c = _write(state, options, params, result.features, positions)
+  # The new pending position is verify_position + accepted + 1: its c_(p-1) is the verified position `accepted`.
+  return {**state, "last_context": c[jnp.arange(b), result.accepted]}
 
 
 def draft_logits(target_params, params, options: Options, state, inputs: DraftInputs, gamma: int) -> jax.Array:
@@ -172,7 +202,7 @@ def draft_logits(target_params, params, options: Options, state, inputs: DraftIn
   config = options.config
   rows = jnp.arange(inputs.position.shape[0])
   pending = inputs.sequence[rows, inputs.position]
-  x = block_input(target_params, params, pending, gamma, config)  # [B, g + 1, D]
+  x = block_input(target_params, params, pending, state["last_context"], gamma, config)  # [B, g + 1, D]
   positions = inputs.position[:, None] + jnp.arange(gamma + 1, dtype=jnp.int32)[None]
   g = run_block(params, options, x, positions, (inputs.position - 1)[:, None], list(zip(state["k"], state["v"])))
   return draft_head.logits(target_params, params, g[:, 1:], config)
@@ -215,8 +245,11 @@ def block_outputs(target_params, params, options: Options, batch) -> jax.Array:
   b, t = tokens.shape
   gamma = options.block_size
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
-  caches = context_kv(params, options, batch["features"], positions, jnp.float32)
-  x = block_input(target_params, params, tokens, gamma, config).astype(jnp.float32)  # [B, T, g + 1, D]
+  c = context(params, batch["features"], jnp.float32)
+  caches = context_kv(params, options, c, positions)
+  # Anchor t reads c_(t-1), as decoding's pending p reads the state's c_(p-1) (zero before the first position).
+  x = block_input(target_params, params, tokens, draft_head.shifted_back(c, 1), gamma, config)  # [B, T, g + 1, D]
+  x = x.astype(jnp.float32)
   block_positions = positions[..., None] + jnp.arange(gamma + 1, dtype=jnp.int32)  # [B, T, g + 1]
   g = run_block(params, options, x.reshape(b, t * (gamma + 1), -1), block_positions.reshape(b, -1), positions - 1,
                 caches)
@@ -247,9 +280,10 @@ def loss(target_params, params, options: Options, batch, objective: str = "kl"):
   return total, metrics
 
 
-def fresh_params(model, options: Options, token_map=None) -> dict:
-  """Each block a copy of the target's last layer; the feature projection averaging the feature layers; the mask
-  slot's embedding the mean of the target's (scaled as `embed` scales it)."""
+def fresh_params(model, options: Options, token_map=None, seed: int = 0) -> dict:
+  """Each block a copy of the target's last layer; the feature projection averaging the feature layers; W_in as the
+  sequential module's fc starts, [small random; identity] (the anchor first reads the context feature), its norms at
+  one; every slot's embedding m_i the mean of the target's (scaled as `embed` scales it)."""
   config = options.config
   d, n, f = config.hidden_size, options.layers, len(options.feature_layers)
   dtype = jnp.dtype(config.dtype)
@@ -257,10 +291,12 @@ def fresh_params(model, options: Options, token_map=None) -> dict:
   params = {k: jnp.broadcast_to(ops.dequantize(last[k]), (n,) + last[k].shape).astype(dtype)
             for k in block_keys(config)}
   params["feature_proj"] = (jnp.tile(jnp.eye(d), (f, 1)) / f).astype(dtype)
+  fc = jnp.concatenate([0.02 * jax.random.normal(jax.random.PRNGKey(seed), (d, d)), jnp.eye(d)], axis=0)
+  params.update(fc=fc.astype(dtype), emb_norm=jnp.ones((d,), dtype), context_norm=jnp.ones((d,), dtype))
   mean = jnp.mean(ops.dequantize(model.params["embed"]).astype(jnp.float32), axis=0)
   if config.scale_embeddings:
     mean = mean * np.sqrt(d)
-  params["mask"] = mean.astype(dtype)
+  params["mask"] = jnp.broadcast_to(mean, (options.block_size, d)).astype(dtype)
   if options.draft_vocab is not None:
     params["token_map"] = jnp.asarray(token_map, jnp.int32)
   return params
@@ -307,11 +343,11 @@ def make(model, path: str | None = "default", block_size: int = 4, layers: int =
 
 
 def cost(model, options: Options, params) -> DraftCost:
-  """A round is one forward, whatever its length: the blocks' weights and the (truncated) head, read once, and the
-  context's projection (`round`); drafting a slot more adds nothing to first order (`step` 0). Following a plain
+  """A round is one forward, whatever its length: the blocks' weights, the anchor's fusion, the slots' embeddings and
+  the (truncated) head, read once, and the context's projection (`round`); drafting a slot more adds nothing to first order (`step` 0). Following a plain
   step writes one position's context: the projection and the blocks' key/value weights."""
   config = model.config
-  own = {k: params[k] for k in block_keys(config) + ("feature_proj", "mask")}
+  own = {k: params[k] for k in block_keys(config) + INPUT + ("feature_proj", "mask")}
   forward = leviathan.draft_cost(model.params, config, (), own, head_columns=options.draft_vocab)
   kv = {k: params[k] for k in ("feature_proj",) + tuple(k for k in block_keys(config) if k in ("wk", "wv"))}
   plain = leviathan.draft_cost(model.params, config, (), kv, head_columns=0)
