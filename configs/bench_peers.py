@@ -36,13 +36,14 @@ assisted generation (its draft is SmolLM2's).
 
 `:quantized` (with or without `gemma`, `small`): specjax decoding the GGUF's own quantized blocks
 (`config.quantized`: `specjax.load(..., quantized=True)`, SmolLM2's Q4_1 and Q8_0, Gemma's Q4_K, Q6_K, ...; the CPU
-kernels multiply by them) against llama.cpp on the same file, the same prompts and the same threads (llama.cpp's
-`n_threads` set to the threads specjax's programs run on, instead of the faster of 1 and all). specjax:
-autoregressive decoding (the baseline: every specjax method is checked token for token against the quantized
-target's own greedy tokens) and its drafters drafting for the quantized target: on SmolLM2 prompt lookup and the
-shipped MTP heads (parallel, sequential), on Gemma prompt lookup and layer skip exiting after 12 layers; llama.cpp:
-autoregressive and prompt-lookup decoding (greedy agreement with specjax reported). HF transformers is left out: it
-dequantizes the file to float32. The costs' roofline line counts the weights as stored (the blocks and their scales).
+kernels multiply by them) against llama.cpp on the same file, the same prompts and the same threads
+(`llamacpp_autoregressive_same_threads`, `llamacpp_prompt_lookup_same_threads`: llama.cpp on as many threads as
+specjax's programs run on, instead of the faster of 1 and all). specjax: autoregressive decoding (the baseline:
+every specjax method is checked token for token against the quantized target's own greedy tokens) and its drafters
+drafting for the quantized target: on SmolLM2 prompt lookup and the shipped MTP heads (parallel, sequential), on
+Gemma prompt lookup and layer skip exiting after 12 layers; llama.cpp: autoregressive and prompt-lookup decoding
+(greedy agreement with specjax reported). HF transformers is left out: it dequantizes the file to float32. The
+costs' roofline line counts the weights as stored (the blocks and their scales).
 """
 
 from configs import common

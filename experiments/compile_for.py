@@ -864,9 +864,23 @@ def markdown(results: dict) -> str:
 
 
 def weights_table(records: list[dict]) -> list[str]:
-  """results.md's lines comparing each program of a model compiled with int8 weights (a model entry's `weights`)
-  against the same program of the model of its shape with arrays of the config's dtype: HBM per device, the
-  arguments (weights and cache) and XLA's bytes accessed; none where the run compiled no int8 weights."""
+  """results.md's section comparing each program of a model compiled with int8 weights (a model entry's `weights`)
+  against the same program of the model of its shape with arrays of the config's dtype (`weights_rows`); none where
+  the run compiled no int8 weights."""
+  rows = weights_rows(records)
+  if not rows:
+    return []
+  return ["", "## int8 weights against the config's dtype", "",
+          "The same program with the target's matrices as int8 codes and a scale per output channel (specjax/int8.py: "
+          "(x @ codes) * scale, the codes converted inside the product). GiB per device: what XLA allocates (HBM "
+          "per chip where a chip is one device); arguments: the parameters and the KV cache; accessed: XLA's count "
+          "(step programs; a loop's body counts once). CPU kernel calls: specjax_* custom calls in the compiled "
+          "program.", ""] + rows
+
+
+def weights_rows(records: list[dict]) -> list[str]:
+  """A Markdown table: per program compiled with int8 weights, the same program of its shape with the config's dtype
+  beside it (HBM per device, arguments, XLA's bytes accessed) and its CPU kernel calls; [] where there is none."""
   def shape(r):
     return r.get("shape") or r["model"]
   plain = {(shape(r), r["topology"], r["kind"], r["program"], r["drafter"], r.get("tree_nodes")): r
@@ -875,13 +889,7 @@ def weights_table(records: list[dict]) -> list[str]:
            and (key := (shape(r), r["topology"], r["kind"], r["program"], r["drafter"], r.get("tree_nodes"))) in plain]
   if not pairs:
     return []
-  lines = ["", "## int8 weights against the config's dtype", "",
-           "The same program with the target's matrices as int8 codes and a scale per output channel (specjax/int8.py: "
-           "(x @ codes) * scale, the codes converted inside the product). GiB per device: what XLA allocates (HBM "
-           "per chip where a chip is one device); arguments: the parameters and the KV cache; accessed: XLA's count "
-           "(step programs; a loop's body counts once). CPU kernel calls: specjax_* custom calls in the compiled "
-           "program.", "",
-           "| model | topology | program | GiB per device | int8 GiB per device | int8 / dtype | arguments GiB | "
+  lines = ["| model | topology | program | GiB per device | int8 GiB per device | int8 / dtype | arguments GiB | "
            "int8 arguments GiB | GB accessed | int8 GB accessed | CPU kernel calls |",
            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for dense, quantized in pairs:

@@ -503,6 +503,15 @@ def largest_programs_table(results: dict[str, Any]) -> str | None:
   return "\n".join(rows)
 
 
+def int8_table(results: dict[str, Any]) -> str | None:
+  """A compile run's programs with int8 weights beside their twins of the run's dtype (compile_for.weights_rows), or
+  None where it compiled none."""
+  if not any(r.get("weights") == "int8" for r in results["records"]):
+    return None
+  from experiments import compile_for  # jax and the TPU compiler's settings: only where a run has such programs
+  return "\n".join(compile_for.weights_rows(results["records"])) or None
+
+
 def describe_trained(results: dict[str, Any]) -> str:
   """What a run of experiments.curves drew: its training runs, finished or not, and their budget."""
   runs = results["runs"]
@@ -821,6 +830,13 @@ def tpu_compile_block(runs: Runs, prefix: str) -> str:
     table = largest_programs_table(run.results)
     if table:
       lines.append(f"The programs a user runs in `{run.folder}`, the largest of each model and topology:\n\n{table}")
+    int8 = int8_table(run.results)
+    if int8:
+      lines.append(f"int8 weights (specjax/int8.py: int8 codes and a {run.results['config']['dtype']} scale per output "
+                   f"channel, (x @ codes) * scale) against {run.results['config']['dtype']} in `{run.folder}`, each "
+                   "program beside its twin: GiB per chip XLA allocates, the arguments (weights and KV cache), XLA's "
+                   "bytes accessed (a loop's body counted once), and the calls of specjax's CPU kernels in the int8 "
+                   f"program:\n\n{int8}")
   default = runs.get("tpu_compile")
   if default is None:
     return "\n\n".join(lines)
