@@ -35,8 +35,8 @@ threshold) are options. torch and llama.cpp run with the faster of 1 and all CPU
 probed once per model on a short decode, unless the `threads` / `n_threads` option sets them: their workers
 spin-wait, and on a busy machine one thread can be several times faster than all. llama.cpp's `n_threads=-1`
 (`SAME_THREADS`) runs it on the threads specjax's programs run on (`specjax_threads`: XLA's CPU client sizes its
-pool, which the CPU kernels share, to the cores this process may use), for a comparison at equal threads. There is nothing to
-compile: `compile_seconds` is 0 and the runner's untimed warmup call absorbs first-call allocation.
+pool, which the CPU kernels share, to the cores this process may use), for a comparison at equal threads. There is
+nothing to compile: `compile_seconds` is 0 and the runner's untimed warmup call absorbs first-call allocation.
 
 Stats (the keys of `specjax.generate`'s) come from a trace of the target's forward passes: forward i reads
 `inputs_i` tokens after `past_i` cached ones. Before forward i the committed sequence holds `committed_0` =

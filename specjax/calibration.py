@@ -15,11 +15,12 @@ as the decode loop runs it, inside a compiled `fori_loop` whose iterations depen
 long/short pair of each in turn, over `REPEATS` rounds (more, up to 9, while a case's rounds move by more than
 `NOISY` of their median), and f(n) is the median over rounds of a case's time over the 1-row forward's in the same
 round, so a drift of a shared machine hits both alike. Compiling is excluded (and reported); a case whose rounds
-still moved by more than `NOISY` is logged: the machine was busy. The result, the points (n, f(n)) with f(1) = 1, is written to
-`$SPECJAX_CACHE/forward_costs/<key digest>.json` (default ~/.cache/specjax), keyed by everything it depends on
-(`cache_key`: the model's config, dtype and how its weights are stored (a GGUF's quantized blocks or arrays), rows
-and tokens, the host's CPU, cores, backend and device, jax and jaxlib, whether the CPU kernels run), atomically (a temporary file renamed over it); later runs read it. A file that does not
-parse, or holds another key or invalid points, is measured again and rewritten, not an error.
+still moved by more than `NOISY` is logged: the machine was busy. The result, the points (n, f(n)) with f(1) = 1, is
+written to `$SPECJAX_CACHE/forward_costs/<key digest>.json` (default ~/.cache/specjax), keyed by everything it depends
+on (`cache_key`: the model's config, dtype and how its weights are stored (a GGUF's quantized blocks or arrays), rows
+and tokens, the host's CPU, cores, backend and device, jax and jaxlib, whether the CPU kernels run), atomically (a
+temporary file renamed over it); later runs read it. A file that does not parse, or holds another key or invalid
+points, is measured again and rewritten, not an error.
 
 XLA's own count of a compiled forward (`cost_analysis`: flops and bytes) was the cheaper alternative, with no timing
 at all; it cannot see into the CPU kernels (XLA custom calls, which run every product and attention of a decode step

@@ -187,10 +187,11 @@ def test_the_int8_grid_compiles_each_target_with_bf16_and_with_int8_weights():
 def test_the_int8_table_pairs_each_int8_program_with_its_twin_of_the_same_shape():
   def record(model, shape, weights, program, gib, arguments):
     return {"model": model, "shape": shape, "weights": weights, "topology": "v5e:2x4", "kind": "steps",
-            "program": program, "drafter": None, "tree_nodes": None, "status": "compiled", "bytes_per_device": gib * 2**30,
-            "memory": {"arguments": arguments * 2**30}, "bytes_accessed": 2e9 * gib, "cpu_kernel_calls": 0}
-  records = [record("m", "m", "bfloat16", "decode_step", 2.0, 1.5), record("m int8", "m", "int8", "decode_step", 1.0,
-                                                                            0.75),
+            "program": program, "drafter": None, "tree_nodes": None, "status": "compiled",
+            "bytes_per_device": gib * 2**30, "memory": {"arguments": arguments * 2**30}, "bytes_accessed": 2e9 * gib,
+            "cpu_kernel_calls": 0}
+  records = [record("m", "m", "bfloat16", "decode_step", 2.0, 1.5),
+             record("m int8", "m", "int8", "decode_step", 1.0, 0.75),
              record("m int8", "m", "int8", "verify_5", 1.0, 0.75)]  # no bf16 twin: not in the table
   lines = compile_for.weights_table(records)
   assert lines[-1] == "| m int8 | v5e:2x4 | decode_step | 2.00 | 1.00 | 0.50 | 1.50 | 0.75 | 4.00 | 2.00 | 0 |"
