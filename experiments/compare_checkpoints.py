@@ -3,6 +3,8 @@ r"""Whether a newly trained drafter checkpoint should replace the shipped one: b
   python -m experiments.compare_checkpoints --drafter=mtp_sequential \
       --candidate=workdirs/budget/sequential/mtp_sequential.safetensors \
       --held_out=workdirs/data/train_data-regenerate/held_out [--shipped=default] [--prompts=48] [--out=<json>]
+  python -m experiments.compare_checkpoints --drafter=block --candidate=workdirs/budget/block/block.safetensors \
+      --against=mtp_sequential --held_out=workdirs/data/train_data-regenerate/held_out   # a new family: the best
 
 The prompts are the prompt parts (everything before the first answer position) of the first `--prompts` sequences of
 a held-out feature cache: conversations no drafter was trained on, and no evaluation prompt either. Each drafter
@@ -12,7 +14,8 @@ tokens per target forward E in place of E(alpha): E / (gamma c + 1), c the draft
 target step (`Drafter.cost`: a round's part and gamma steps, over gamma). For two drafters of one cost that ranks
 them by tokens per forward; an exit adapter after fewer layers drafts more cheaply and is credited for it. The candidate replaces the shipped checkpoint
 only if it scores higher; this command says which, and with `--ship` replaces it then (`ship`: the checkpoint, its
-rank accuracy file and a model card that records this comparison).
+rank accuracy file and a model card that records this comparison). A family with no shipped checkpoint yet (the
+block drafter) is measured `--against` another family's shipped checkpoint, and shipped where it beats it.
 """
 
 from __future__ import annotations
@@ -108,7 +111,8 @@ def main(argv: Sequence[str]) -> None:
   model = specjax.load(flags.FLAGS.model, dtype="float32")
   argument = specjax.drafters.checkpoint_option(flags.FLAGS.drafter)
   candidate = specjax.make_drafter(flags.FLAGS.drafter, model, **{argument: flags.FLAGS.candidate})
-  shipped = specjax.make_drafter(flags.FLAGS.drafter, model, **{argument: flags.FLAGS.shipped})
+  against = flags.FLAGS.against or flags.FLAGS.drafter
+  shipped = specjax.make_drafter(against, model, **{specjax.drafters.checkpoint_option(against): flags.FLAGS.shipped})
   prompts = held_out_prompts(features.FeatureCache.open(flags.FLAGS.held_out), flags.FLAGS.prompts)
   result = compare(model, candidate, shipped, prompts, gamma=flags.FLAGS.gamma,
                    max_new_tokens=flags.FLAGS.max_new_tokens)
@@ -123,7 +127,8 @@ def main(argv: Sequence[str]) -> None:
   if flags.FLAGS.ship and result["replace"]:
     ship(model, flags.FLAGS.drafter, flags.FLAGS.candidate, result)
   if flags.FLAGS.out:  # the comparison behind a checkpoint's replacement, for its model card
-    result.update(drafter=flags.FLAGS.drafter, candidate_path=flags.FLAGS.candidate, shipped_path=flags.FLAGS.shipped,
+    result.update(drafter=flags.FLAGS.drafter, against=against, candidate_path=flags.FLAGS.candidate,
+                  shipped_path=flags.FLAGS.shipped,
                   held_out=flags.FLAGS.held_out, command="python -m experiments.compare_checkpoints " +
                   " ".join(sys.argv[1:]), commit=code_commit())
     write_atomic(flags.FLAGS.out, json.dumps(result, indent=1))
@@ -135,6 +140,8 @@ def _define_flags():
   flags.DEFINE_string("drafter", None, "make_drafter's name: mtp_parallel, mtp_sequential, layer_skip, ...")
   flags.DEFINE_string("candidate", None, "the new checkpoint (.safetensors)")
   flags.DEFINE_string("shipped", "default", "the checkpoint to beat; default: the one shipped for the model")
+  flags.DEFINE_string("against", None, "the drafter whose checkpoint (--shipped) to beat, where it is another "
+                      "family's (a family with no shipped checkpoint); default: --drafter's")
   flags.DEFINE_string("held_out", None, "a held-out feature cache (prepare_data's <workdir>/held_out)")
   flags.DEFINE_string("model", "smollm2-135m", "the target")
   flags.DEFINE_integer("prompts", 48, "held-out prompts")

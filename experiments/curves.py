@@ -142,7 +142,7 @@ def read_run(workdir: str) -> dict[str, Any]:
         "candidate_mean_accepted": c["candidate"]["mean_accepted"], "shipped_mean_accepted": c["shipped"]["mean_accepted"],
         "candidate_score": c["candidate"]["score"], "shipped_score": c["shipped"]["score"],
         "prompts_candidate_better": c["prompts_candidate_better"], "prompts_shipped_better": c["prompts_shipped_better"],
-        "replace": c["replace"]}
+        "replace": c["replace"], "against": c.get("against")}
   if family in TARGETS:
     run["target"] = extrapolate(points, *TARGETS[family])
     if run["target"]["positions"] and run["positions"] and run["train_cpu_seconds"]:
@@ -189,15 +189,17 @@ def table(results: dict[str, Any]) -> str:
   compared = [r for r in runs if "shipped_comparison" in r]
   if compared:
     c0 = compared[0]["shipped_comparison"]
-    lines += ["", f"Against the shipped checkpoint of the same drafter (`experiments.compare_checkpoints`: held-out "
-              f"prompts of the target's own answers, greedy, a chain of γ {c0['gamma']}, {c0['max_new_tokens']} new "
-              "tokens; the score is tokens per forward over the round's cost; the run replaces the shipped checkpoint "
-              "only if it scores higher):", "",
+    lines += ["", f"Against the shipped checkpoint of the same drafter, or of the family named where the run's has none "
+              f"(`experiments.compare_checkpoints`: held-out prompts of the target's own answers, greedy, a chain of γ "
+              f"{c0['gamma']}, {c0['max_new_tokens']} new tokens; the score is tokens per forward over the round's "
+              "cost; the run replaces the shipped checkpoint only if it scores higher):", "",
               "| run | prompts | tokens / forward (run) | tokens / forward (shipped) | prompts better (run / shipped) "
               "| verdict |", "|---|---:|---:|---:|---|---|"]
     for r in compared:
       c = r["shipped_comparison"]
-      lines.append(f"| {r['name']} | {c['prompts']} | {c['candidate_mean_accepted']:.2f} | "
+      name = r["name"] + (f" (against the shipped {c['against']})" if c.get("against") not in (None, r["drafter"])
+                          else "")
+      lines.append(f"| {name} | {c['prompts']} | {c['candidate_mean_accepted']:.2f} | "
                    f"{c['shipped_mean_accepted']:.2f} | {c['prompts_candidate_better']} / "
                    f"{c['prompts_shipped_better']} | {'replaces it' if c['replace'] else 'keeps the shipped one'} |")
   sentences = [target_sentence(r) for r in runs if "target" in r]

@@ -276,6 +276,9 @@ def test_curves_table_plot_and_extrapolation_from_runs_metrics(tmp_path):
                 "shipped": {"mean_accepted": 1.88, "score": 1.49}, "prompts_candidate_better": 10,
                 "prompts_shipped_better": 34, "replace": False}
   (tmp_path / "runs" / "sequential" / curves.SHIPPED_COMPARISON).write_text(json.dumps(comparison))
+  # A family with no shipped checkpoint of its own, measured against another family's (--against).
+  (tmp_path / "runs" / "exit" / curves.SHIPPED_COMPARISON).write_text(json.dumps(
+      {**comparison, "against": "mtp_sequential", "replace": True}))
   results = curves.curves([str(tmp_path / "runs")], str(tmp_path / "out"))
   runs = {r["name"]: r for r in results["runs"]}
   assert set(runs) == {"sequential", "parallel", "exit"}
@@ -296,6 +299,7 @@ def test_curves_table_plot_and_extrapolation_from_runs_metrics(tmp_path):
   assert "| sequential | regenerated | kl | 100,000 | 0.28 | 0.56 | 2.00 | 0.500 | 0.250 | 1.80 | 0.800 |" in table
   assert "exit (running)" in table and "~1e+07 positions" in table
   assert "| sequential | 48 | 1.74 | 1.88 | 10 / 34 | keeps the shipped one |" in table
+  assert "| exit (against the shipped mtp_sequential) | 48 | 1.74 | 1.88 | 10 / 34 | replaces it |" in table
   assert (tmp_path / "out" / "curves.png").stat().st_size > 10000
   run_md = (tmp_path / "out" / "RUN.md").read_text()
   assert run_md.startswith(f"# train_budget, {saved['date']} {saved['time']} UTC") and "python -m experiments.curves" in run_md
