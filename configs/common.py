@@ -50,6 +50,10 @@ METHODS = {method["name"]: method for method in (
     {"name": "hf_assisted", "peer": "hf_assisted", "options": {"draft": f"{MODEL}-draft"}, "needs": ("draft_model",)},
     {"name": "llamacpp_autoregressive", "peer": "llamacpp_autoregressive", "options": {}},
     {"name": "llamacpp_prompt_lookup", "peer": "llamacpp_prompt_lookup", "options": {}},
+    # llama.cpp on as many threads as specjax's programs run on (n_threads -1: experiments/peers.py SAME_THREADS),
+    # not the faster of 1 and all: the comparison on one GGUF at equal threads (configs/bench_peers.py:quantized).
+    {"name": "llamacpp_autoregressive_same_threads", "peer": "llamacpp_autoregressive", "options": {"n_threads": -1}},
+    {"name": "llamacpp_prompt_lookup_same_threads", "peer": "llamacpp_prompt_lookup", "options": {"n_threads": -1}},
 )}
 
 # The runs of configs/train_budget.py (launch/train_budget.sh: every family trained on one budget of the target's
@@ -103,6 +107,10 @@ def spec_bench_run(*, per_category: int, max_new_tokens: int, adaptive: bool = T
   config = ml_collections.ConfigDict()
   config.model = model
   config.dtype = "float32"  # the dtype tested for parity with HF transformers
+  # True: the target keeps its GGUF's quantized blocks (`specjax.load(..., quantized=True)`, float32 activations), the
+  # CPU kernels multiplying by them; every method, the autoregressive baseline included, decodes that target, so the
+  # losslessness check is against the quantized target's own tokens.
+  config.quantized = False
 
   config.prompts = ml_collections.ConfigDict()
   config.prompts.categories = ()  # Spec-Bench categories (empty: all 13)

@@ -10,6 +10,8 @@ r"""specjax's programs compiled for TPU topologies on a machine without a TPU (e
   python -m experiments.compile_for --config=configs/compile_tpu.py:full    # every model too: longer still
   python -m experiments.compile_for --config=configs/compile_tpu.py:families --workdir=results/tpu_compile-families
                                                                    # Gemma 3 and Qwen 3 on v5e:2x4
+  python -m experiments.compile_for --config=configs/compile_tpu.py:int8 --workdir=results/tpu_compile-int8
+                                                                   # int8 weights against bf16 on v5e:2x4
 
 The models are SmolLM2-135M and Llama-3.2-1B and Llama-3.1-8B shaped (specjax.config.MODEL_SHAPES; no weights), and in
 `families` Gemma-3-270M, Gemma-3-1B, Gemma-3-4B (its text model) and Qwen3-8B shaped, each with drafters sized for it:
@@ -20,6 +22,13 @@ v5e:4x4, Colab's v2-8 (v2:2x2) and a single v5e chip (Colab's v5e-1), each with 
 CPU work that grows with the layers of every unrolled forward: results/tpu_compile/RUN.md gives the default's time.
 A run appends each program's record to <workdir>/records.jsonl as it is compiled and a rerun keeps them, so a long
 run given its folder under results/ can be carried to another machine by committing that file as it grows.
+
+A model entry may hold its matrices as int8 codes with a bf16 scale per output channel (`"weights": "int8"`,
+specjax/int8.py; bf16 activations), under a name of its own, of the shape `"shape"` names. `int8`: the SmolLM2-135M,
+Qwen3-8B and Gemma-3-4B shaped targets with bf16 and with int8 weights on v5e:2x4, their whole autoregressive program
+(the HBM a user needs) and the projection's step programs (a decode step, a verification of gamma + 1 tokens, prompt
+lookup's draft); results.md compares each int8 program with its bf16 twin (HBM per chip, arguments, bytes accessed)
+and counts its CPU kernel calls (none).
 """
 
 import ml_collections
@@ -36,16 +45,19 @@ FAMILY_MODELS = (
     {"name": "gemma-3-4b", "draft_vocab": 32768},
     {"name": "qwen3-8b", "draft_vocab": 32768},
 )
+# The targets `int8` compiles with bf16 weights and with int8 ones: (shape, draft vocabulary).
+INT8_SHAPES = (("smollm2-135m", 8192), ("qwen3-8b", 32768), ("gemma-3-4b", 32768))
 
 
 def get_config(arg=None):
-  if arg not in (None, "small", "programs", "gpu", "cover", "full", "families"):
-    raise ValueError("configs/compile_tpu.py takes no argument, 'small', 'programs', 'gpu', 'cover', 'full' or "
-                     f"'families', got {arg!r}")
+  if arg not in (None, "small", "programs", "gpu", "cover", "full", "families", "int8"):
+    raise ValueError("configs/compile_tpu.py takes no argument, 'small', 'programs', 'gpu', 'cover', 'full', "
+                     f"'families' or 'int8', got {arg!r}")
   config = ml_collections.ConfigDict()
   config.dtype = "bfloat16"
-  # name: a `specjax.config.MODEL_SHAPES` entry; draft_vocab: the truncated draft vocabulary of its trained drafters
-  # (SmolLM2's shipped ones: 8192 of 49,152; EAGLE-3's Llama 3.1 8B draft: 32,000 of 128,256).
+  # name: a `specjax.config.MODEL_SHAPES` entry (or a name of its own, with "shape" the entry); draft_vocab: the
+  # truncated draft vocabulary of its trained drafters (SmolLM2's shipped ones: 8192 of 49,152; EAGLE-3's Llama 3.1 8B
+  # draft: 32,000 of 128,256); weights: "int8" for int8 codes and a scale per output channel (default: config.dtype).
   config.models = (
       {"name": "smollm2-135m", "draft_vocab": 8192},
       {"name": "llama-3.2-1b", "draft_vocab": 32768},
@@ -155,4 +167,10 @@ def get_config(arg=None):
     config.runs = ({"models": tuple(m["name"] for m in FAMILY_MODELS), "topologies": ("v5e:2x4",),
                     "programs": ("prefill", "autoregressive", "speculative", "train_drafter"),
                     "drafters": ("layer_skip", "mtp_sequential"), "tree_nodes": config.tree_nodes[:1]},)
+  elif arg == "int8":  # each target with bf16 and with int8 weights: its decoding program and steps, on v5e:2x4
+    config.models = tuple({"name": name, "draft_vocab": vocab} for name, vocab in INT8_SHAPES) + tuple(
+        {"name": f"{name} int8", "shape": name, "weights": "int8", "draft_vocab": vocab} for name, vocab in INT8_SHAPES)
+    config.drafters = tuple(d for d in config.drafters if d["name"] == "prompt_lookup")  # no weights of its own
+    config.runs = ({"models": tuple(m["name"] for m in config.models), "topologies": ("v5e:2x4",),
+                    "programs": ("autoregressive", "steps"), "tree_nodes": ()},)
   return config

@@ -20,8 +20,12 @@ ones a user runs, at the config's shapes (bf16, `batch_size` rows, a KV cache of
   train                `specjax.train`'s sharded step over the whole target (`lm_loss`, AdamW)
 
 Per program: compile seconds, the bytes per device XLA allocates (`memory_analysis()`: arguments + outputs +
-temporaries + code - aliased) against the chip's HBM, and XLA's count of flops and bytes accessed
-(`cost_analysis()`, per device). A program the TPU compiler cannot fit into HBM is reported as not fitting, with its
+temporaries + code - aliased) against the chip's HBM, XLA's count of flops and bytes accessed
+(`cost_analysis()`, per device), and the calls of specjax's CPU kernels in it (`cpu_kernel_calls`: none belongs in a
+program for another platform). A model entry with `"weights": "int8"` holds the target's matrices as int8 codes and
+a scale per output channel (specjax/int8.py; `"shape"` names its `MODEL_SHAPES` entry when its name is its own), and
+results.md compares each of its programs with the same program of that shape with the config's dtype
+(`weights_table`). A program the TPU compiler cannot fit into HBM is reported as not fitting, with its
 message; any other failure as failed, with its error.
 
 XLA counts a while loop's body once, whatever its trip count, so the whole-loop programs' counts are not a step's.
@@ -258,10 +262,11 @@ def abstract_drafter(name: str, options: dict, config: ModelConfig, params) -> t
 
 
 def model_shapes(model_config: ModelConfig, draft_vocab: int, target: Target, config: ml_collections.ConfigDict,
-                 acceptance: dict[str, dict[str, float]]) -> Shapes:
+                 acceptance: dict[str, dict[str, float]], weights: str = "") -> Shapes:
   """The model's and its drafters' abstract parameters on the target's mesh, and the config's input shapes;
-  `acceptance` (`measured_acceptance`) gives each drafter's gamma."""
-  params = sharding.abstract_params(model_config, target.mesh)
+  `acceptance` (`measured_acceptance`) gives each drafter's gamma. `weights="int8"`: the target's matrices as int8
+  codes with a scale per output channel (`specjax.int8`, `sharding.abstract_params`)."""
+  params = sharding.abstract_params(model_config, target.mesh, weights=weights)
   drafters, draft_params = {}, {}
   for recipe in config.drafters:
     drafter, shapes = abstract_drafter(recipe["drafter"], drafter_options(recipe, model_config, draft_vocab),
@@ -565,7 +570,10 @@ def compile_program(lowering: Lowering, target: Target) -> dict[str, Any]:
     record["projected_seconds"] = target.seconds(record["flops"], record["bytes_accessed"])
   else:
     record["flops"] = record["bytes_accessed"] = record["projected_seconds"] = None
-  record["has_loop"] = bool(re.search(r"\bwhile\(", compiled.as_text()))
+  text = compiled.as_text()
+  record["has_loop"] = bool(re.search(r"\bwhile\(", text))
+  # specjax's CPU kernels are XLA custom calls named specjax_*: none belongs in a program for another platform.
+  record["cpu_kernel_calls"] = len(re.findall(r"custom_call_target=\"specjax_", text))
   return record
 
 
@@ -663,8 +671,10 @@ def compile_all(config: ml_collections.ConfigDict, progress: Callable[[str], Non
     if key not in shapes:
       shapes.clear()
       mesh_target = target(topology, data, model_axis)
-      model_config = model_configs.get(model) or shaped_config(model, config.dtype)
-      shapes[key] = model_shapes(model_config, models[model]["draft_vocab"], mesh_target, config, acceptance)
+      entry = models[model]
+      model_config = model_configs.get(model) or shaped_config(entry.get("shape", model), config.dtype)
+      shapes[key] = model_shapes(model_config, entry["draft_vocab"], mesh_target, config, acceptance,
+                                 weights=entry.get("weights", ""))
     s = shapes[key]
     for lowering in programs_of(s, config, which, drafters, tree_nodes):
       before = done.get((model, topology, which, lowering.name, lowering.drafter, lowering.tree_nodes))
@@ -675,7 +685,8 @@ def compile_all(config: ml_collections.ConfigDict, progress: Callable[[str], Non
       # What jax keeps of a program once it is compiled (~1 GiB of a SmolLM2 speculative program for a v5e slice) is
       # not needed again: kept, a few dozen programs fill the machine's memory.
       jax.clear_caches()
-      record.update(model=model, topology=topology, mesh=[data, model_axis], kind=which)
+      record.update(model=model, topology=topology, mesh=[data, model_axis], kind=which,
+                    shape=models[model].get("shape", model), weights=models[model].get("weights") or config.dtype)
       records.append(record)
       if log is not None:
         log.append(record)
@@ -818,6 +829,7 @@ def markdown(results: dict) -> str:
           f"{v['model']} {v['topology']} ({v['program']}: {v['bytes_accessed'] / 1e9:.2f} GB, decode step: "
           f"{d['bytes_accessed'] / 1e9:.2f} GB)" for v, d in odd) + ": the compiler slices and copies the cache "
           "between memory spaces differently in the two programs, and the projected speedups there inherit it."]
+  lines += weights_table(records)
   if results["projections"]:
     config = results["config"]
     lines += ["", f"## Projected speedups (tau from {', '.join(projection.files_of(config['acceptance']))}"
@@ -849,6 +861,46 @@ def markdown(results: dict) -> str:
     lines.append(f"| {topology} | {_gib(t['hbm_bytes'])} | {t['hbm_bytes_per_second'] / 1e9:.0f} | "
                  f"{t['bf16_flops_per_second'] / 1e12:.1f} | {t['source']} |")
   return "\n".join(lines) + "\n"
+
+
+def weights_table(records: list[dict]) -> list[str]:
+  """results.md's section comparing each program of a model compiled with int8 weights (a model entry's `weights`)
+  against the same program of the model of its shape with arrays of the config's dtype (`weights_rows`); none where
+  the run compiled no int8 weights."""
+  rows = weights_rows(records)
+  if not rows:
+    return []
+  return ["", "## int8 weights against the config's dtype", "",
+          "The same program with the target's matrices as int8 codes and a scale per output channel (specjax/int8.py: "
+          "(x @ codes) * scale, the codes converted inside the product). GiB per device: what XLA allocates (HBM "
+          "per chip where a chip is one device); arguments: the parameters and the KV cache; accessed: XLA's count "
+          "(step programs; a loop's body counts once). CPU kernel calls: specjax_* custom calls in the compiled "
+          "program.", ""] + rows
+
+
+def weights_rows(records: list[dict]) -> list[str]:
+  """A Markdown table: per program compiled with int8 weights, the same program of its shape with the config's dtype
+  beside it (HBM per device, arguments, XLA's bytes accessed) and its CPU kernel calls; [] where there is none."""
+  def shape(r):
+    return r.get("shape") or r["model"]
+  plain = {(shape(r), r["topology"], r["kind"], r["program"], r["drafter"], r.get("tree_nodes")): r
+           for r in records if r.get("weights", "bfloat16") != "int8" and r["status"] == "compiled"}
+  pairs = [(plain[key], r) for r in records if r.get("weights") == "int8" and r["status"] == "compiled"
+           and (key := (shape(r), r["topology"], r["kind"], r["program"], r["drafter"], r.get("tree_nodes"))) in plain]
+  if not pairs:
+    return []
+  lines = ["| model | topology | program | GiB per device | int8 GiB per device | int8 / dtype | arguments GiB | "
+           "int8 arguments GiB | GB accessed | int8 GB accessed | CPU kernel calls |",
+           "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  for dense, quantized in pairs:
+    accessed = [f"{r['bytes_accessed'] / 1e9:.2f}" if r.get("bytes_accessed") is not None else "–"
+                for r in (dense, quantized)]
+    lines.append(f"| {quantized['model']} | {quantized['topology']} | {_program_label(quantized)} | "
+                 f"{_gib(dense['bytes_per_device'])} | {_gib(quantized['bytes_per_device'])} | "
+                 f"{quantized['bytes_per_device'] / dense['bytes_per_device']:.2f} | "
+                 f"{_gib(dense['memory']['arguments'])} | {_gib(quantized['memory']['arguments'])} | "
+                 f"{accessed[0]} | {accessed[1]} | {quantized.get('cpu_kernel_calls', '–')} |")
+  return lines
 
 
 def plot(results: dict, path: str) -> None:

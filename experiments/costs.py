@@ -20,10 +20,11 @@ threaded through the loop as in decoding.
 
 The same setup also gives the bytes each step moves: c_bytes = a draft step's bytes over a target step's, both
 XLA's counts as compiled here (`specjax.roofline`), and r_bytes = a verification's bytes over a 1-token step's, as
-the analytic cost model counts them (experiments/cost_model.py `step_bytes`: the weights once and the cache in
-use, ~1); the memory bandwidth of the device (`measure_read_bandwidth`, `measure_copy_bandwidth`), against which
-the 1-token step's bytes over its time give its roofline fraction; and its compute rate on a prefill-scale product
-(`measure_flop_rate`), which with the bandwidth is what the cost model times a program with.
+the analytic cost model counts them (experiments/cost_model.py `step_bytes`: the weights once, as the model stores
+them, a quantized target's blocks and scales, and the cache in use, ~1); the memory bandwidth of the device
+(`measure_read_bandwidth`, `measure_copy_bandwidth`), against which the 1-token step's bytes over its time give its
+roofline fraction; and its compute rate on a prefill-scale product (`measure_flop_rate`), which with the bandwidth
+is what the cost model times a program with.
 """
 
 from __future__ import annotations
@@ -212,11 +213,11 @@ def measure(model, methods: Sequence[tuple[str, Drafter, int]], context: Sequenc
 
   Returns {"context_tokens", "cache_len", "rows", "target_seconds": {tokens: s}, "draft_seconds": {name: s},
   "methods": {name: {"gamma", "draft_cost", "verify_cost"[, "draft_cost_bytes", "verify_cost_bytes"]}}} and,
-  with `count_bytes`, "target_step_bytes" (`cost_model.step_bytes`), "target_step_bytes_xla", "draft_step_bytes"
-  {name: B}, "read_bandwidth" (bytes/s, `measure_read_bandwidth` over "read_megabytes"), "roofline_fraction": the
-  1-token target step's bytes / its time / that bandwidth, and "flop_rate" (FLOP/s, `measure_flop_rate` of a float32
-  product of "flop_shape"). Target and draft steps run on the weights as generate's loop reads them
-  (`specjax.decoding.decode_params`, `decode_draft_params`).
+  with `count_bytes`, "target_step_bytes" (`cost_model.step_bytes` of the weights as `model.params` stores them),
+  "target_step_bytes_xla", "draft_step_bytes" {name: B}, "read_bandwidth" (bytes/s, `measure_read_bandwidth` over
+  "read_megabytes"), "roofline_fraction": the 1-token target step's bytes / its time / that bandwidth, and
+  "flop_rate" (FLOP/s, `measure_flop_rate` of a float32 product of "flop_shape"). Target and draft steps run on the
+  weights as generate's loop reads them (`specjax.decoding.decode_params`, `decode_draft_params`).
   """
   config, params = model.config, model.params
   decoded = decode_params(model)  # the weights as generate's loop reads them
@@ -265,7 +266,8 @@ def measure(model, methods: Sequence[tuple[str, Drafter, int]], context: Sequenc
                          "verify_cost": seconds[f"target {gamma + 1}"] / t_1}
                   for name, _, gamma in methods}}
   if count_bytes:
-    costs["target_step_bytes"] = cost_model.step_bytes(config, position, rows)
+    # The weights' bytes as the model stores them: a quantized target's blocks and scales, not float32's.
+    costs["target_step_bytes"] = cost_model.step_bytes(config, position, rows, params=params)
     # The roofline of autoregressive decoding: the 1-token step's bytes at the read bandwidth measured now.
     costs["read_megabytes"] = 512 if jax.default_backend() == "cpu" else 2048
     costs["read_bandwidth"] = measure_read_bandwidth(costs["read_megabytes"])
@@ -280,5 +282,6 @@ def measure(model, methods: Sequence[tuple[str, Drafter, int]], context: Sequenc
       costs["draft_step_bytes"][name] = step
       costs["methods"][name].update(
           draft_cost_bytes=step / costs["target_step_bytes_xla"],
-          verify_cost_bytes=cost_model.step_bytes(config, position, rows, gamma + 1) / costs["target_step_bytes"])
+          verify_cost_bytes=cost_model.step_bytes(config, position, rows, gamma + 1, params=params)
+          / costs["target_step_bytes"])
   return costs

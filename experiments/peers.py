@@ -33,8 +33,10 @@ reported rather than required. Drafts per round default to the method's `gamma`,
 with a fixed schedule; HF's own defaults (20 assistant tokens with a heuristic schedule and a confidence
 threshold) are options. torch and llama.cpp run with the faster of 1 and all CPU threads (XLA uses all),
 probed once per model on a short decode, unless the `threads` / `n_threads` option sets them: their workers
-spin-wait, and on a busy machine one thread can be several times faster than all. There is nothing to
-compile: `compile_seconds` is 0 and the runner's untimed warmup call absorbs first-call allocation.
+spin-wait, and on a busy machine one thread can be several times faster than all. llama.cpp's `n_threads=-1`
+(`SAME_THREADS`) runs it on the threads specjax's programs run on (`specjax_threads`: XLA's CPU client sizes its
+pool, which the CPU kernels share, to the cores this process may use), for a comparison at equal threads. There is
+nothing to compile: `compile_seconds` is 0 and the runner's untimed warmup call absorbs first-call allocation.
 
 Stats (the keys of `specjax.generate`'s) come from a trace of the target's forward passes: forward i reads
 `inputs_i` tokens after `past_i` cached ones. Before forward i the committed sequence holds `committed_0` =
@@ -284,6 +286,16 @@ def make_hf(name: str, model: specjax.Model, path: str, stop_ids, gamma: int, th
 
 
 _LLAMACPP_THREADS: dict[str, int] = {}
+SAME_THREADS = -1  # llama.cpp's n_threads option: as many threads as specjax's programs run on (`specjax_threads`)
+
+
+def specjax_threads() -> int:
+  """The threads specjax's CPU programs run on: XLA's CPU client sizes its thread pool (the CPU kernels' too) to the
+  cores this process may use."""
+  try:
+    return len(os.sched_getaffinity(0))
+  except (AttributeError, OSError):
+    return os.cpu_count() or 1
 
 
 class LlamaCppPeer:
@@ -381,6 +393,10 @@ def make_llamacpp(name: str, model: specjax.Model, path: str, stop_ids, gamma: i
   if not path.endswith(".gguf"):
     raise ValueError(f"llama.cpp peers read a .gguf file; the config's model is {path}")
   draft_gamma = int({**allowed, **options}["num_pred_tokens"]) if allowed else None
+  n_threads = specjax_threads() if int(n_threads) == SAME_THREADS else int(n_threads)
+  if n_threads < 0:
+    raise ValueError(f"peer {name}: n_threads is 0 (the faster of 1 and all), a count, or {SAME_THREADS} (as "
+                     f"specjax's programs: {specjax_threads()}), got {n_threads}")
   return SubprocessPeer(name, model.tokenizer, stop_ids, draft_gamma, LLAMACPP_MAKER,
                         dict(name=name, path=path, stop_ids=tuple(stop_ids), gamma=gamma, n_threads=int(n_threads),
                              n_ctx=int(n_ctx), options=options))

@@ -114,13 +114,16 @@ class Run:
 
   @property
   def config(self) -> str:
-    """results.json's `name` (config file and variant), with the dtype where a timed run overrode float32 (a
-    bfloat16 run times other programs, and supersedes none of float32's); a folder without one is a config of its
-    own."""
+    """results.json's `name` (config file and variant), with the weights where a timed run overrode float32 (a
+    bfloat16 run, or one of the GGUF's quantized blocks, times other programs, and supersedes none of float32's); a
+    folder without one is a config of its own."""
     if not self.results:
       return self.name
-    dtype = self.results["config"].get("dtype", "float32") if self.timed else "float32"
-    return self.results["name"] + ("" if dtype == "float32" else f" ({dtype})")
+    config, name = self.results.get("config", {}), self.results["name"]
+    if self.timed and config.get("quantized"):  # a variant that loads quantized names it (bench_peers-quantized)
+      return name if "quantized" in name else f"{name} (quantized)"
+    dtype = config.get("dtype", "float32") if self.timed else "float32"
+    return name + ("" if dtype == "float32" else f" ({dtype})")
 
   @property
   def timed(self) -> bool:
@@ -401,10 +404,10 @@ def _describe_prompts(run: Run) -> str:
 
 
 def _describe_model(config: dict[str, Any]) -> str:
-  """"gemma3-270m bfloat16: " for a run of another model or dtype than SmolLM2-135M in float32 (most runs), else
-  nothing."""
-  model, dtype = config.get("model", "smollm2-135m"), config.get("dtype", "float32")
-  return "" if (model, dtype) == ("smollm2-135m", "float32") else f"{model} {dtype}: "
+  """"gemma3-270m bfloat16: " for a run of another model or weights than SmolLM2-135M in float32 (most runs), else
+  nothing ("smollm2-135m quantized (GGUF blocks): " for its GGUF's quantized blocks, `report.weights`)."""
+  model, weights = config.get("model", "smollm2-135m"), report.weights(config)
+  return "" if (model, weights) == ("smollm2-135m", "float32") else f"{model} {weights}: "
 
 
 def describe(run: Run) -> str:
@@ -498,6 +501,15 @@ def largest_programs_table(results: dict[str, Any]) -> str | None:
                f"{_program_label(big)} | {big['bytes_per_device'] / 2**30:.2f} | {big['hbm_fraction']:.0%}")
     rows.append(f"| {model} | {topology} | {mesh} | {len(compiled)} of {len(here)} | {largest} | {missed} |")
   return "\n".join(rows)
+
+
+def int8_table(results: dict[str, Any]) -> str | None:
+  """A compile run's programs with int8 weights beside their twins of the run's dtype (compile_for.weights_rows), or
+  None where it compiled none."""
+  if not any(r.get("weights") == "int8" for r in results["records"]):
+    return None
+  from experiments import compile_for  # jax and the TPU compiler's settings: only where a run has such programs
+  return "\n".join(compile_for.weights_rows(results["records"])) or None
 
 
 def describe_trained(results: dict[str, Any]) -> str:
@@ -818,6 +830,13 @@ def tpu_compile_block(runs: Runs, prefix: str) -> str:
     table = largest_programs_table(run.results)
     if table:
       lines.append(f"The programs a user runs in `{run.folder}`, the largest of each model and topology:\n\n{table}")
+    int8 = int8_table(run.results)
+    if int8:
+      lines.append(f"int8 weights (specjax/int8.py: int8 codes and a {run.results['config']['dtype']} scale per output "
+                   f"channel, (x @ codes) * scale) against {run.results['config']['dtype']} in `{run.folder}`, each "
+                   "program beside its twin: GiB per chip XLA allocates, the arguments (weights and KV cache), XLA's "
+                   "bytes accessed (a loop's body counted once), and the calls of specjax's CPU kernels in the int8 "
+                   f"program:\n\n{int8}")
   default = runs.get("tpu_compile")
   if default is None:
     return "\n\n".join(lines)
@@ -1081,7 +1100,7 @@ def readme_results_block(runs: Runs, prefix: str) -> str:
                   f"{run.commit}{note})")
   config = candidates[0].results["config"]
   cpu_counts = {runs[name].results["environment"]["cpu_count"] for name in chosen}
-  setting = [f"{config['model']} {config['dtype']}",
+  setting = [f"{config['model']} {report.weights(config)}",
              "greedy" if config["temperature"] == 0 else f"temperature {config['temperature']}",
              f"batch {config['batch_size']}", f"{config['max_new_tokens']} new tokens",
              f"the first {config['prompts']['per_category']} prompts of each of Spec-Bench's {widest} categories"
@@ -1153,7 +1172,7 @@ def _answer(runs: Runs, prefix: str, model: str, adaptive: Run, fixed: Run) -> s
     notes.append(f"code changed since: {', '.join(changed)}")
   notes.append("every output equal to autoregressive decoding's" if adaptive.results["summary"].get("all_lossless")
                is True else "NOT every output equal to autoregressive decoding's")
-  setting = (f"**{ANSWER_TARGETS.get(model, model)}** ({config['dtype']}, adaptive drafting, "
+  setting = (f"**{ANSWER_TARGETS.get(model, model)}** ({report.weights(config)}, adaptive drafting, "
              f"{adaptive.results['environment']['cpu_count']} CPU cores; {'; '.join(notes)})")
 
   def cell(m: str) -> str:

@@ -48,6 +48,15 @@ CONTROL = "control"  # the never-drafting control method a run's `config.control
 FEW_DRAFTS = 0.1  # below this share of a method's tokens from accepted drafts, tables and plots say so
 
 
+QUANTIZED = "quantized (GGUF blocks)"  # how a run's weights read where its dtype would be shown
+
+
+def weights(config: dict[str, Any]) -> str:
+  """How a run's target holds its weights, where its dtype is shown: the dtype, or `QUANTIZED` for a target loaded
+  with its GGUF's quantized blocks (`config.quantized`: `specjax.load(..., quantized=True)`)."""
+  return QUANTIZED if config.get("quantized") else str(config.get("dtype", "float32"))
+
+
 def _median(values) -> float | None:
   values = [v for v in values if v is not None and not math.isnan(v)]
   return float(np.median(values)) if values else None
@@ -681,7 +690,7 @@ def write(workdir: str, results: dict[str, Any]) -> str:
   temperatures = list(summary.get("by_temperature") or [config["temperature"]])
   batch_sizes = list(summary.get("by_batch_size") or [str(config["batch_size"])])
   lines = [f"# {results['name']}\n", table, "",
-           f"{config['model']} ({config['dtype']}), prompts: {len(results['prompts'])}"
+           f"{config['model']} ({weights(config)}), prompts: {len(results['prompts'])}"
            f"{' (' + config['prompts']['split'] + ' side of the dev/test split)' if config['prompts'].get('split') else ''}"
            f", max_new_tokens "
            f"{config['max_new_tokens']}, temperature {', '.join(map(str, temperatures))} (this table: the first; "
@@ -708,7 +717,8 @@ def write(workdir: str, results: dict[str, Any]) -> str:
     if "roofline_fraction" in costs:
       lines += ["", f"**Roofline** of {summary['baseline']} decoding: a 1-token target step (batch {costs['rows']}) "
                 f"takes {1e3 * costs['target_seconds'][1]:.2f} ms for {costs['target_step_bytes'] / 1e6:.0f} MB of "
-                f"weights and KV cache, {summary['roofline_fraction']:.0%} of the read bandwidth measured in this "
+                f"weights{' as stored (the GGUF blocks and their scales)' if config.get('quantized') else ''} and KV "
+                f"cache, {summary['roofline_fraction']:.0%} of the read bandwidth measured in this "
                 f"run ({costs['read_bandwidth'] / 1e9:.1f} GB/s, a jitted sum over {costs['read_megabytes']} MB)."]
   skipped = summary.get("skipped_methods") or {}
   if skipped:

@@ -31,6 +31,9 @@ the batches done before it), and the log is removed once results.json is written
 With temperature 0 every method's tokens are compared with the baseline's, token for token (`lossless`); a
 mismatch is logged as an error, heads results.md and results.json (`summary.lossless_failures`), and the command
 exits with status 1.
+A quantized target (`config.quantized`: the GGUF's own quantized blocks, `specjax.load(..., quantized=True)`) is
+the target of every method, the baseline's too: the drafters draft for it and are checked against its own
+autoregressive tokens, and the costs' bytes are its weights as stored.
 
 A method names a specjax drafter (`"drafter"`; none: autoregressive) or a peer (`"peer"`: another
 implementation on the same weights, e.g. HF transformers or llama.cpp, see experiments/peers.py), timed
@@ -303,8 +306,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model: specjax.Model
         name: str = "experiment") -> dict[str, Any]:
   """Runs `config`, writes the results into `workdir` and returns them. `model`: reuse an already loaded one."""
   if model is None:
-    logging.info("loading %s (%s)", config.model, config.dtype)
-    model = specjax.load(config.model, dtype=config.dtype)
+    quantized = bool(config.get("quantized", False))
+    logging.info("loading %s (%s)", config.model, report.weights(config.to_dict()))
+    model = specjax.load(config.model, dtype=config.dtype, quantized=quantized)
   if model.tokenizer is None:
     raise ValueError(f"{config.model} has no tokenizer; Spec-Bench prompts are text")
   every_question = spec_bench.load_questions()

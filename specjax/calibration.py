@@ -15,11 +15,12 @@ as the decode loop runs it, inside a compiled `fori_loop` whose iterations depen
 long/short pair of each in turn, over `REPEATS` rounds (more, up to 9, while a case's rounds move by more than
 `NOISY` of their median), and f(n) is the median over rounds of a case's time over the 1-row forward's in the same
 round, so a drift of a shared machine hits both alike. Compiling is excluded (and reported); a case whose rounds
-still moved by more than `NOISY` is logged: the machine was busy. The result, the points (n, f(n)) with f(1) = 1, is written to
-`$SPECJAX_CACHE/forward_costs/<key digest>.json` (default ~/.cache/specjax), keyed by everything it depends on
-(`cache_key`: the model's config, dtype, rows and tokens, the host's CPU, cores, backend and device, jax and jaxlib,
-whether the CPU kernels run), atomically (a temporary file renamed over it); later runs read it. A file that does not
-parse, or holds another key or invalid points, is measured again and rewritten, not an error.
+still moved by more than `NOISY` is logged: the machine was busy. The result, the points (n, f(n)) with f(1) = 1, is
+written to `$SPECJAX_CACHE/forward_costs/<key digest>.json` (default ~/.cache/specjax), keyed by everything it depends
+on (`cache_key`: the model's config, dtype and how its weights are stored (a GGUF's quantized blocks or arrays), rows
+and tokens, the host's CPU, cores, backend and device, jax and jaxlib, whether the CPU kernels run), atomically (a
+temporary file renamed over it); later runs read it. A file that does not parse, or holds another key or invalid
+points, is measured again and rewritten, not an error.
 
 XLA's own count of a compiled forward (`cost_analysis`: flops and bytes) was the cheaper alternative, with no timing
 at all; it cannot see into the CPU kernels (XLA custom calls, which run every product and attention of a decode step
@@ -123,13 +124,31 @@ def host_key() -> dict[str, Any]:
           "cpu_kernels": kernels}
 
 
+def weights_key(params) -> str:
+  """A digest of how the parameters are stored: every array's path, dtype and shape, and of a quantized weight
+  (`specjax.backends.cpu.Quantized`, `specjax.load(..., quantized=True)`) its kind and layout instead of the float32
+  it stands for. A quantized model and the float32 one of its config read other bytes with other kernels, and a
+  verification over several tokens costs them differently: they must not share a table."""
+  from specjax.backends import cpu
+  leaves = jax.tree_util.tree_leaves_with_path(params, is_leaf=lambda x: isinstance(x, cpu.Quantized))
+  described = []
+  for path, leaf in leaves:
+    if isinstance(leaf, cpu.Quantized):
+      what = [leaf.kind, list(leaf.shape), leaf.k_dims, leaf.transposed, list(leaf.data.shape)]
+    else:
+      what = [str(jnp.dtype(leaf.dtype)), list(leaf.shape)]
+    described.append([jax.tree_util.keystr(path), *what])
+  return hashlib.sha256(json.dumps(described).encode()).hexdigest()[:16]
+
+
 def cache_key(model, rows: int, tokens: Sequence[int]) -> dict[str, Any]:
-  """Everything a calibration depends on: the model's config (its dtype included), the rows and tokens per row timed
-  (one token always), the position the forward is timed at, the host (`host_key`) and the measurement's version."""
+  """Everything a calibration depends on: the model's config (its dtype included), how its weights are stored
+  (`weights_key`: quantized or not, and as which blocks), the rows and tokens per row timed (one token always), the
+  position the forward is timed at, the host (`host_key`) and the measurement's version."""
   config = json.loads(json.dumps(dataclasses.asdict(model.config), default=str))
-  return {"version": VERSION, "config": config, "dtype": model.config.dtype, "rows": int(rows),
-          "tokens": sorted({int(t) for t in tokens} | {1}), "context": _context(model.config, max(tokens))[0],
-          "host": host_key()}
+  return {"version": VERSION, "config": config, "dtype": model.config.dtype, "weights": weights_key(model.params),
+          "rows": int(rows), "tokens": sorted({int(t) for t in tokens} | {1}),
+          "context": _context(model.config, max(tokens))[0], "host": host_key()}
 
 
 def cache_path(key: dict[str, Any], directory: str | None = None) -> str:

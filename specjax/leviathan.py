@@ -58,7 +58,9 @@ def draft_cost(params, config: ModelConfig, layers: Sequence[int], own=None, hea
   of which `head_columns` columns when truncated) over those of a full target step.
 
   A batch-1 decode step is memory-bound, so this is its relative time to first order. With a small model
-  the LM head is a large share (SmolLM2: 28 M of 135 M weights), so it exceeds the fraction of layers run.
+  the LM head is a large share (SmolLM2: 28 M of 135 M weights), so it exceeds the fraction of layers run. Bytes
+  are counted as the arrays store them: a quantized target's GGUF blocks (`backends.cpu.Quantized`), an int8
+  target's codes and scales (`specjax.int8`), beside a drafter's own arrays at their dtype.
   """
   head = _weight_bytes(params["lm_head"] if "lm_head" in params else params["embed"])
   layer_bytes = [_weight_bytes(layer) for layer in params["layers"]]

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import int8
 from specjax.backends import cpu
 
 
@@ -27,8 +28,11 @@ def matmul(x: jax.Array, w, preferred_element_type=None) -> jax.Array:
   weights), multiplied by the kernel where the program is compiled for a CPU and over its panels with jnp elsewhere,
   or a GGUF-quantized weight (`backends.cpu.Quantized`, `specjax.load(..., quantized=True)`), multiplied by its
   kernel (decoding its blocks as it reads them) where the program is compiled for a CPU and as its dequantized
-  float32 matrix with jnp elsewhere.
+  float32 matrix with jnp elsewhere; or an int8 weight (`specjax.int8.Int8`: codes and a scale per output channel,
+  for accelerators), multiplied as (x @ codes) * scale with jnp on every platform.
   """
+  if isinstance(w, int8.Int8):
+    return int8.matmul(x, w, preferred_element_type=preferred_element_type)
   if isinstance(w, cpu.Quantized):
     reference = functools.partial(cpu.quantized.matmul_reference, preferred_element_type=preferred_element_type)
     if not cpu.quantized_matmul_applies(x, w):
@@ -46,23 +50,29 @@ def matmul(x: jax.Array, w, preferred_element_type=None) -> jax.Array:
 
 def matmul_transposed(x: jax.Array, table, preferred_element_type=None) -> jax.Array:
   """x [..., K] @ table.T for a table [N, K] (a tied embedding table as the LM head), without a transposed copy of an
-  array; a quantized table (`backends.cpu.Quantized`) through `matmul`."""
+  array; a quantized table (`backends.cpu.Quantized`, `specjax.int8.Int8`) through `matmul`."""
+  if isinstance(table, int8.Int8):
+    return int8.matmul(x, table, preferred_element_type=preferred_element_type)
   if isinstance(table, cpu.Quantized):
     return matmul(x, table.T, preferred_element_type=preferred_element_type)
   return jnp.einsum("...k,nk->...n", x, table, preferred_element_type=preferred_element_type)
 
 
-def dequantize(w):
+def dequantize(w, *, int8_weights: bool = True):
   """w as an array, or a tree of weights as arrays: a quantized weight's (`backends.cpu.Quantized`) float32 values,
-  any other as it is. For code that copies or reshapes a weight (a drafter initialised from a target layer, export,
-  a mesh); products and gathers take the weight itself (`matmul`, `take`)."""
-  return cpu.dequantize_params(w)
+  an int8 weight's (`specjax.int8.Int8`) codes times scales (unless `int8_weights` is False: they stay), any other as
+  it is. For code that copies or reshapes a weight (a drafter initialised from a target layer, export, a mesh);
+  products and gathers take the weight itself (`matmul`, `take`)."""
+  types = (cpu.Quantized, int8.Int8) if int8_weights else (cpu.Quantized,)
+  return jax.tree.map(lambda x: x.dequantize() if isinstance(x, types) else x, w,
+                      is_leaf=lambda x: isinstance(x, types))
 
 
 def take(table, ids: jax.Array, axis: int = 0) -> jax.Array:
   """jnp.take(table, ids, axis): an embedding lookup, a head's columns. A quantized table (`backends.cpu.Quantized`)
-  decodes the entries it gathers only, to the float32 values its products multiply by."""
-  if isinstance(table, cpu.Quantized):
+  decodes the entries it gathers only, to the float32 values its products multiply by; an int8 table
+  (`specjax.int8.Int8`) converts those entries only."""
+  if isinstance(table, (cpu.Quantized, int8.Int8)):
     return table.take(ids, axis)
   return jnp.take(table, ids, axis=axis)
 

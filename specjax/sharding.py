@@ -29,7 +29,7 @@ import numpy as np
 from absl import logging
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from specjax import ops
+from specjax import int8, ops
 from specjax.config import ModelConfig
 from specjax.model import KVCache, Params, is_spec, param_shapes
 
@@ -125,12 +125,22 @@ def abstract_tree(arrays: Any, specs: Any, mesh: Mesh, rules: ShardingRules = DE
                       spec_shardings(specs, mesh, rules))
 
 
-def abstract_params(config: ModelConfig, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES) -> Params:
-  """The model's parameters as sharded `jax.ShapeDtypeStruct`s of `config.dtype` (no weights; see `abstract_tree`)."""
+WEIGHTS = ("", "int8")  # how `abstract_params` holds the matrices: arrays of config.dtype, or int8 codes and scales
+
+
+def abstract_params(config: ModelConfig, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES,
+                    weights: str = "") -> Params:
+  """The model's parameters as sharded `jax.ShapeDtypeStruct`s of `config.dtype` (no weights; see `abstract_tree`).
+  `weights="int8"`: its matrices as `specjax.int8.Int8` (int8 codes split as the matrix, a `config.dtype` scale per
+  output channel split as those channels; norms and biases of `config.dtype`)."""
+  if weights not in WEIGHTS:
+    raise ValueError(f"weights is one of {WEIGHTS} ('': arrays of config.dtype), got {weights!r}")
   specs = param_shapes(config)
   dtype = jax.numpy.dtype(config.dtype)
-  return abstract_tree(jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), specs, is_leaf=is_spec), specs,
-                       mesh, rules)
+  arrays = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), specs, is_leaf=is_spec)
+  if weights == "int8":
+    arrays, specs = jax.eval_shape(int8.quantize_params, arrays), int8.declare(specs)
+  return abstract_tree(arrays, specs, mesh, rules)
 
 
 def param_shardings(config: ModelConfig, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES) -> Params:
@@ -140,8 +150,12 @@ def param_shardings(config: ModelConfig, mesh: Mesh, rules: ShardingRules = DEFA
 
 def shard_params(params: Params, config: ModelConfig, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES) -> Params:
   """Places parameters on the mesh (a no-op for arrays that already have their target sharding). Quantized weights
-  (`specjax.load(..., quantized=True)`) are placed as their float32 values: their kernel runs on one device."""
-  return shard_tree(ops.dequantize(params), param_shapes(config), mesh, rules)
+  (`specjax.load(..., quantized=True)`) are placed as their float32 values: their kernel runs on one device. int8
+  weights (`specjax.int8`) are placed as their codes and scales (`int8.declare`)."""
+  specs = param_shapes(config)
+  if int8.holds_int8(params):
+    specs = int8.declare(specs)
+  return shard_tree(ops.dequantize(params, int8_weights=False), specs, mesh, rules)
 
 
 def shard_model(model, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES):

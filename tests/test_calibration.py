@@ -141,6 +141,36 @@ def test_the_key_separates_models_dtypes_rows_tokens_and_hosts(tiny, monkeypatch
     assert path() not in paths
 
 
+def test_the_key_separates_a_quantized_model_from_the_float32_one_of_its_config(tmp_path):
+  """The same GGUF loaded with its quantized blocks and dequantized to float32: one config, other weights, other
+  keys (a quantized step reads other bytes with other kernels); each key the same when loaded again."""
+  from tests.test_quantized import write_quantized_gguf
+  path = write_quantized_gguf(tmp_path / "tiny.gguf")
+
+  def load(quantized):
+    if not quantized:
+      return specjax.load(path)
+    with pytest.warns(UserWarning, match="dequantized to float32"):
+      return specjax.load(path, quantized=True)
+
+  def key(model):
+    return calibration.cache_key(model, 1, (1, 2, 5))
+  quantized, dense = load(True), load(False)
+  assert quantized.config == dense.config
+  assert key(quantized)["weights"] != key(dense)["weights"]
+  assert {k: v for k, v in key(quantized).items() if k != "weights"} == {k: v for k, v in key(dense).items()
+                                                                         if k != "weights"}
+  assert calibration.cache_path(key(quantized)) != calibration.cache_path(key(dense))
+  assert key(load(True)) == key(quantized) and key(load(False)) == key(dense)  # stable
+  # Another kind of block in one matrix is another key; so is a float32 array of another dtype.
+  layer = quantized.params["layers"][1]
+  requantized = dict(quantized.params, layers=[quantized.params["layers"][0], {**layer, "w_up": layer["w_up"].replace(
+      kind="Q4_0")}])
+  assert calibration.weights_key(requantized) != calibration.weights_key(quantized.params)
+  halved = jax.tree.map(lambda x: x.astype("bfloat16"), dense.params)
+  assert calibration.weights_key(halved) != calibration.weights_key(dense.params)
+
+
 def test_table_reads_seconds_per_forward_as_costs_over_one_row():
   times = {(1, 1): 0.010, (4, 1): 0.012, (4, 2): 0.020, (4, 5): 0.009, (1, 8): 0.5, (8, 1): 0.011}
   assert calibration.table({k: v for k, v in times.items() if k[0] != 8 and k != (1, 8)}, rows=4) == (

@@ -139,6 +139,8 @@ CONFIGS = [
     (bench_peers, None, 26, 128, "test"),
     (bench_peers, "small", 13, 64, "test"),
     (bench_peers, "gemma", 13, 128, "test"),
+    (bench_peers, "quantized", 26, 128, "test"),
+    (bench_peers, "gemma,quantized", 13, 128, "test"),
     (trees, None, 65, 128, "dev"),
     (trees, "small", 13, 64, "dev"),
     (trees, "mtp", 65, 128, "dev"),
@@ -163,7 +165,7 @@ def test_config_builds_a_run_that_checks_out_without_running(module, arg, prompt
 @pytest.mark.parametrize("module, arg, message", [
     (quickstart, "small", "takes no argument"),
     (spec_bench_config, "huge", "'small'"),
-    (bench_peers, "huge", "'small'"),
+    (bench_peers, "huge", "comma-separated subset of small, gemma, quantized"),
     (compare_drafters, "small,greedy", "comma-separated subset of small, sampling, both, adaptive, budget, data"),
     (compare_drafters, "sampling,both", "exclude each other"),
     (compare_drafters, "budget,data", "exclude each other"),

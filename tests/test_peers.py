@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import ml_collections
 import numpy as np
@@ -248,3 +249,25 @@ def test_bench_peers_config_runs_every_drafter_and_peer(arg):
   names = [m["name"] for m in config.methods]
   assert {"prompt_lookup", "layer_skip_exit24", "mtp_parallel", "mtp_sequential"} <= set(names)
   assert {"hf_autoregressive", "hf_prompt_lookup", "llamacpp_autoregressive", "llamacpp_prompt_lookup"} <= set(names)
+
+
+@pytest.mark.parametrize("arg, model, drafters", [
+    ("quantized", "smollm2-135m", ("prompt_lookup", "mtp_parallel", "mtp_sequential")),
+    ("gemma,quantized", "gemma3-270m", ("prompt_lookup", "layer_skip_exit12"))])
+def test_bench_peers_quantized_times_specjax_on_the_ggufs_blocks_against_llamacpp_on_the_same_file(arg, model,
+                                                                                                  drafters):
+  """The target loaded with its quantized blocks for every specjax method (the autoregressive baseline too: the
+  lossless check is against the quantized target), and llama.cpp on the same file, at specjax's threads."""
+  config = bench_peers.get_config(arg)
+  assert config.quantized and config.model == model and config.temperature == 0.0
+  specs = {m["name"]: m for m in config.methods}
+  assert [n for n, m in specs.items() if not m.get("peer")] == ["autoregressive", *drafters]
+  llamacpp = [m for m in specs.values() if m.get("peer")]
+  assert [m["peer"] for m in llamacpp] == ["llamacpp_autoregressive", "llamacpp_prompt_lookup"]
+  assert [m["name"] for m in llamacpp] == list(bench_peers.LLAMACPP_SAME_THREADS)
+  assert all(m["options"]["n_threads"] == peers.SAME_THREADS for m in llamacpp)
+  assert not bench_peers.get_config(arg.replace("quantized", "").strip(",") or None).quantized
+
+
+def test_same_threads_are_the_cores_xla_runs_specjax_on():
+  assert peers.specjax_threads() == len(os.sched_getaffinity(0)) >= 1

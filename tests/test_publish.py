@@ -11,7 +11,7 @@ import shutil
 import pytest
 
 from configs import common
-from experiments import cli, projection, publish
+from experiments import cli, projection, publish, report
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -346,6 +346,21 @@ def test_a_bfloat16_run_of_a_config_supersedes_none_of_its_float32_runs():
   f32, bf16 = runs["bench_peers-gemma"], runs["bench_peers-gemma-bf16"]
   assert f32.results["name"] == bf16.results["name"] and f32.config != bf16.config
   assert not publish.status(f32, runs).superseded and not publish.status(bf16, runs).superseded
+
+
+def test_a_quantized_run_of_a_config_supersedes_none_of_its_float32_runs_and_says_so():
+  """The GGUF's quantized blocks are another target (other kernels, other tokens): a run of a config on them is a
+  config of its own, and its description names its weights where a float32 run's names none."""
+  runs = {name: _timed_run(name, config, {"ar": [1.0, 1.0], "prompt_lookup": [2.0, 2.0]}, True)
+          for name, config in (("f32", "spec_bench"), ("q", "spec_bench"), ("peers", "bench_peers-quantized"))}
+  runs["q"].results["config"]["quantized"] = runs["peers"].results["config"]["quantized"] = True
+  runs["q"].started = runs["f32"].started + datetime.timedelta(days=1)
+  assert [runs[n].config for n in runs] == ["spec_bench", "spec_bench (quantized)", "bench_peers-quantized"]
+  assert not publish.status(runs["f32"], runs).superseded
+  assert publish._describe_model(runs["q"].results["config"]) == "smollm2-135m quantized (GGUF blocks): "
+  assert publish._describe_model(runs["f32"].results["config"]) == ""
+  assert report.weights(runs["q"].results["config"]) == report.QUANTIZED == "quantized (GGUF blocks)"
+  assert report.weights({"dtype": "bfloat16"}) == "bfloat16"
 
 
 def test_the_index_says_whether_a_runs_checkpoints_are_the_files_it_decoded_with(tmp_path):

@@ -41,6 +41,30 @@ def gguf_rows(gguf_type: str, n: int, k: int, seed: int = 0, std: float = 0.3) -
   return blocks.reshape(n, -1)
 
 
+MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "embed", "lm_head")
+
+
+def quantize_model(model: specjax.Model, gguf_types: str | dict[str, str] = "Q8_0", name: str = "") -> specjax.Model:
+  """`model` (float32) with every matrix (`MATRICES`: the embedding table and head included) quantized by gguf's own
+  quantizer to `gguf_types` (one type, or one per matrix name; gguf quantizes Q8_0, Q4_0, Q4_1 and Q5_0) and kept as
+  its blocks: the target a GGUF of those types loads as with `quantized=True`. Its values are the quantized ones, so
+  it is another model than `model` (its own reference for losslessness)."""
+  def quantize(path, w):
+    key = path[-1].key
+    if key not in MATRICES:
+      return w
+    gguf_type = gguf_types if isinstance(gguf_types, str) else gguf_types[key]
+    if key == "embed":  # [vocab, embed]: one GGUF row per token
+      return quantized.from_gguf(quants.quantize(np.asarray(w, np.float32), GGMLQuantizationType[gguf_type]),
+                                 gguf_type, w.shape, transposed=True)
+    k_dims = 2 if key == "wo" else 1
+    rows = np.asarray(w, np.float32).reshape(int(np.prod(w.shape[:k_dims])), -1).T  # [N, K]: one row per output
+    return quantized.from_gguf(quants.quantize(np.ascontiguousarray(rows), GGMLQuantizationType[gguf_type]),
+                               gguf_type, w.shape, k_dims)
+  params = jax.tree_util.tree_map_with_path(quantize, model.params)
+  return specjax.Model(model.config, params, model.tokenizer, name or f"{model.name}-quantized")
+
+
 def dequantized(rows: np.ndarray, gguf_type: str) -> np.ndarray:
   """[N, K] float32, gguf's dequantization."""
   return quants.dequantize(rows, GGMLQuantizationType[gguf_type])

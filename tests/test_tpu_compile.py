@@ -118,6 +118,87 @@ def test_a_gemma_speculative_program_compiled_for_a_v5e_slice_holds_no_cpu_custo
   assert 0 < compiled.memory_analysis().argument_size_in_bytes < compile_for.CHIPS["v5e"].hbm_bytes
 
 
+def int8_records(shape: str, layers: int | None = None) -> list[dict]:
+  """The int8 grid's decode step and verification (and prompt lookup's draft) of one target shape, with bf16 and with
+  int8 weights, compiled for v5e:2x4 at a short prompt and cache; `layers`: the shape cut to that many layers."""
+  config = compile_tpu.get_config("int8")
+  config.batch_size, config.prompt_len, config.cache_len = 4, 64, 256
+  config.models = tuple(m for m in config.models if m.get("shape", m["name"]) == shape)
+  config.runs = (dict(config.runs[0], models=tuple(m["name"] for m in config.models), programs=("steps",)),)
+  model_configs = {}
+  if layers:
+    cut = dataclasses.replace(shaped_config(shape, config.dtype), num_layers=layers)
+    cut = dataclasses.replace(cut, layer_kinds=cut.layer_kinds[:layers]) if cut.layer_kinds else cut
+    model_configs = {m["name"]: cut for m in config.models}
+  return compile_for.compile_all(config, progress=lambda line: None, model_configs=model_configs)
+
+
+def check_int8_against_bf16(records: list[dict]) -> None:
+  """Every program compiled without a call of specjax's CPU kernels; each int8 decode step and verification holds
+  fewer bytes per chip than its bf16 twin, its arguments (weights and cache) too; results.md's table pairs them."""
+  assert records and all(r["status"] == "compiled" and r["cpu_kernel_calls"] == 0 for r in records)
+  by = {(r["weights"], r["program"], r["drafter"]): r for r in records}
+  for program in ("decode_step", "verify_5"):
+    dense, quantized = by["bfloat16", program, None], by["int8", program, None]
+    assert quantized["bytes_per_device"] < dense["bytes_per_device"]
+    assert quantized["memory"]["arguments"] < dense["memory"]["arguments"]
+  table = "\n".join(compile_for.weights_table(records))
+  assert "## int8 weights against the config's dtype" in table and "| decode_step |" in table
+
+
+@pytest.mark.slow
+@pytest.mark.tpu_compile
+def test_int8_decode_and_verification_for_a_v5e_slice_hold_no_cpu_custom_call_and_less_than_bf16(libtpu):
+  """SmolLM2-shaped (30 layers, a tied head): int8 codes and bf16 scales in the decode step and the verification
+  compiled for v5e:2x4; lowered for this host's CPU the same int8 step calls the attention kernel, so only the
+  platform keeps the kernels out of the TPU's program (and no CPU product kernel ever takes int8 weights)."""
+  check_int8_against_bf16(int8_records("smollm2-135m"))
+  config = compile_tpu.get_config("int8")
+  config.batch_size, config.prompt_len, config.cache_len = 4, 64, 256
+  on_cpu = compile_for.Target("cpu", sharding.make_mesh(1, 1), 0.0, 1.0, 1.0)
+  shapes = compile_for.model_shapes(shaped_config("smollm2-135m", config.dtype), 8192, on_cpu, config,
+                                    projection.measured_acceptance(config.acceptance), weights="int8")
+  decode = compile_for.step_programs(shapes, config, ("prompt_lookup",))[0]
+  text = decode.lower().as_text()
+  assert decode.name == "decode_step" and "specjax_decode_attention" in text and "specjax_quantized" not in text
+
+
+@pytest.mark.slow
+@pytest.mark.tpu_compile
+def test_int8_decode_and_verification_of_a_qwen3_8b_shape_for_a_v5e_slice_hold_no_cpu_custom_call(libtpu):
+  """Qwen3-8B-shaped (QK norms, an untied head of 151,936 columns) cut to two layers: the int8 programs compile for
+  v5e:2x4 without a CPU kernel and with fewer bytes per chip than bf16's."""
+  check_int8_against_bf16(int8_records("qwen3-8b", layers=2))
+
+
+def test_the_int8_grid_compiles_each_target_with_bf16_and_with_int8_weights():
+  config = compile_tpu.get_config("int8")
+  grid = compile_for.blocks(config)
+  models = {m["name"]: m for m in config.models}
+  shapes = [shape for shape, _ in compile_tpu.INT8_SHAPES]
+  assert sorted(models) == sorted(shapes + [f"{shape} int8" for shape in shapes])
+  assert all(models[f"{shape} int8"] == {"name": f"{shape} int8", "shape": shape, "weights": "int8",
+                                         "draft_vocab": models[shape]["draft_vocab"]} for shape in shapes)
+  assert {(m, t[0], p) for m, t, p, _, _ in grid} == {(m, "v5e:2x4", p) for m in models
+                                                       for p in ("autoregressive", "steps")}
+  assert {d for _, _, _, drafters, _ in grid for d in drafters} == {"prompt_lookup"}
+
+
+def test_the_int8_table_pairs_each_int8_program_with_its_twin_of_the_same_shape():
+  def record(model, shape, weights, program, gib, arguments):
+    return {"model": model, "shape": shape, "weights": weights, "topology": "v5e:2x4", "kind": "steps",
+            "program": program, "drafter": None, "tree_nodes": None, "status": "compiled",
+            "bytes_per_device": gib * 2**30, "memory": {"arguments": arguments * 2**30}, "bytes_accessed": 2e9 * gib,
+            "cpu_kernel_calls": 0}
+  records = [record("m", "m", "bfloat16", "decode_step", 2.0, 1.5),
+             record("m int8", "m", "int8", "decode_step", 1.0, 0.75),
+             record("m int8", "m", "int8", "verify_5", 1.0, 0.75)]  # no bf16 twin: not in the table
+  lines = compile_for.weights_table(records)
+  assert lines[-1] == "| m int8 | v5e:2x4 | decode_step | 2.00 | 1.00 | 0.50 | 1.50 | 0.75 | 4.00 | 2.00 | 0 |"
+  assert sum(line.startswith("| m int8") for line in lines) == 1
+  assert compile_for.weights_table(records[:1]) == []
+
+
 @pytest.mark.slow
 @pytest.mark.tpu_compile
 def test_a_program_larger_than_the_chips_memory_is_reported_as_not_fitting(libtpu, tiny_config):

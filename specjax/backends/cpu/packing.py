@@ -88,17 +88,22 @@ def matmul_panels(x: jax.Array, w: Packed, preferred_element_type=None) -> jax.A
   return out if out.shape[-1] == n else out[..., :n]
 
 
+def _is_array(w) -> bool:
+  return isinstance(w, (jax.Array, np.ndarray))
+
+
 def _packed(w, k_dims: int = 1):
-  """A weight as the kernels read it: packed as panels, or as it is where it is quantized (already panels)."""
-  return w if isinstance(w, quantized.Quantized) else pack(w, k_dims)
+  """A weight as the kernels read it: an array packed as panels; a weight of its own type as it is (quantized
+  blocks are panels already; int8 codes, `specjax.int8.Int8`, are multiplied with jnp)."""
+  return pack(w, k_dims) if _is_array(w) else w
 
 
 def _side_by_side(weights: list, d: int):
   """Weights that multiply one input [.., D] as one weight [D, N1 + N2 + ...] (one product for all), or None where
-  they cannot be: quantized weights of different types, or quantized beside float ones."""
+  they cannot be: quantized weights of different types, quantized beside float ones, weights of other types."""
   if all(isinstance(w, quantized.Quantized) for w in weights):
     return quantized.concatenate([w.reshape(d, -1) for w in weights])
-  if any(isinstance(w, quantized.Quantized) for w in weights):
+  if not all(_is_array(w) for w in weights):
     return None
   return pack(jnp.concatenate([w.reshape(d, -1) for w in weights], axis=1))
 
