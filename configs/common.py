@@ -193,6 +193,9 @@ def drafter_training(config: ml_collections.ConfigDict, workdir: str, small: boo
   config.log_every = 10
   config.eval_every = 100
   config.eval_fractions = ()  # with `positions`: evaluate where these fractions of it are seen, instead of eval_every
+  # with `positions`: end this run where this fraction of them is seen (one of eval_fractions), its schedule the whole
+  # budget's, so its points are the full run's; rerun without it to go on (no run.json, no export until the end)
+  config.stop_fraction = 0.0
   config.eval_sequences = 96  # held-out sequences for per-depth top-1
   config.save_every = 50  # checkpoint interval (steps); what a killed run redoes at most
   config.mesh_shape = ml_collections.config_dict.placeholder(tuple)  # (data, model); None: one device

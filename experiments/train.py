@@ -207,11 +207,19 @@ def budget(config: ml_collections.ConfigDict, train_cache: features.FeatureCache
   positions to see, with evaluation where `eval_fractions` of them are seen) when set, else `steps`."""
   pool = train_drafter.pool_sequences(train_cache, config.get("pool_positions", 0))
   if not config.get("positions"):
-    return {"steps": config.steps, "num_sequences": pool, "eval_steps": None}
+    if config.get("stop_fraction", 0.0):
+      raise ValueError("stop_fraction applies to a budget of `positions`; this run counts `steps`")
+    return {"steps": config.steps, "num_sequences": pool, "eval_steps": None, "stop_step": None}
   steps = train_drafter.steps_for_positions(train_cache, pool, config.batch_size, config.seed, config.positions)
   seen = train_drafter.positions_seen(train_cache, pool, config.batch_size, config.seed, steps)
   fractions = config.eval_fractions or (1.0,)
-  return {"steps": steps, "num_sequences": pool, "eval_steps": train_drafter.steps_at_fractions(seen, fractions)}
+  eval_steps = train_drafter.steps_at_fractions(seen, fractions)
+  stop = config.get("stop_fraction", 0.0)
+  if stop and stop not in fractions:
+    raise ValueError(f"stop_fraction must be one of eval_fractions {tuple(fractions)} (a run stops at an evaluation "
+                     f"point), got {stop}")
+  stop_step = train_drafter.steps_at_fractions(seen, (stop,))[0] if stop else None
+  return {"steps": steps, "num_sequences": pool, "eval_steps": eval_steps, "stop_step": stop_step}
 
 
 def run(config: ml_collections.ConfigDict, command: str) -> dict[str, Any]:
@@ -219,6 +227,7 @@ def run(config: ml_collections.ConfigDict, command: str) -> dict[str, Any]:
   model = specjax.load(config.model, dtype="float32")
   caches = open_caches(config.data_dir, config.get("held_out_dir", ""))
   check_answers(caches["train"], config.get("data_answers", ""))
+  plan = budget(config, caches["train"])
   draft_size = config.draft_vocab
   if config.get("draft_vocab_record"):  # the size chosen on the Spec-Bench dev prompts (experiments/draft_vocab.py)
     draft_size = draft_vocab.load_draft_vocab(config.draft_vocab_record, config.model, caches["train"].token_counts)
@@ -240,7 +249,6 @@ def run(config: ml_collections.ConfigDict, command: str) -> dict[str, Any]:
                      f"tokens a round; the Spec-Bench evaluation drafts spec_bench.gamma={config.spec_bench.gamma}: "
                      "lower it or give the drafter more heads or modules")
   mesh = sharding.make_mesh(*config.mesh_shape) if config.mesh_shape else None
-  plan = budget(config, caches["train"])
   along_the_way = config.spec_bench.enabled and config.spec_bench.get("along_the_way", False)
   references: dict[int, list] = {}  # autoregressive outputs, decoded once per run
 
@@ -256,8 +264,12 @@ def run(config: ml_collections.ConfigDict, command: str) -> dict[str, Any]:
       eval_every=config.eval_every, eval_steps=plan["eval_steps"], eval_sequences=config.eval_sequences,
       save_every=config.save_every, num_sequences=plan["num_sequences"],
       evaluate_drafter=spec_bench_metrics if along_the_way else None, mesh=mesh,
-      objective=config.get("objective", "kl"))
+      objective=config.get("objective", "kl"), stop_step=plan["stop_step"])
   print("held-out:", {k: round(v, 4) for k, v in result.final_eval.items()})
+  if result.steps < plan["steps"]:
+    print(f"stopped after {result.positions:,} of {config.positions:,} positions (stop_fraction "
+          f"{config.stop_fraction}); the same command without it goes on from {config.workdir}")
+    return {"stopped": True, "steps": result.steps, "positions": result.positions, "held_out": result.final_eval}
   card = {
       "drafter": config.drafter, "target": config.model, "options": result.drafter.options.saved(),
       "command": command, "config": config.to_dict(), "steps": result.steps, "train_seconds": result.train_seconds,

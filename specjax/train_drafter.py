@@ -181,12 +181,15 @@ def train_drafter(model, drafter: Drafter, train_cache, held_out_cache, *, workd
                   eval_every: int = 200, eval_steps: Collection[int] | None = None, eval_sequences: int = 64,
                   save_every: int = 100, num_sequences: int | None = None,
                   evaluate_drafter: Callable[[Drafter], dict[str, Any]] | None = None, mesh=None,
-                  progress: bool = True, objective: str = "kl") -> TrainResult:
+                  progress: bool = True, objective: str = "kl", stop_step: int | None = None) -> TrainResult:
   """Trains `drafter`'s trainable arrays (see the module doc); returns the trained drafter and its metrics.
 
   Evaluation runs at `eval_steps` (default: every `eval_every` steps) and after the last step; batches are drawn
   from the first `num_sequences` sequences of `train_cache` (default all, see `pool_sequences`). `objective`: the
-  loss trained (`draft_head.OBJECTIVES`); evaluation reports the same loss and the per-depth top-1.
+  loss trained (`draft_head.OBJECTIVES`); evaluation reports the same loss and the per-depth top-1. `stop_step`
+  ends this call after that step (an evaluation step), the schedule still the one of `steps`: the run so far is the
+  full run's first part, its evaluation points the full run's, and calling again with a later `stop_step` (or none)
+  resumes it from the checkpoint.
   """
   if drafter.loss is None:
     raise ValueError(f"drafter {drafter.name!r} has no loss: it is not trainable")
@@ -203,6 +206,9 @@ def train_drafter(model, drafter: Drafter, train_cache, held_out_cache, *, workd
   eval_steps = set(range(eval_every, steps + 1, eval_every) if eval_steps is None else eval_steps) | {steps}
   if not all(0 < s <= steps for s in eval_steps):
     raise ValueError(f"evaluation steps must be in 1..{steps}, got {sorted(eval_steps)}")
+  stop_step = steps if stop_step is None else int(stop_step)
+  if stop_step not in eval_steps:
+    raise ValueError(f"stop_step must be an evaluation step {sorted(eval_steps)}, got {stop_step}")
 
   target_params = model.params
   drafter_params = drafter.params
@@ -274,7 +280,7 @@ def train_drafter(model, drafter: Drafter, train_cache, held_out_cache, *, workd
       f.write(json.dumps(record) + "\n")
     mark[:] = time.perf_counter(), time.process_time()
 
-  state, _ = train.train(state, frozen, compiled_step, batch_fn, num_steps=steps,
+  state, _ = train.train(state, frozen, compiled_step, batch_fn, num_steps=stop_step,
                          checkpoint_dir=os.path.join(workdir, "checkpoints"), save_interval_steps=save_every,
                          save_steps=eval_steps, log_every=log_every, progress=progress, on_step=on_step,
                          on_start=on_start)
@@ -282,5 +288,6 @@ def train_drafter(model, drafter: Drafter, train_cache, held_out_cache, *, workd
   final = {k: v for k, v in history[-1].items() if k.startswith("eval_") and k not in ("eval_seconds",
                                                                                        "eval_cpu_seconds")}
   return TrainResult(drafter=with_params(state.params), final_eval=final, train_seconds=clock["train_seconds"],
-                     steps=int(state.step), train_cpu_seconds=clock["train_cpu_seconds"], positions=int(seen[-1]),
+                     steps=int(state.step), train_cpu_seconds=clock["train_cpu_seconds"],
+                     positions=int(seen[int(state.step) - 1]),
                      flops_per_step=flops_per_step, compile_seconds=compile_seconds, history=history)

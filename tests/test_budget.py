@@ -201,13 +201,25 @@ def test_budget_run_trains_to_its_positions_and_the_card_shows_the_curve(tiny, c
     train.run(config, "test")
   (tmp_path / "draft_vocab.json").write_text(json.dumps({
       "model": model_dir, "vocab_size": 32, "draft_vocab": 16, "train_cache": {"path": "", "token_counts_sha256": ""}}))
+  # A run stopped at an evaluation point (stop_fraction) is the full run's first part: the full budget's schedule, no
+  # card or export yet; the same command without it goes on from its checkpoint.
+  config.stop_fraction = 0.3
+  with pytest.raises(ValueError, match=r"stop_fraction must be one of eval_fractions \(0.25, 0.5, 1.0\)"):
+    train.run(config, "test")
+  config.stop_fraction = 0.5
+  stopped = train.run(config, "python -m experiments.train (stopped)")
+  assert stopped["stopped"] and not os.path.exists(os.path.join(config.workdir, "run.json"))
+  assert not os.path.exists(os.path.join(config.workdir, "mtp_parallel.safetensors"))
+  config.stop_fraction = 0.0
   card = train.run(config, "python -m experiments.train (test)")
   with open(os.path.join(config.workdir, "starts.jsonl")) as f:
     starts = [json.loads(line) for line in f]
-  assert [s["command"] for s in starts] == ["python -m experiments.train (test)"]
+  assert [s["command"] for s in starts] == ["python -m experiments.train (stopped)", "python -m experiments.train (test)"]
   assert starts[0]["config"]["positions"] == config.positions
   pool = td.pool_sequences(cache_set["train"], 200)
   seen = td.positions_seen(cache_set["train"], pool, 4, 0, card["steps"])
+  half = td.steps_at_fractions(seen, (.5,))[0]
+  assert 1 < stopped["steps"] == half < card["steps"] and stopped["positions"] == seen[half - 1]
   assert seen[-1] >= 400 > seen[-2] and card["positions"] == seen[-1] and card["pool_sequences"] == pool
   assert card["options"]["draft_vocab"] == 16
   assert [p["positions"] for p in card["curve"]] == [seen[s - 1] for s in td.steps_at_fractions(seen, (.25, .5, 1))]
