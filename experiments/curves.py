@@ -101,6 +101,15 @@ def stalled_seconds(records: list[dict[str, Any]]) -> float:
   return float(sum(wall - cpu / rate for wall, cpu in intervals if cpu / wall < STALLED * rate))
 
 
+def _state_label(run: dict[str, Any]) -> str:
+  """What the table says after a run's name: nothing when it finished."""
+  if run["finished"]:
+    return ""
+  if run.get("carried_from"):
+    return " (stopped)"
+  return f" (stopped at {run['stopped_at']:g})" if run.get("stopped_at") else " (running)"
+
+
 def read_run(workdir: str) -> dict[str, Any]:
   """One run's summary: its evaluation points from metrics.jsonl, its family, data and final figures."""
   records = read_metrics(os.path.join(workdir, "metrics.jsonl"))
@@ -123,6 +132,8 @@ def read_run(workdir: str) -> dict[str, Any]:
       "name": name, "workdir": os.path.abspath(workdir), "family": family, "drafter": card.get("drafter"),
       "answers": config.get("data_answers") or None, "objective": config.get("objective") or "kl",
       "finished": bool(card),
+      # a run ended at a point of its budget by its last start (`stop_fraction`), to go on later
+      "stopped_at": None if card else (config.get("stop_fraction") or None),
       "commit": card.get("environment", {}).get("specjax_commit"), "started": card.get("date"),
       "starts": [{"date": st["date"], "commit": st["commit"]} for st in starts],
       "budget_positions": config.get("positions"), "positions": last.get("positions"), "steps": last.get("step"),
@@ -179,7 +190,7 @@ def table(results: dict[str, Any]) -> str:
            "|---|---|---|---:|---:|---:|---:|" + "---:|" * (len(depths) + 2)]
   for r in runs:
     lines.append(
-        f"| {r['name']}{'' if r['finished'] else ' (stopped)' if r.get('carried_from') else ' (running)'} "
+        f"| {r['name']}{_state_label(r)} "
         f"| {r['answers'] or '-'} | {r.get('objective') or 'kl'} | {_fmt(r['positions'], ',')} "
         f"| {_fmt(r['train_seconds'] and r['train_seconds'] / 3600, '.2f')} "
         f"| {_fmt(r['train_cpu_seconds'] and r['train_cpu_seconds'] / 3600, '.2f')} "
@@ -233,7 +244,8 @@ def run_markdown(results: dict[str, Any]) -> str:
            "resumed from their last checkpoint; each start's time and code where the run logged them):"]
   for r in results["runs"]:
     state = (f"finished at commit {r['commit']}" if r["finished"] else "stopped before its budget, its workdir gone"
-             if r.get("carried_from") else "still training when the curves were drawn")
+             if r.get("carried_from") else f"stopped at {r['stopped_at']:g} of its budget (`stop_fraction`: the "
+             "same command without it goes on)" if r.get("stopped_at") else "still training when the curves were drawn")
     if r.get("carried_from"):
       state += (f"; its summary carried over from the publication of {r['carried_from']['date']} (commit "
                 f"{r['carried_from']['commit']}), drawn before the publication kept its logs")

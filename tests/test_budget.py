@@ -284,6 +284,13 @@ def test_curves_table_plot_and_extrapolation_from_runs_metrics(tmp_path):
   synthetic_run(tmp_path / "runs" / "parallel", "parallel", positions, [0.2, 0.3, 0.35], [1.5, 1.7, 1.6])
   synthetic_run(tmp_path / "runs" / "exit", "exit", positions, [0.2, 0.2, 0.2], [1.2, 1.2, 1.2], alpha=0.2,
                 finished=False)
+  # A run ended at a point of its budget (`stop_fraction`) says so, where one still training says it is running.
+  synthetic_run(tmp_path / "runs" / "sequential-lk", "sequential", positions[:2], [0.3, 0.4], [1.4, 1.6],
+                finished=False)
+  (tmp_path / "runs" / "sequential-lk" / "starts.jsonl").write_text(json.dumps(
+      {"date": "2026-12-07 12:00 UTC", "commit": "abc", "command": "train", "config": {
+          "family": "sequential", "objective": "lk", "data_answers": "regenerated", "positions": 200000,
+          "stop_fraction": 0.5}}) + "\n")
   comparison = {"prompts": 48, "gamma": 4, "max_new_tokens": 64, "candidate": {"mean_accepted": 1.74, "score": 1.37},
                 "shipped": {"mean_accepted": 1.88, "score": 1.49}, "prompts_candidate_better": 10,
                 "prompts_shipped_better": 34, "replace": False}
@@ -293,7 +300,8 @@ def test_curves_table_plot_and_extrapolation_from_runs_metrics(tmp_path):
       {**comparison, "against": "mtp_sequential", "replace": True}))
   results = curves.curves([str(tmp_path / "runs")], str(tmp_path / "out"))
   runs = {r["name"]: r for r in results["runs"]}
-  assert set(runs) == {"sequential", "parallel", "exit"}
+  assert set(runs) == {"sequential", "parallel", "exit", "sequential-lk"}
+  assert runs["sequential-lk"]["stopped_at"] == 0.5 and runs["exit"]["stopped_at"] is None
   assert runs["sequential"]["shipped_comparison"]["shipped_mean_accepted"] == 1.88
   assert "shipped_comparison" not in runs["parallel"]
   seq = runs["sequential"]
@@ -310,19 +318,22 @@ def test_curves_table_plot_and_extrapolation_from_runs_metrics(tmp_path):
   table = (tmp_path / "out" / "results.md").read_text()
   assert "| sequential | regenerated | kl | 100,000 | 0.28 | 0.56 | 2.00 | 0.500 | 0.250 | 1.80 | 0.800 |" in table
   assert "exit (running)" in table and "~1e+07 positions" in table
+  assert "| sequential-lk (stopped at 0.5) | regenerated | lk |" in table
   assert "| sequential | 48 | 1.74 | 1.88 | 10 / 34 | keeps the shipped one |" in table
   assert "| exit (against the shipped mtp_sequential) | 48 | 1.74 | 1.88 | 10 / 34 | replaces it |" in table
   assert (tmp_path / "out" / "curves.png").stat().st_size > 10000
   run_md = (tmp_path / "out" / "RUN.md").read_text()
   assert run_md.startswith(f"# train_budget, {saved['date']} {saved['time']} UTC") and "python -m experiments.curves" in run_md
   assert "  - exit: still training when the curves were drawn; 3 steps, 100,000 answer positions" in run_md
+  assert "  - sequential-lk: stopped at 0.5 of its budget (`stop_fraction`: the same command without it goes on)" in run_md
   assert seq["stalled_seconds"] == 0.0
   # The publication keeps the logs it was drawn from: with the workdirs gone, it is drawn again from them alone.
   assert sorted(p.name for p in (tmp_path / "out" / "runs" / "sequential").iterdir()) == [
       "metrics.jsonl", "run.json", curves.SHIPPED_COMPARISON]
   shutil.rmtree(tmp_path / "runs")
   again = curves.curves([], str(tmp_path / "out"))
-  assert [r["name"] for r in again["runs"]] == ["exit", "parallel", "sequential"]
+  assert [r["name"] for r in again["runs"]] == ["exit", "parallel", "sequential", "sequential-lk"]
+  assert again["runs"][-1]["stopped_at"] == 0.5  # its starts.jsonl kept with its logs
   for a, b in zip(again["runs"], sorted(saved["runs"], key=lambda r: r["name"])):
     assert {k: v for k, v in a.items() if k != "workdir"} == {k: v for k, v in b.items() if k != "workdir"}
   # A run published before the logs were kept (none under runs/) is carried over from results.json, and says so;
@@ -331,7 +342,7 @@ def test_curves_table_plot_and_extrapolation_from_runs_metrics(tmp_path):
   synthetic_run(tmp_path / "new" / "draft", "draft", positions, [0.1, 0.2, 0.3], [1.1, 1.2, 1.3])
   third = curves.curves([str(tmp_path / "new")], str(tmp_path / "out"))
   runs = {r["name"]: r for r in third["runs"]}
-  assert sorted(runs) == ["draft", "exit", "parallel", "sequential"]
+  assert sorted(runs) == ["draft", "exit", "parallel", "sequential", "sequential-lk"]
   assert runs["parallel"]["carried_from"] == {"date": again["date"], "commit": again["commit"]}
   published = {r["name"]: r for r in saved["runs"]}
   assert runs["parallel"]["curve"] == published["parallel"]["curve"] and "carried_from" not in runs["draft"]
