@@ -214,7 +214,8 @@ def test_budget_run_trains_to_its_positions_and_the_card_shows_the_curve(tiny, c
   card = train.run(config, "python -m experiments.train (test)")
   with open(os.path.join(config.workdir, "starts.jsonl")) as f:
     starts = [json.loads(line) for line in f]
-  assert [s["command"] for s in starts] == ["python -m experiments.train (stopped)", "python -m experiments.train (test)"]
+  assert [s["command"] for s in starts] == ["python -m experiments.train (stopped)",
+                                            "python -m experiments.train (test)"]
   assert starts[0]["config"]["positions"] == config.positions
   pool = td.pool_sequences(cache_set["train"], 200)
   seen = td.positions_seen(cache_set["train"], pool, 4, 0, card["steps"])
@@ -325,7 +326,8 @@ def test_curves_table_plot_and_extrapolation_from_runs_metrics(tmp_path):
   run_md = (tmp_path / "out" / "RUN.md").read_text()
   assert run_md.startswith(f"# train_budget, {saved['date']} {saved['time']} UTC") and "python -m experiments.curves" in run_md
   assert "  - exit: still training when the curves were drawn; 3 steps, 100,000 answer positions" in run_md
-  assert "  - sequential-lk: stopped at 0.5 of its budget (`stop_fraction`: the same command without it goes on)" in run_md
+  assert ("  - sequential-lk: stopped at 0.5 of its budget (`stop_fraction`: the same command without it goes on)"
+          in run_md)
   assert seq["stalled_seconds"] == 0.0
   # The publication keeps the logs it was drawn from: with the workdirs gone, it is drawn again from them alone.
   assert sorted(p.name for p in (tmp_path / "out" / "runs" / "sequential").iterdir()) == [
