@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
+
+from specjax.stored_matrix import StoredMatrix
 
 # The matrices quantized, by parameter name, and the axes their products contract (`k_dims`); the embedding table
 # [vocab, embed] is read as the tied head's transpose (a scale per vocabulary row). Norms and biases stay arrays.
@@ -34,7 +35,7 @@ LEVELS = 127  # codes in [-127, 127]: symmetric, so that -W's codes are -c
 
 
 @struct.dataclass
-class Int8:
+class Int8(StoredMatrix):
   """W ~ codes * scale (module docstring): logically the array of `shape` in `dtype` (the scale's), used as the matrix
   [K, N] of a product x @ W (its first `k_dims` axes K), or with `transposed` as that matrix's transpose [N, K] (an
   embedding table: scale [N], one per row)."""
@@ -52,35 +53,18 @@ class Int8:
     return jnp.dtype(self.scale.dtype)
 
   @property
-  def ndim(self) -> int:
-    return len(self.shape)
-
-  @property
   def nbytes(self) -> int:
     return int(self.codes.nbytes + self.scale.nbytes)
 
   @property
-  def matrix_shape(self) -> tuple[int, int]:
-    """(K, N) of W."""
-    if self.transposed:
-      return (self.shape[1], self.shape[0])
-    return (int(np.prod(self.shape[:self.k_dims], dtype=np.int64)),
-            int(np.prod(self.shape[self.k_dims:], dtype=np.int64)))
-
-  @property
   def T(self) -> "Int8":
     """The transpose of a 2-D array (an embedding table read as its LM head, and back)."""
-    if self.ndim != 2:
-      raise ValueError(f"only a 2-D int8 array has a transpose (shape {self.shape})")
+    self._check_transpose("int8")
     return self.replace(codes=self.codes.T, k_dims=1, transposed=not self.transposed)
 
   def reshape(self, *shape) -> "Int8":
     """The same codes as the matrix [K, N] (-1 for one size), as model code reshapes a weight before a product."""
-    shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
-    k, n = self.matrix_shape
-    if self.transposed or len(shape) != 2 or tuple(shape) not in ((k, n), (-1, n), (k, -1)):
-      raise ValueError(f"an int8 weight of the matrix {(k, n)} (shape {self.shape}"
-                       f"{', transposed' if self.transposed else ''}) cannot be read as {shape}")
+    k, n = self._matrix_for(shape, "an int8 weight")
     return self.replace(codes=self.codes.reshape(k, n), scale=self.scale.reshape(n), k_dims=1)
 
   def dequantize(self) -> jax.Array:

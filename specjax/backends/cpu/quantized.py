@@ -38,6 +38,7 @@ import numpy as np
 from flax import struct
 
 from specjax.backends.cpu import kernels
+from specjax.stored_matrix import StoredMatrix
 
 PANEL = kernels.PANEL
 
@@ -69,7 +70,7 @@ GGUF_TYPES = {"Q8_0": (32, 34, "Q8_0"), "Q4_0": (32, 18, "Q4_0"), "Q4_1": (32, 2
 
 
 @struct.dataclass
-class Quantized:
+class Quantized(StoredMatrix):
   """A GGUF-quantized matrix W [K, N] as column panels of its blocks (module docstring). Logically the float32 array
   of `shape`: W with its first `k_dims` axes contracted (wq [D, H, hd]: K = D; wo [H, hd, D]: K = H * hd), or, with
   `transposed`, W.T [N, K] (an embedding table [vocab, embed])."""
@@ -84,20 +85,8 @@ class Quantized:
     return jnp.dtype(jnp.float32)  # the values it stands for
 
   @property
-  def ndim(self) -> int:
-    return len(self.shape)
-
-  @property
   def layout(self) -> Layout:
     return LAYOUTS[self.kind]
-
-  @property
-  def matrix_shape(self) -> tuple[int, int]:
-    """(K, N) of W."""
-    if self.transposed:
-      return (self.shape[1], self.shape[0])
-    return (int(np.prod(self.shape[:self.k_dims], dtype=np.int64)),
-            int(np.prod(self.shape[self.k_dims:], dtype=np.int64)))
 
   @property
   def nbytes(self) -> int:
@@ -106,17 +95,12 @@ class Quantized:
   @property
   def T(self) -> "Quantized":
     """The transpose of a 2-D array: the same blocks (an embedding table read as its LM head, and back)."""
-    if self.ndim != 2:
-      raise ValueError(f"only a 2-D quantized array has a transpose (shape {self.shape})")
+    self._check_transpose("quantized")
     return self.replace(shape=self.shape[::-1], k_dims=1, transposed=not self.transposed)
 
   def reshape(self, *shape) -> "Quantized":
     """The same blocks as the matrix [K, N] (-1 for one size), as model code reshapes a weight before a product."""
-    shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
-    k, n = self.matrix_shape
-    if self.transposed or len(shape) != 2 or tuple(shape) not in ((k, n), (-1, n), (k, -1)):
-      raise ValueError(f"a weight quantized as the matrix {(k, n)} (shape {self.shape}"
-                       f"{', transposed' if self.transposed else ''}) cannot be read as {shape}")
+    k, n = self._matrix_for(shape, "a weight quantized")
     return self.replace(shape=(k, n), k_dims=1)
 
   def padded_matrix(self) -> jax.Array:
