@@ -55,16 +55,20 @@ def _weight_bytes(tree) -> int:
 
 def draft_cost(params, config: ModelConfig, layers: Sequence[int], own=None, head_columns: int | None = None) -> float:
   """Weights read by one draft step (the target layers run + the drafter's `own` arrays + final norm + LM head,
-  of which `head_columns` columns when truncated) over those of a full target step.
+  of which `head_columns` columns when truncated, at the bytes the drafter holds them in) over those of a full
+  target step.
 
   A batch-1 decode step is memory-bound, so this is its relative time to first order. With a small model
   the LM head is a large share (SmolLM2: 28 M of 135 M weights), so it exceeds the fraction of layers run. Bytes
   are counted as the arrays store them: a quantized target's GGUF blocks (`backends.cpu.Quantized`), an int8
   target's codes and scales (`specjax.int8`), beside a drafter's own arrays at their dtype.
   """
-  head = _weight_bytes(params["lm_head"] if "lm_head" in params else params["embed"])
+  table = params["lm_head"] if "lm_head" in params else params["embed"]
+  head = _weight_bytes(table)
   layer_bytes = [_weight_bytes(layer) for layer in params["layers"]]
   norm = _weight_bytes(params["final_norm"])
-  draft_head = head if head_columns is None else head * head_columns / config.vocab_size
+  # A truncated head's columns are gathered out of the table (`draft_head.head_columns`) in the dtype of the values
+  # it stands for: a quantized table's columns are float32, not its blocks.
+  draft_head = head if head_columns is None else head_columns * config.hidden_size * np.dtype(table.dtype).itemsize
   draft = draft_head + norm + sum(layer_bytes[i] for i in layers) + (_weight_bytes(own) if own is not None else 0)
   return draft / (head + norm + sum(layer_bytes))

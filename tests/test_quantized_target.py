@@ -13,12 +13,14 @@ from __future__ import annotations
 import json
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 import specjax
 from configs import compare_drafters
 from experiments import cost_model, run
 from specjax import leviathan, speculative
+from specjax.drafters import draft_head
 from specjax.backends import cpu
 from tests.task_drafters import perturbed
 from tests.test_families import DRAFTERS, TREES, _prompts
@@ -163,6 +165,11 @@ def test_a_quantized_targets_draft_costs_and_step_bytes_count_the_bytes_it_store
   head, layers = _stored(params["lm_head"]) + _stored(params["final_norm"]), [_stored(x) for x in params["layers"]]
   assert leviathan.draft_cost(params, config, [0, 1]) == pytest.approx((head + sum(layers[:2])) /
                                                                        (head + sum(layers)))
+  # A truncated head's columns are gathered as float32 (`draft_head.head_columns`): priced as the drafter holds them.
+  columns = draft_head.head_columns(params, config, jnp.arange(8))
+  assert columns.dtype == jnp.float32
+  assert leviathan.draft_cost(params, config, [], head_columns=8) == pytest.approx(
+      (columns.nbytes + _stored(params["final_norm"])) / (head + sum(layers)))
   assert _stored(params) < 0.4 * _stored(tiny.params)  # 4.5 to 8.5 bits a weight against 32
   stored = cost_model.step_bytes(config, 100, params=params)
   assert stored < 0.45 * cost_model.step_bytes(config, 100)
