@@ -101,13 +101,16 @@ def stalled_seconds(records: list[dict[str, Any]]) -> float:
   return float(sum(wall - cpu / rate for wall, cpu in intervals if cpu / wall < STALLED * rate))
 
 
-def _state_label(run: dict[str, Any]) -> str:
-  """What the table says after a run's name: nothing when it finished."""
+def _state(run: dict[str, Any]) -> tuple[str, str]:
+  """Where a run stands: what the table says after its name (nothing when it finished), and RUN.md's sentence."""
   if run["finished"]:
-    return ""
+    return "", f"finished at commit {run['commit']}"
   if run.get("carried_from"):
-    return " (stopped)"
-  return f" (stopped at {run['stopped_at']:g})" if run.get("stopped_at") else " (running)"
+    return " (stopped)", "stopped before its budget, its workdir gone"
+  if run.get("stopped_at"):
+    return (f" (stopped at {run['stopped_at']:g})",
+            f"stopped at {run['stopped_at']:g} of its budget (`stop_fraction`: the same command without it goes on)")
+  return " (running)", "still training when the curves were drawn"
 
 
 def read_run(workdir: str) -> dict[str, Any]:
@@ -190,7 +193,7 @@ def table(results: dict[str, Any]) -> str:
            "|---|---|---|---:|---:|---:|---:|" + "---:|" * (len(depths) + 2)]
   for r in runs:
     lines.append(
-        f"| {r['name']}{_state_label(r)} "
+        f"| {r['name']}{_state(r)[0]} "
         f"| {r['answers'] or '-'} | {r.get('objective') or 'kl'} | {_fmt(r['positions'], ',')} "
         f"| {_fmt(r['train_seconds'] and r['train_seconds'] / 3600, '.2f')} "
         f"| {_fmt(r['train_cpu_seconds'] and r['train_cpu_seconds'] / 3600, '.2f')} "
@@ -243,9 +246,7 @@ def run_markdown(results: dict[str, Any]) -> str:
            "- runs (each trained by `python -m experiments.train --config=configs/train_budget.py:<run>`, killed runs "
            "resumed from their last checkpoint; each start's time and code where the run logged them):"]
   for r in results["runs"]:
-    state = (f"finished at commit {r['commit']}" if r["finished"] else "stopped before its budget, its workdir gone"
-             if r.get("carried_from") else f"stopped at {r['stopped_at']:g} of its budget (`stop_fraction`: the "
-             "same command without it goes on)" if r.get("stopped_at") else "still training when the curves were drawn")
+    state = _state(r)[1]
     if r.get("carried_from"):
       state += (f"; its summary carried over from the publication of {r['carried_from']['date']} (commit "
                 f"{r['carried_from']['commit']}), drawn before the publication kept its logs")

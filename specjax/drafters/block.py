@@ -53,13 +53,12 @@ from specjax import leviathan, ops
 from specjax.config import ModelConfig
 from specjax.drafters import (DraftCost, Drafter, DraftInputs, PromptInfo, Proposal, RoundResult, choose_tokens,
                               confidence, draft_head, draft_lengths, draft_tree)
-from specjax.model import ParamSpec, attend, attention_output, embed, layer_shapes, mlp_block, qkv, rms_norm
+from specjax.model import ParamSpec, attend, attention_output, embed, layer_shapes, mlp_block, qkv
 from specjax.sampling import SamplingParams
 
 NAME = "block"
 DEPTH_DECAY = 0.8
 TREES = True  # drafts Medusa's static trees, or EAGLE-2's grown ones (`propose` with `DraftInputs.tree_nodes`)
-INPUT = ("fc", "emb_norm", "context_norm")  # the anchor's fusion W_in [RMSNorm(emb); RMSNorm(c)] (`anchor`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,8 +85,7 @@ def saved_specs(options: Options) -> dict:
   c, n = options.config, options.layers
   d = c.hidden_size
   specs = {"feature_proj": ParamSpec((len(options.feature_layers) * d, d), ("embed", "embed")),
-           "fc": ParamSpec((2 * d, d), ("embed", "embed")),
-           "emb_norm": ParamSpec((d,), ("norm",)), "context_norm": ParamSpec((d,), ("norm",)),
+           **draft_head.fusion_specs(d),
            "mask": ParamSpec((options.block_size, d), ("block_slot", "embed")),
            **{k: ParamSpec((n,) + spec.shape, ("stack",) + spec.axes) for k, spec in layer_shapes(c).items()}}
   if options.draft_vocab is not None:
@@ -125,11 +123,7 @@ def context_kv(params, options: Options, c: jax.Array, positions: jax.Array):
 def anchor(target_params, params, tokens: jax.Array, last_context: jax.Array, config: ModelConfig) -> jax.Array:
   """a = W_in [RMSNorm(emb(x)); RMSNorm(c)] [..., D]: anchor tokens [...] fused with the context c [..., D] at the
   position before each (EAGLE's pairing of a token with the feature that predicted it)."""
-  x = embed(target_params, tokens, config)
-  c = last_context.astype(x.dtype)
-  eps = config.rms_norm_eps
-  both = jnp.concatenate([rms_norm(x, params["emb_norm"], eps), rms_norm(c, params["context_norm"], eps)], axis=-1)
-  return ops.matmul(both, params["fc"].astype(x.dtype))
+  return draft_head.fuse(params, embed(target_params, tokens, config), last_context, config)
 
 
 def block_input(target_params, params, tokens: jax.Array, last_context: jax.Array, gamma: int,
@@ -282,8 +276,7 @@ def loss(target_params, params, options: Options, batch, objective: str = "kl"):
 
 def fresh_params(model, options: Options, token_map=None, seed: int = 0) -> dict:
   """Each block a copy of the target's last layer; the feature projection averaging the feature layers; W_in as the
-  sequential module's fc starts, [small random; identity] (the anchor first reads the context feature), its norms at
-  one; every slot's embedding m_i the mean of the target's (scaled as `embed` scales it)."""
+  sequential module's starts (`draft_head.fresh_fusion`: the anchor first reads the context feature); every slot's embedding m_i the mean of the target's (scaled as `embed` scales it)."""
   config = options.config
   d, n, f = config.hidden_size, options.layers, len(options.feature_layers)
   dtype = jnp.dtype(config.dtype)
@@ -291,8 +284,7 @@ def fresh_params(model, options: Options, token_map=None, seed: int = 0) -> dict
   params = {k: jnp.broadcast_to(ops.dequantize(last[k]), (n,) + last[k].shape).astype(dtype)
             for k in block_keys(config)}
   params["feature_proj"] = (jnp.tile(jnp.eye(d), (f, 1)) / f).astype(dtype)
-  fc = jnp.concatenate([0.02 * jax.random.normal(jax.random.PRNGKey(seed), (d, d)), jnp.eye(d)], axis=0)
-  params.update(fc=fc.astype(dtype), emb_norm=jnp.ones((d,), dtype), context_norm=jnp.ones((d,), dtype))
+  params.update(draft_head.fresh_fusion(d, dtype, seed))
   mean = jnp.mean(ops.dequantize(model.params["embed"]).astype(jnp.float32), axis=0)
   if config.scale_embeddings:
     mean = mean * np.sqrt(d)
@@ -347,7 +339,7 @@ def cost(model, options: Options, params) -> DraftCost:
   the (truncated) head, read once, and the context's projection (`round`); drafting a slot more adds nothing to first order (`step` 0). Following a plain
   step writes one position's context: the projection and the blocks' key/value weights."""
   config = model.config
-  own = {k: params[k] for k in block_keys(config) + INPUT + ("feature_proj", "mask")}
+  own = {k: params[k] for k in block_keys(config) + draft_head.FUSION + ("feature_proj", "mask")}
   forward = leviathan.draft_cost(model.params, config, (), own, head_columns=options.draft_vocab)
   kv = {k: params[k] for k in ("feature_proj",) + tuple(k for k in block_keys(config) if k in ("wk", "wv"))}
   plain = leviathan.draft_cost(model.params, config, (), kv, head_columns=0)

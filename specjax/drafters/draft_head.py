@@ -31,6 +31,33 @@ from specjax.loading import CheckpointError, EMBEDDED_MODELS
 from specjax.model import ParamSpec, output_projection, rms_norm, softcap_logits
 
 
+# EAGLE's fusion of a token with the feature before it, W [RMSNorm(emb); RMSNorm(h)]: the sequential module's input
+# and the block drafter's anchor. Its arrays, with a leading axis of `stack` copies where a drafter stacks them.
+FUSION = ("fc", "emb_norm", "hidden_norm")
+
+
+def fusion_specs(d: int, stack: int | None = None) -> dict:
+  lead, axes = ((), ()) if stack is None else ((stack,), ("stack",))
+  return {"fc": ParamSpec(lead + (2 * d, d), axes + ("embed", "embed")),
+          "emb_norm": ParamSpec(lead + (d,), axes + ("norm",)), "hidden_norm": ParamSpec(lead + (d,), axes + ("norm",))}
+
+
+def fuse(params, token_emb: jax.Array, hidden: jax.Array, config: ModelConfig) -> jax.Array:
+  """W [RMSNorm(emb); RMSNorm(h)] [..., D] of token embeddings and features [..., D]."""
+  eps = config.rms_norm_eps
+  both = jnp.concatenate([rms_norm(token_emb, params["emb_norm"], eps), rms_norm(hidden, params["hidden_norm"], eps)],
+                         -1)
+  return ops.matmul(both, params["fc"])
+
+
+def fresh_fusion(d: int, dtype, seed: int, stack: int | None = None) -> dict:
+  """W starts as [small random; identity] (the fusion first passes the feature on), its norms at one."""
+  lead = () if stack is None else (stack,)
+  fc = jnp.concatenate([0.02 * jax.random.normal(jax.random.PRNGKey(seed), lead + (d, d)),
+                        jnp.broadcast_to(jnp.eye(d), lead + (d, d))], axis=-2)
+  return {"fc": fc.astype(dtype), "emb_norm": jnp.ones(lead + (d,), dtype), "hidden_norm": jnp.ones(lead + (d,), dtype)}
+
+
 def head_specs(config: ModelConfig, draft_vocab: int | None) -> dict:
   """The token map and copied head columns of a truncated vocabulary (nothing for the full one)."""
   if draft_vocab is None:

@@ -46,13 +46,13 @@ from specjax import leviathan, ops
 from specjax.drafters import (DraftCost, Drafter, DraftInputs, PromptInfo, Proposal, RoundResult, choose_tokens,
                               confidence, draft_head, draft_tree, keeps)
 from specjax.model import (ParamSpec, attend, attention_output, embed, layer_shapes, mlp_block, node_attention_block,
-                           qkv, rms_norm)
+                           qkv)
 from specjax.sampling import SamplingParams
 
 NAME = "mtp_sequential"
 DEPTH_DECAY = 0.8
 TREES = True  # drafts EAGLE-2's trees (`propose` with `DraftInputs.tree_nodes`)
-INPUT = ("fc", "emb_norm", "hidden_norm")  # a module's own arrays before its block (a decoder layer's arrays)
+INPUT = draft_head.FUSION  # a module's own arrays before its block (a decoder layer's arrays)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,9 +81,7 @@ def saved_specs(options: Options) -> dict:
   c, m = options.config, options.num_modules
   d = c.hidden_size
   specs = {
-      "fc": ParamSpec((m, 2 * d, d), ("stack", "embed", "embed")),
-      "emb_norm": ParamSpec((m, d), ("stack", "norm")),
-      "hidden_norm": ParamSpec((m, d), ("stack", "norm")),
+      **draft_head.fusion_specs(d, m),
       **{k: ParamSpec((m,) + spec.shape, ("stack",) + spec.axes) for k, spec in layer_shapes(c).items()},
   }
   if len(options.feature_layers) > 1:
@@ -116,13 +114,6 @@ def features_to_hidden(params, features: jax.Array) -> jax.Array:
   return ops.matmul(flat, params["feature_proj"].astype(flat.dtype))
 
 
-def module_input(mp, token_emb: jax.Array, hidden: jax.Array, config: ModelConfig) -> jax.Array:
-  """W [RMSNorm(emb); RMSNorm(h)]: [B, T, D]."""
-  eps = config.rms_norm_eps
-  both = jnp.concatenate([rms_norm(token_emb, mp["emb_norm"], eps), rms_norm(hidden, mp["hidden_norm"], eps)], -1)
-  return ops.matmul(both, mp["fc"])
-
-
 def finish(mp, x, attn_update, config: ModelConfig) -> jax.Array:
   """The block's residual updates after attention, given its update Wo attn: g = x + Wo attn; g + MLP(g)."""
   x = x + attn_update
@@ -138,7 +129,7 @@ def _run_true(target_params, params, options: Options, state, next_tokens, featu
   k_caches, v_caches, first = [], [], None
   for m in range(options.num_modules):
     mp = _module(params, m, config)
-    x = module_input(mp, token_emb, hidden, config)
+    x = draft_head.fuse(mp, token_emb, hidden, config)
     q, k, v = qkv(mp, x, positions, config)
     k_cache, v_cache = (ops.cache_write(state["k"][m], k, positions, in_place=False),
                         ops.cache_write(state["v"][m], v, positions, in_place=False))
@@ -187,7 +178,7 @@ def propose(target_params, params, options: Options, state, inputs: DraftInputs,
     m = 0 if options.recurrent else step - 1
     mp = _module(params, m, config)
     position = (p + step - 2)[:, None]  # [B, 1]
-    x = module_input(mp, embed(target_params, token[:, None], config), hidden[:, None], config)
+    x = draft_head.fuse(mp, embed(target_params, token[:, None], config), hidden[:, None], config)
     q_, k, v = qkv(mp, x, position, config)
     k_cache, v_cache = (ops.cache_write(k_all[m], k, position, in_place=False),
                         ops.cache_write(v_all[m], v, position, in_place=False))
@@ -233,7 +224,7 @@ def _propose_tree(target_params, params, options: Options, state, inputs: DraftI
   def expand(d, tokens, node):
     m = 0 if options.recurrent else d - 1
     mp = _module(params, m, config)
-    x = module_input(mp, embed(target_params, tokens, config), node["hidden"], config)
+    x = draft_head.fuse(mp, embed(target_params, tokens, config), node["hidden"], config)
     # Every node sees the committed slots, its ancestors' K/V (none for chained modules: each depth is another
     # module) and its own.
     update, keys, values = node_attention_block(mp, x, state["k"][m], state["v"][m], p - 1,
@@ -282,7 +273,7 @@ def loss(target_params, params, options: Options, batch, objective: str = "kl"):
   def true_keys(m):
     if m not in true_kv:
       mp = _module(params, m, config)
-      x = module_input(mp, token_emb, hidden0, config)
+      x = draft_head.fuse(mp, token_emb, hidden0, config)
       true_kv[m] = (x,) + qkv(mp, x, positions, config)
     return true_kv[m]
 
@@ -296,7 +287,7 @@ def loss(target_params, params, options: Options, batch, objective: str = "kl"):
       hidden = finish(mp, x_true, attention_output(mp, attend(q_true, k_true, v_true, positions, config), config), config)
     else:
       prev = jnp.pad(hidden[:, :-1], ((0, 0), (1, 0), (0, 0)))  # g^{k-1}_{j-1} at position j
-      x = module_input(mp, token_emb, prev, config)
+      x = draft_head.fuse(mp, token_emb, prev, config)
       q, k_new, v_new = qkv(mp, x, positions, config)
       drafted = (drafted if options.recurrent else []) + [(k_new, v_new)]
       # Depth d's drafted K/V (d = k - len + 1 .. k) sit at position j - (k - d) for the query at j.
@@ -319,10 +310,8 @@ def fresh_params(model, options: Options, token_map=None, seed: int = 0) -> dict
   config, m = options.config, options.num_modules
   d = config.hidden_size
   dtype = jnp.dtype(config.dtype)
-  key = jax.random.PRNGKey(seed)
   last = model.params["layers"][config.num_layers - 1]
-  fc = jnp.concatenate([0.02 * jax.random.normal(key, (m, d, d)), jnp.broadcast_to(jnp.eye(d), (m, d, d))], axis=1)
-  params = {"fc": fc.astype(dtype), "emb_norm": jnp.ones((m, d), dtype), "hidden_norm": jnp.ones((m, d), dtype)}
+  params = draft_head.fresh_fusion(d, dtype, seed, stack=m)
   params.update({name: jnp.broadcast_to(ops.dequantize(last[name]), (m,) + last[name].shape).astype(dtype)
                  for name in block_keys(config)})
   if len(options.feature_layers) > 1:
