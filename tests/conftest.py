@@ -45,17 +45,16 @@ SLOW_FIXTURES = frozenset({"smollm2", "smollm2_path", "hf_smollm2", "tiny_hf_lla
 
 
 def pytest_configure(config):
-  """The fast tier (`-m "not slow"`) runs only tiny models, whose programs take far longer to compile than to run:
-  there XLA compiles at optimization level 0 (a quarter less time for the tier; the programs compute the same
-  functions). Set before any test touches a backend, and inherited by pytest-xdist's workers; an XLA_FLAGS that
-  already sets the level wins. Adaptive drafting plans with the typed forward costs (`SPECJAX_CALIBRATE=0`, unless
-  the environment sets it): plans that do not move with the machine's load, and nothing written to the user's cache;
-  tests/test_calibration.py turns calibration on where it tests it."""
+  """Tests compile far more programs than they run long: XLA compiles at optimization level 0 (about 40% less time
+  for the tests on tiny models; the programs compute the same functions), except for the tests on a real model
+  (`_optimization_level`). Set before any test touches a backend, and inherited by pytest-xdist's workers; an
+  XLA_FLAGS that already sets the level wins for the tests on tiny models. Adaptive drafting plans with the typed
+  forward costs (`SPECJAX_CALIBRATE=0`, unless the environment sets it): plans that do not move with the machine's
+  load, and nothing written to the user's cache; tests/test_calibration.py turns calibration on where it tests it."""
   os.environ.setdefault("SPECJAX_CALIBRATE", "0")
-  if (config.getoption("markexpr") or "").strip() == "not slow":
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_backend_optimization_level" not in flags:
-      os.environ["XLA_FLAGS"] = (flags + " --xla_backend_optimization_level=0").strip()
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_backend_optimization_level" not in flags:
+    os.environ["XLA_FLAGS"] = (flags + " --xla_backend_optimization_level=0").strip()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -74,6 +73,19 @@ def pytest_collection_modifyitems(config, items):
     if tpu:
       config.hook.pytest_deselected(items=tpu)
       items[:] = [item for item in items if item.get_closest_marker("tpu_compile") is None]
+
+
+# Fixtures holding a real model (SmolLM2, Gemma-3-270M): their programs run long enough that XLA's default
+# optimization pays for itself (level 0 made the SmolLM2 tests of test_speculative 14% slower).
+REAL_MODEL_FIXTURES = frozenset({"smollm2", "smollm2_path", "hf_smollm2", "gemma3", "hf_gemma3", "smollm2_quantized"})
+
+
+@pytest.fixture(autouse=True)
+def _optimization_level(request, monkeypatch):
+  """A test on a real model compiles the programs specjax builds (`compilation.COMPILER_OPTIONS`) at XLA's default
+  optimization level (3), whatever XLA_FLAGS says."""
+  if REAL_MODEL_FIXTURES & set(request.fixturenames):
+    monkeypatch.setitem(compilation.COMPILER_OPTIONS, "xla_backend_optimization_level", 3)
 
 
 @pytest.fixture(autouse=True, scope="module")
