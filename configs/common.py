@@ -188,7 +188,6 @@ def drafter_training(config: ml_collections.ConfigDict, workdir: str, small: boo
   config.warmup_steps = 40
   config.weight_decay = 0.0
   config.clip_norm = 1.0
-  config.objective = "kl"  # the loss (specjax/drafters/draft_head.py OBJECTIVES): "kl", or "lk" (acceptance itself)
   config.seed = 0
   config.log_every = 10
   config.eval_every = 100

@@ -17,17 +17,16 @@ The argument is a family, optionally with variants (comma-separated, e.g. `seque
   draft       a distilled 4-layer draft model (target layers 0, 10, 19, 29 to start from)
   block       a block drafter: one block of the target's kind (a copy of its last layer to start from) drafting 4
               tokens in one forward from EAGLE-3's features (layers 2, 15, 27; specjax/drafters/block.py)
-  lk, ce      the training objective (specjax/drafters/draft_head.py OBJECTIVES) instead of "kl" (HASS's harmonized
-              top-K distillation, the default): "lk" the acceptance bound itself (LK losses), "ce" the greedy token
-              alone (hard labels); the same budget and data, named <family>-lk / <family>-ce
+  seed2       the same run with seed 1 instead of 0 (the batches' order, and a fresh drafter's random start where its
+              `make` takes a seed), named <family>-seed2: how far two runs of one recipe fall apart
   sharegpt    the data-matching control: train on ShareGPT's own answers instead of the target's, same pool of
               positions, evaluated on the same held-out split (the regenerated one). Its cache:
                 python -m experiments.prepare_data --config=configs/train_data.py --config.num_train=14000
               (the same split; 14,000 conversations give ~8,000 sequences of ~146 answer positions, ~1.16M,
               past the pool, as the regenerated cache's ~7,500 answers are)
   small       the `small` caches of configs/train_data.py and a budget of a few steps: an end-to-end check
-  gemma3      the target Gemma-3-270M instead of SmolLM2 (combines with a family, lk/ce and small; e.g.
-              `:exit10,gemma3,lk`): see below
+  gemma3      the target Gemma-3-270M instead of SmolLM2 (combines with a family, seed2 and small; e.g.
+              `:exit10,gemma3,seed2`): see below
 
 Gemma-3-270M (`gemma3`): the same positions, pool, evaluation points and schedule, on its own regenerated cache
 (configs/train_data.py:regenerate,gemma3: its greedy continuations of plain-text prompts, features of layers 2, 9, 15
@@ -92,8 +91,7 @@ FAMILIES = {
     # One block of the target's kind drafting 4 tokens in one forward from EAGLE-3's features (DFlash / PARD).
     "block": {"drafter": "block", "options": {"path": None, "block_size": 4, "layers": 1}, "learning_rate": 1e-3},
 }
-OBJECTIVE_VARIANTS = ("lk", "ce")  # the training objective instead of "kl" (draft_head.OBJECTIVES)
-VARIANTS = ("sharegpt", "small", "gemma3", *OBJECTIVE_VARIANTS)
+VARIANTS = ("sharegpt", "small", "gemma3", "seed2")
 REGENERATED = "workdirs/data/train_data-regenerate"  # prepare_data's workdir for configs/train_data.py:regenerate
 SHAREGPT = "workdirs/data/train_data"  # ... for configs/train_data.py
 
@@ -118,9 +116,6 @@ def get_config(arg=None):
     raise ValueError(f"configs/train_budget.py takes one family of {tuple(FAMILIES)}, optionally with variants "
                      f"{VARIANTS} (e.g. ':sequential,sharegpt'), got {arg!r}")
   family, small, sharegpt = families[0], "small" in parts, "sharegpt" in parts
-  objectives = [p for p in parts if p in OBJECTIVE_VARIANTS]
-  if len(objectives) > 1:
-    raise ValueError(f"configs/train_budget.py: one objective at a time, got {objectives}")
   target = TARGETS["gemma3" if "gemma3" in parts else "smollm2"]
   if sharegpt and target["model"] != TARGETS["smollm2"]["model"]:
     raise ValueError(f"configs/train_budget.py: {target['model']} is a base model, trained on its own answers only "
@@ -142,10 +137,10 @@ def get_config(arg=None):
   config.draft_vocab = target["draft_vocab"]
   config.draft_vocab_record = target["draft_vocab_record"]
   config.steps = 0  # unused: the budget is `positions`
-  name = family + ("-sharegpt" if sharegpt else "") + "".join(f"-{o}" for o in objectives)
+  name = family + ("-sharegpt" if sharegpt else "") + ("-seed2" if "seed2" in parts else "")
   config = common.drafter_training(config, f"{target['budget']}/{name}", small=False)
-  if objectives:
-    config.objective = objectives[0]
+  if "seed2" in parts:
+    config.seed = 1
 
   suffix = "-small" if small else ""
   config.data_dir = (SHAREGPT if sharegpt else target["regenerated"]) + suffix

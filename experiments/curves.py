@@ -13,7 +13,8 @@ again from the publication while new runs join them; a run's own workdir, where 
                 depth, Spec-Bench tokens per forward and alpha, the curve, and where the project's target for its
                 family would be reached
   results.md    the table of results.json, rendered from it at the precision shown (with each run's comparison
-                with the shipped checkpoint, where its workdir holds one: SHIPPED_COMPARISON)
+                with the shipped checkpoint, where its workdir holds one: SHIPPED_COMPARISON, and each run trained
+                with an option against its family's default run at equal positions: `option_points`)
   RUN.md        the command, the code of the curves and of each run, the machine
   runs/<run>/   each run's LOG_FILES
 
@@ -164,6 +165,32 @@ def read_run(workdir: str) -> dict[str, Any]:
   return run
 
 
+POSITIONS_MATCH = 0.01  # two evaluation points stand at equal positions within this share of them
+
+
+def option_points(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+  """Each run trained with an option (another objective, or other answers) against its family's run with the
+  defaults (the run named as the family), at the last evaluation point of the run that the default run also has at
+  equal positions (within POSITIONS_MATCH: runs on the same data evaluate at the same positions, runs on other data
+  at nearly the same), so an option that pays shows there whether or not either run finished."""
+  by_name = {r["name"]: r for r in runs}
+  found = []
+  for r in runs:
+    base = by_name.get(r["family"])
+    if base is None or base is r or not r.get("curve") or not base.get("curve"):
+      continue
+    pairs = [(p, q) for p in r["curve"] for q in base["curve"]
+             if abs(p["positions"] - q["positions"]) <= POSITIONS_MATCH * p["positions"]]
+    if not pairs:
+      continue
+    ours, other = max(pairs, key=lambda pq: pq[0]["positions"])
+    pick = lambda p: {k: v for k, v in p.items() if k.startswith("eval_top1_") or k.startswith("spec_bench_")}
+    found.append({"run": r["name"], "against": base["name"], "objective": r.get("objective") or "kl",
+                  "answers": r["answers"], "positions": ours["positions"], "against_positions": other["positions"],
+                  "run_point": pick(ours), "against_point": pick(other)})
+  return found
+
+
 def _fmt(value, spec: str) -> str:
   return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
@@ -216,6 +243,22 @@ def table(results: dict[str, Any]) -> str:
       lines.append(f"| {name} | {c['prompts']} | {c['candidate_mean_accepted']:.2f} | "
                    f"{c['shipped_mean_accepted']:.2f} | {c['prompts_candidate_better']} / "
                    f"{c['prompts_shipped_better']} | {'replaces it' if c['replace'] else 'keeps the shipped one'} |")
+  options = results.get("options") or []
+  if options:
+    depths = sorted({k.removeprefix("eval_top1_") for o in options for k in o["run_point"]
+                     if k.startswith("eval_top1_")}, key=int)
+    lines += ["", "Options at equal positions: each run trained with an option against its family's run with the "
+              "defaults, at the last evaluation point both reached at equal positions (run / default):", "",
+              "| run | against | positions | " + " | ".join(f"top-1 depth {d}" for d in depths)
+              + " | tokens / forward | alpha |", "|---|---|---:|" + "---|" * (len(depths) + 2)]
+    for o in options:
+      pair = lambda key, spec: (f"{_fmt(o['run_point'].get(key), spec)} / "
+                                f"{_fmt(o['against_point'].get(key), spec)}")
+      positions = (f"{o['positions']:,}" if o["positions"] == o["against_positions"]
+                   else f"{o['positions']:,} / {o['against_positions']:,}")
+      lines.append(f"| {o['run']} | {o['against']} | {positions} | "
+                   + " | ".join(pair(f"eval_top1_{d}", ".3f") for d in depths)
+                   + f" | {pair('spec_bench_mean_accepted', '.2f')} | {pair('spec_bench_alpha', '.3f')} |")
   sentences = [target_sentence(r) for r in runs if "target" in r]
   if sentences:
     lines += ["", "Targets (Spec-Bench, greedy, gamma 4 chain):", ""] + [f"- {s}" for s in sentences]
@@ -321,7 +364,7 @@ def curves(workdirs: Sequence[str], out: str, command: str = "python -m experime
   now = time.gmtime()
   results = {"name": "train_budget", "command": command, "date": time.strftime("%Y-%m-%d", now),
              "time": time.strftime("%H:%M", now), "commit": code_commit(), "environment": environment(),
-             "family_targets": TARGETS, "fit_points": FIT_POINTS, "runs": runs}
+             "family_targets": TARGETS, "fit_points": FIT_POINTS, "runs": runs, "options": option_points(runs)}
   os.makedirs(out, exist_ok=True)
   for name, text in (("results.json", json.dumps(results, indent=1)), ("results.md", results_markdown(results)),
                      ("RUN.md", run_markdown(results))):

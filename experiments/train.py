@@ -242,7 +242,10 @@ def run(config: ml_collections.ConfigDict, command: str) -> dict[str, Any]:
     counts = caches["train"].token_counts
     token_map = features.top_token_map(counts, draft_size, caches["train"].meta.get("stop_ids", ()))
     coverage = features.token_map_coverage(counts, token_map)
-  fresh = specjax.make_drafter(config.drafter, model, token_map=token_map, **config.options.to_dict())
+  options = config.options.to_dict()
+  if "seed" in drafters.option_names(config.drafter) and "seed" not in options:  # a random start: the run's seed
+    options["seed"] = config.seed
+  fresh = specjax.make_drafter(config.drafter, model, token_map=token_map, **options)
   if config.spec_bench.enabled and fresh.max_gamma is not None and fresh.max_gamma < config.spec_bench.gamma:
     # Said before the first step, not at the first evaluation point after minutes of training.
     raise ValueError(f"{config.drafter} with options {config.options.to_dict()} proposes at most {fresh.max_gamma} "
@@ -264,7 +267,7 @@ def run(config: ml_collections.ConfigDict, command: str) -> dict[str, Any]:
       eval_every=config.eval_every, eval_steps=plan["eval_steps"], eval_sequences=config.eval_sequences,
       save_every=config.save_every, num_sequences=plan["num_sequences"],
       evaluate_drafter=spec_bench_metrics if along_the_way else None, mesh=mesh,
-      objective=config.get("objective", "kl"), stop_step=plan["stop_step"])
+      stop_step=plan["stop_step"])
   print("held-out:", {k: round(v, 4) for k, v in result.final_eval.items()})
   if result.steps < plan["steps"]:
     print(f"stopped after {result.positions:,} of {config.positions:,} positions (stop_fraction "

@@ -5,7 +5,7 @@
 #   launch/train_budget.sh --foreground    # the same, in this shell
 #   RUNS="sequential exit" launch/train_budget.sh --config.positions=100000   # some runs; overrides for every run
 #   RUNS="sequential,gemma3 exit,gemma3 exit10,gemma3" launch/train_budget.sh  # Gemma-3-270M's (workdirs/budget-gemma3)
-#   RUNS="sequential,lk" launch/train_budget.sh --config.stop_fraction=0.5   # the first half of a run (its points
+#   RUNS="sequential,seed2" launch/train_budget.sh --config.stop_fraction=0.5   # the first half of a run (its points
 #                                          # the full run's); the same line without the flag goes on from there
 #
 # Rerunning it resumes the set: a run whose run.json exists (written when it ends) is skipped, a killed run resumes

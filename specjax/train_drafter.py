@@ -158,19 +158,17 @@ def _write_records(path: str, records: list[dict[str, Any]]) -> None:
   os.replace(tmp, path)
 
 
-def training_split(drafter: Drafter, target_params, drafter_params, objective: str = "kl"):
+def training_split(drafter: Drafter, target_params, drafter_params):
   """(trainable, frozen, loss_fn): the drafter's trainable arrays (`draft_head.is_trainable`), everything the loss
   reads but does not train ({"target": target_params, "drafter": the drafter's fixed arrays}), and
   loss_fn(trainable, frozen, batch) -> (loss, metrics) for `train.make_train_step(..., has_aux=True)`, the drafter's
-  loss under `objective` (`draft_head.OBJECTIVES`)."""
-  if objective not in draft_head.OBJECTIVES:
-    raise ValueError(f"unknown training objective {objective!r}; objectives: {', '.join(draft_head.OBJECTIVES)}")
+  loss."""
   trainable, fixed = train.split_params(drafter_params, lambda path, leaf: draft_head.is_trainable(path))
   options = drafter.options
 
   def loss_fn(trainable_params, frozen_params, batch):
     params = train.merge_params(trainable_params, frozen_params["drafter"])
-    return drafter.loss(frozen_params["target"], params, options, batch, objective=objective)
+    return drafter.loss(frozen_params["target"], params, options, batch)
 
   return trainable, {"target": target_params, "drafter": fixed}, loss_fn
 
@@ -181,12 +179,12 @@ def train_drafter(model, drafter: Drafter, train_cache, held_out_cache, *, workd
                   eval_every: int = 200, eval_steps: Collection[int] | None = None, eval_sequences: int = 64,
                   save_every: int = 100, num_sequences: int | None = None,
                   evaluate_drafter: Callable[[Drafter], dict[str, Any]] | None = None, mesh=None,
-                  progress: bool = True, objective: str = "kl", stop_step: int | None = None) -> TrainResult:
+                  progress: bool = True, stop_step: int | None = None) -> TrainResult:
   """Trains `drafter`'s trainable arrays (see the module doc); returns the trained drafter and its metrics.
 
   Evaluation runs at `eval_steps` (default: every `eval_every` steps) and after the last step; batches are drawn
-  from the first `num_sequences` sequences of `train_cache` (default all, see `pool_sequences`). `objective`: the
-  loss trained (`draft_head.OBJECTIVES`); evaluation reports the same loss and the per-depth top-1. `stop_step`
+  from the first `num_sequences` sequences of `train_cache` (default all, see `pool_sequences`); evaluation reports
+  the loss and the per-depth top-1. `stop_step`
   ends this call after that step (an evaluation step), the schedule still the one of `steps`: the run so far is the
   full run's first part, its evaluation points the full run's, and calling again with a later `stop_step` (or none)
   resumes it from the checkpoint.
@@ -215,7 +213,7 @@ def train_drafter(model, drafter: Drafter, train_cache, held_out_cache, *, workd
   if mesh is not None:
     target_params = sharding.shard_params(target_params, model.config, mesh)
     drafter_params = sharding.shard_tree(drafter_params, drafter.param_specs, mesh)
-  trainable, frozen, loss_fn = training_split(drafter, target_params, drafter_params, objective)
+  trainable, frozen, loss_fn = training_split(drafter, target_params, drafter_params)
   fixed = frozen["drafter"]
 
   def batch_fn(step: int):

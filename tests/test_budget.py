@@ -132,14 +132,11 @@ def test_budget_config_names_its_families_and_one_budget_for_all():
   with pytest.raises(ValueError, match="exit10 exits after layer 9, which smollm2-135m's cache does not hold"):
     train_budget.get_config("exit10")
   assert all(c.model == "smollm2-135m" and c.draft_vocab == 8192 and not c.draft_vocab_record for c in configs)
-  # The objectives: the same run but for its loss, in a workdir of its own.
-  default, lk, ce = (train_budget.get_config(a) for a in ("sequential", "sequential,lk", "block,ce"))
-  assert (default.objective, lk.objective, ce.objective) == ("kl", "lk", "ce")
-  assert lk.workdir == default.workdir + "-lk" and ce.workdir.endswith("/block-ce")
-  assert {k: v for k, v in lk.items() if k not in ("objective", "workdir")} == {
-      k: v for k, v in default.items() if k not in ("objective", "workdir")}
-  with pytest.raises(ValueError, match="one objective at a time"):
-    train_budget.get_config("sequential,lk,ce")
+  # A second seed: the same run but for its seed, in a workdir of its own.
+  default, seed2 = (train_budget.get_config(a) for a in ("sequential", "sequential,seed2"))
+  assert (default.seed, seed2.seed) == (0, 1) and seed2.workdir == default.workdir + "-seed2"
+  assert {k: v for k, v in seed2.items() if k not in ("seed", "workdir")} == {
+      k: v for k, v in default.items() if k not in ("seed", "workdir")}
 
 
 def test_gemma3_budget_trains_every_family_on_gemma3s_cache_at_smollm2s_budget():
@@ -156,7 +153,7 @@ def test_gemma3_budget_trains_every_family_on_gemma3s_cache_at_smollm2s_budget()
   assert train_budget.TARGETS["smollm2"]["feature_layers"] == tuple(train_data.get_config("regenerate").feature_layers)
   assert train_budget.REGENERATED == train_data.get_config("regenerate").workdir
   shared = ("positions", "pool_positions", "eval_fractions", "batch_size", "seed", "learning_rate", "options",
-            "drafter", "warmup_steps", "spec_bench", "objective")
+            "drafter", "warmup_steps", "spec_bench")
   gemma_families = [f for f in train_budget.FAMILIES]
   for family in gemma_families:
     config = train_budget.get_config(f"{family},gemma3")
@@ -176,8 +173,8 @@ def test_gemma3_budget_trains_every_family_on_gemma3s_cache_at_smollm2s_budget()
   assert set(mtp_sequential.default_feature_layers(gemma, eagle3=True)) <= set(cache_layers)
   assert mtp_sequential.default_feature_layers(gemma, eagle3=False) == (17,)
   assert draft_model.evenly_spaced_layers(18, train_budget.FAMILIES["draft"]["options"]["num_layers"]) == (0, 6, 11, 17)
-  lk = train_budget.get_config("exit10,gemma3,lk")
-  assert lk.objective == "lk" and lk.workdir == "workdirs/budget-gemma3/exit10-lk"
+  seed2 = train_budget.get_config("exit10,gemma3,seed2")
+  assert seed2.seed == 1 and seed2.workdir == "workdirs/budget-gemma3/exit10-seed2"
   small = train_budget.get_config("block,gemma3,small")
   assert small.data_dir == train_data.get_config("regenerate,gemma3,small").workdir
   assert small.workdir == "workdirs/budget-gemma3/block-small" and small.draft_vocab == 8192
@@ -286,7 +283,7 @@ def test_curves_table_plot_and_extrapolation_from_runs_metrics(tmp_path):
   synthetic_run(tmp_path / "runs" / "exit", "exit", positions, [0.2, 0.2, 0.2], [1.2, 1.2, 1.2], alpha=0.2,
                 finished=False)
   # A run ended at a point of its budget (`stop_fraction`) says so, where one still training says it is running.
-  synthetic_run(tmp_path / "runs" / "sequential-lk", "sequential", positions[:2], [0.3, 0.4], [1.4, 1.6],
+  synthetic_run(tmp_path / "runs" / "sequential-lk", "sequential", positions[:2], [0.3, 0.45], [1.4, 1.5],
                 finished=False)
   (tmp_path / "runs" / "sequential-lk" / "starts.jsonl").write_text(json.dumps(
       {"date": "2026-12-07 12:00 UTC", "commit": "abc", "command": "train", "config": {
@@ -322,6 +319,11 @@ def test_curves_table_plot_and_extrapolation_from_runs_metrics(tmp_path):
   assert "| sequential-lk (stopped at 0.5) | regenerated | lk |" in table
   assert "| sequential | 48 | 1.74 | 1.88 | 10 / 34 | keeps the shipped one |" in table
   assert "| exit (against the shipped mtp_sequential) | 48 | 1.74 | 1.88 | 10 / 34 | replaces it |" in table
+  # An option (here the objective) against its family's default run at the last positions both reached.
+  assert [(o["run"], o["against"], o["positions"]) for o in results["options"]] == [("sequential-lk", "sequential",
+                                                                                     10000)]
+  assert ("| sequential-lk | sequential | 10,000 | 0.450 / 0.400 | 0.225 / 0.200 | 1.50 / 1.60 | 0.500 / 0.600 |"
+          in table)
   assert (tmp_path / "out" / "curves.png").stat().st_size > 10000
   run_md = (tmp_path / "out" / "RUN.md").read_text()
   assert run_md.startswith(f"# train_budget, {saved['date']} {saved['time']} UTC") and "python -m experiments.curves" in run_md

@@ -258,7 +258,7 @@ def depth_logits(target_params, params, options: Options, batch) -> list[tuple[j
           for i in range(1, options.block_size + 1)]
 
 
-def loss(target_params, params, options: Options, batch, objective: str = "kl"):
+def loss(target_params, params, options: Options, batch):
   """Self-distillation over cached features (the module docstring): slot i at anchor t learns the target's
   distribution at position t + i - 1 (teacher_ids/probs [B, T, K]), over the batch's mask [B, T].
   Returns (sum_i 0.8^(i-1) loss_i, {"loss_i", "top1_i" per slot})."""
@@ -268,7 +268,7 @@ def loss(target_params, params, options: Options, batch, objective: str = "kl"):
     logits = draft_head.logits(target_params, params, g[:, :, i - 1], options.config)
     loss_i, top1_i = draft_head.distill_loss(
         logits, draft_head.shifted(batch["teacher_ids"], i - 1), draft_head.shifted(batch["teacher_probs"], i - 1),
-        draft_head.shifted(batch["mask"], i - 1, False), params, options.config.vocab_size, objective)
+        draft_head.shifted(batch["mask"], i - 1, False), params, options.config.vocab_size)
     total = total + DEPTH_DECAY ** (i - 1) * loss_i
     metrics[f"loss_{i}"], metrics[f"top1_{i}"] = loss_i, top1_i
   return total, metrics
@@ -301,11 +301,12 @@ def default_feature_layers(config: ModelConfig) -> tuple[int, ...]:
 
 
 def make(model, path: str | None = "default", block_size: int = 4, layers: int = 1,
-         feature_layers: tuple[int, ...] | None = None, token_map=None, rank_accuracy=None) -> Drafter:
+         feature_layers: tuple[int, ...] | None = None, token_map=None, rank_accuracy=None, seed: int = 0) -> Drafter:
   """path: "default" (the checkpoint shipped for this model), a checkpoint file, or None for fresh parameters.
 
-  block_size (the most draft tokens a round proposes), layers, feature_layers (default: EAGLE-3's three) and
-  token_map (a truncated draft vocabulary) apply to fresh parameters; a checkpoint brings its own. rank_accuracy
+  block_size (the most draft tokens a round proposes), layers, feature_layers (default: EAGLE-3's three),
+  token_map (a truncated draft vocabulary) and seed (the random start) apply to fresh parameters; a checkpoint
+  brings its own. rank_accuracy
   [block_size][R] makes trees Medusa's static ones; None reads it from beside the checkpoint where one was measured
   (`draft_head.ranks_path`).
   """
@@ -319,7 +320,7 @@ def make(model, path: str | None = "default", block_size: int = 4, layers: int =
     token_map = None if token_map is None else draft_head.as_token_map(token_map, config.vocab_size)
     options = Options(config=config, block_size=int(block_size), layers=int(layers), feature_layers=feature_layers,
                       draft_vocab=None if token_map is None else int(token_map.size))
-    params = fresh_params(model, options, token_map)
+    params = fresh_params(model, options, token_map, seed)
   else:
     options, params = draft_head.load(model, NAME, path, saved_specs, lambda saved: Options(
         config=config, block_size=int(saved["block_size"]), layers=int(saved["layers"]),

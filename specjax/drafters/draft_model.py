@@ -153,7 +153,7 @@ def cost(target, options: Options, params) -> DraftCost:
                                                               {"layers": params["layers"]}, head_columns=0))
 
 
-def loss(target_params, params, options: Options, batch, objective: str = "kl"):
+def loss(target_params, params, options: Options, batch):
   """Distillation on cached training sequences: the draft model reads tokens [B, T] from position 0 and learns
   the target's next-token distribution at every masked position (teacher_ids/probs [B, T, K], mask [B, T]).
   Returns (loss, {"loss_1", "top1_1"})."""
@@ -162,8 +162,7 @@ def loss(target_params, params, options: Options, batch, objective: str = "kl"):
   out = forward(model_params(target_params, params, options), tokens, cache, jnp.zeros(tokens.shape[0], jnp.int32),
                 options.config, compute_logits=False)
   value, top1 = draft_head.distill_loss(logits(target_params, params, options, out.hidden), batch["teacher_ids"],
-                                        batch["teacher_probs"], batch["mask"], params, options.config.vocab_size,
-                                        objective)
+                                        batch["teacher_probs"], batch["mask"], params, options.config.vocab_size)
   return value, {"loss_1": value, "top1_1": top1}
 
 

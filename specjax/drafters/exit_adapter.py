@@ -167,7 +167,7 @@ def update(target_params, params, options: Options, state, result: RoundResult):
   return {"k": k, "v": v}
 
 
-def loss(target_params, params, options: Options, batch, objective: str = "kl"):
+def loss(target_params, params, options: Options, batch):
   """Self-distillation over cached features: features [B, T, 1, D] (the output of layer k - 1),
   teacher_ids/probs [B, T, K] (the target's next-token distribution at the same position), mask [B, T].
   Returns (loss, {"loss_1", "top1_1"})."""
@@ -178,7 +178,7 @@ def loss(target_params, params, options: Options, batch, objective: str = "kl"):
   positions = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
   g, _, _ = adapter(params, options, hidden, jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32), positions)
   value, top1 = draft_head.distill_loss(draft_head.logits(target_params, params, g, config), batch["teacher_ids"],
-                                        batch["teacher_probs"], batch["mask"], params, config.vocab_size, objective)
+                                        batch["teacher_probs"], batch["mask"], params, config.vocab_size)
   return value, {"loss_1": value, "top1_1": top1}
 
 

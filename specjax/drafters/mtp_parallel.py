@@ -118,7 +118,7 @@ def update(target_params, params, options: Options, hidden, result: RoundResult)
   return result.verify_hidden[rows, result.accepted].astype(hidden.dtype)
 
 
-def loss(target_params, params, options: Options, batch, objective: str = "kl"):
+def loss(target_params, params, options: Options, batch):
   """Self-distillation over a batch of cached features (`specjax.data.features.FeatureCache.batch`).
 
   batch: features [B, T, 1, D] (the target's last hidden state), teacher_ids/probs [B, T, K], mask [B, T].
@@ -131,7 +131,7 @@ def loss(target_params, params, options: Options, batch, objective: str = "kl"):
     # Head k at position t predicts token t+1+k: the target's distribution at position t+k.
     loss_k, top1_k = draft_head.distill_loss(
         logits, draft_head.shifted(batch["teacher_ids"], k), draft_head.shifted(batch["teacher_probs"], k),
-        draft_head.shifted(batch["mask"], k, False), params, options.config.vocab_size, objective)
+        draft_head.shifted(batch["mask"], k, False), params, options.config.vocab_size)
     total = total + DEPTH_DECAY ** (k - 1) * loss_k
     metrics[f"loss_{k}"], metrics[f"top1_{k}"] = loss_k, top1_k
   return total, metrics

@@ -253,7 +253,7 @@ def update(target_params, params, options: Options, state, result: RoundResult):
   return {**state, "hidden": first[rows, result.accepted]}
 
 
-def loss(target_params, params, options: Options, batch, objective: str = "kl"):
+def loss(target_params, params, options: Options, batch):
   """Self-distillation with training-time test (see the module docstring) over cached features.
 
   batch: tokens/mask [B, T], features [B, T, F, D] (the drafter's feature layers), teacher_ids/probs [B, T, K].
@@ -298,7 +298,7 @@ def loss(target_params, params, options: Options, batch, objective: str = "kl"):
       hidden = finish(mp, x, attention_output(mp, attn, config), config)
     valid = target_mask & (slots[None, :] >= k - 1)
     loss_k, top1_k = draft_head.distill_loss(draft_head.logits(target_params, params, hidden, config), teacher_ids,
-                                             teacher_probs, valid, params, config.vocab_size, objective)
+                                             teacher_probs, valid, params, config.vocab_size)
     total = total + DEPTH_DECAY ** (k - 1) * loss_k
     metrics[f"loss_{k}"], metrics[f"top1_{k}"] = loss_k, top1_k
   return total, metrics
