@@ -53,6 +53,16 @@ def test_greedy_mtp_speculative_equals_autoregressive(name, gamma, random_target
   assert_greedy_lossless(random_target, make(name, random_target), gamma)
 
 
+@pytest.mark.parametrize("name", ["mtp_sequential", "block"])
+def test_a_fresh_drafters_seed_is_its_random_start(name, random_target):
+  """The drafters whose fresh parameters are random take a seed (a budget run's `seed2` variant passes it): two seeds,
+  two starts; one seed, one start."""
+  starts = [specjax.make_drafter(name, random_target, path=None, seed=s).params for s in (0, 0, 1)]
+  flat = [np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(p)]) for p in starts]
+  assert np.array_equal(flat[0], flat[1]) and not np.array_equal(flat[0], flat[2])
+  assert "seed" in specjax.drafters.option_names(name)
+
+
 def test_gamma_beyond_the_heads_is_a_clear_error(random_target):
   drafter = specjax.make_drafter("mtp_parallel", random_target, path=None, num_heads=3)
   with pytest.raises(ValueError, match="at most 3 tokens"):

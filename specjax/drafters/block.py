@@ -306,9 +306,8 @@ def make(model, path: str | None = "default", block_size: int = 4, layers: int =
 
   block_size (the most draft tokens a round proposes), layers, feature_layers (default: EAGLE-3's three),
   token_map (a truncated draft vocabulary) and seed (the random start) apply to fresh parameters; a checkpoint
-  brings its own. rank_accuracy
-  [block_size][R] makes trees Medusa's static ones; None reads it from beside the checkpoint where one was measured
-  (`draft_head.ranks_path`).
+  brings its own. rank_accuracy [block_size][R] makes trees Medusa's static ones; None reads it from beside the
+  checkpoint where one was measured (`draft_head.ranks_path`).
   """
   config = model.config
   if path is None:
