@@ -101,6 +101,16 @@ def code_commit() -> str | None:
     return None
 
 
+def uncommitted_paths() -> list[str]:
+  """The tracked files the checkout holds uncommitted edits to (what `-dirty` in `code_commit` stands for)."""
+  try:
+    out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout
+  except OSError:
+    return []
+  return sorted(line[3:].strip() for line in out.splitlines() if line.strip())
+
+
 def code_digest() -> str:
   """A digest of the code a run computes with: every file of the specjax package (its source and the checkpoints it
   ships) and the source of every module of experiments/ the process has imported. Unlike `code_commit`, edits to

@@ -139,7 +139,7 @@ def read_run(workdir: str) -> dict[str, Any]:
       # a run ended at a point of its budget by its last start (`stop_fraction`), to go on later
       "stopped_at": None if card else (config.get("stop_fraction") or None),
       "commit": card.get("environment", {}).get("specjax_commit"), "started": card.get("date"),
-      "starts": [{"date": st["date"], "commit": st["commit"]} for st in starts],
+      "starts": [{"date": st["date"], "commit": st["commit"], "uncommitted": st.get("uncommitted")} for st in starts],
       "budget_positions": config.get("positions"), "positions": last.get("positions"), "steps": last.get("step"),
       "train_seconds": last.get("train_seconds"), "train_cpu_seconds": last.get("train_cpu_seconds"),
       "stalled_seconds": stalled_seconds(records),
@@ -279,6 +279,16 @@ def results_markdown(results: dict[str, Any]) -> str:
   return f"# Drafters on one budget ({results['date']}, commit {results['commit']})\n\n{table(results)}\n"
 
 
+def _start_code(start: dict[str, Any]) -> str:
+  """A start's commit, and for a -dirty one the files it held uncommitted (or that they went unrecorded)."""
+  commit = start["commit"] or "an unknown commit"
+  if not commit.endswith("-dirty"):
+    return commit
+  if start.get("uncommitted"):
+    return f"{commit} (uncommitted edits to {', '.join(start['uncommitted'])})"
+  return f"{commit} (which files it held uncommitted went unrecorded: the run started before starts recorded them)"
+
+
 def run_markdown(results: dict[str, Any]) -> str:
   """RUN.md: how the curves were made (the command, the code of the curves and of each run, the machine),
   rendered from results.json."""
@@ -294,7 +304,7 @@ def run_markdown(results: dict[str, Any]) -> str:
       state += (f"; its summary carried over from the publication of {r['carried_from']['date']} (commit "
                 f"{r['carried_from']['commit']}), drawn before the publication kept its logs")
     if r.get("starts"):
-      state += "; started " + ", ".join(f"{st['date']} at {st['commit']}" for st in r["starts"])
+      state += "; started " + ", ".join(f"{st['date']} at {_start_code(st)}" for st in r["starts"])
     lines.append(f"  - {r['name']}: {state}; {_fmt(r['steps'], ',')} steps, {_fmt(r['positions'], ',')} answer "
                  f"positions of a budget of {_fmt(r['budget_positions'], ',')}.")
   lines += ["", "Files: `results.md` (the table), `results.json` (every run's evaluation points, times and FLOPs, "

@@ -232,10 +232,13 @@ def run(config: ml_collections.ConfigDict, command: str) -> dict[str, Any]:
   if config.get("draft_vocab_record"):  # the size chosen on the Spec-Bench dev prompts (experiments/draft_vocab.py)
     draft_size = draft_vocab.load_draft_vocab(config.draft_vocab_record, config.model, caches["train"].token_counts)
     print(f"draft vocabulary: {draft_size or 'the full vocabulary'} (from {config.draft_vocab_record})")
-  # Each start of the run (a killed run resumes from its checkpoint at the code of its restart): when, at what code.
+  # Each start of the run (a killed run resumes from its checkpoint at the code of its restart): when, at what code
+  # (a -dirty commit with the files it held uncommitted).
   os.makedirs(config.workdir, exist_ok=True)
+  commit = code_commit()
   with open(os.path.join(config.workdir, "starts.jsonl"), "a") as f:
-    f.write(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": code_commit(),
+    f.write(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit,
+                        "uncommitted": cli.uncommitted_paths() if (commit or "").endswith("-dirty") else [],
                         "command": command, "config": config.to_dict()}) + "\n")
   token_map, coverage = None, None
   if draft_size:

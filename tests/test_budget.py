@@ -288,7 +288,10 @@ def test_curves_table_plot_and_extrapolation_from_runs_metrics(tmp_path):
   (tmp_path / "runs" / "sequential-lk" / "starts.jsonl").write_text(json.dumps(
       {"date": "2026-12-07 12:00 UTC", "commit": "abc", "command": "train", "config": {
           "family": "sequential", "objective": "lk", "data_answers": "regenerated", "positions": 200000,
-          "stop_fraction": 0.5}}) + "\n")
+          "stop_fraction": 0.5}}) + "\n" + json.dumps(
+      {"date": "2026-12-07 13:00 UTC", "commit": "def-dirty", "uncommitted": ["docs/training.md"], "command": "train",
+       "config": {"family": "sequential", "objective": "lk", "data_answers": "regenerated", "positions": 200000,
+                  "stop_fraction": 0.5}}) + "\n")
   comparison = {"prompts": 48, "gamma": 4, "max_new_tokens": 64, "candidate": {"mean_accepted": 1.74, "score": 1.37},
                 "shipped": {"mean_accepted": 1.88, "score": 1.49}, "prompts_candidate_better": 10,
                 "prompts_shipped_better": 34, "replace": False}
@@ -330,6 +333,8 @@ def test_curves_table_plot_and_extrapolation_from_runs_metrics(tmp_path):
   assert "  - exit: still training when the curves were drawn; 3 steps, 100,000 answer positions" in run_md
   assert ("  - sequential-lk: stopped at 0.5 of its budget (`stop_fraction`: the same command without it goes on)"
           in run_md)
+  # A start from a tree with uncommitted edits says which files.
+  assert "2026-12-07 13:00 UTC at def-dirty (uncommitted edits to docs/training.md)" in run_md
   assert seq["stalled_seconds"] == 0.0
   # The publication keeps the logs it was drawn from: with the workdirs gone, it is drawn again from them alone.
   assert sorted(p.name for p in (tmp_path / "out" / "runs" / "sequential").iterdir()) == [
