@@ -91,23 +91,24 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repos
 
 
 @functools.cache
+def _git(*args: str) -> str:
+  """git's output for `args` in the checkout ("" where git is missing)."""
+  try:
+    return subprocess.run(["git", *args], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout
+  except OSError:
+    return ""
+
+
 def code_commit() -> str | None:
   """The checkout's commit (`git describe --always --dirty`), as of the first call: entry points call it when
   they start, so a long run reports the code it ran even if the checkout moves on meanwhile."""
-  try:
-    return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
-                          cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip() or None
-  except OSError:
-    return None
+  return _git("describe", "--always", "--dirty").strip() or None
 
 
 def uncommitted_paths() -> list[str]:
   """The tracked files the checkout holds uncommitted edits to (what `-dirty` in `code_commit` stands for)."""
-  try:
-    out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
-                         cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout
-  except OSError:
-    return []
+  out = _git("status", "--porcelain", "--untracked-files=no")
   return sorted(line[3:].strip() for line in out.splitlines() if line.strip())
 
 

@@ -351,19 +351,22 @@ def tree_drafters() -> list[str]:
   return [name for name in available() if getattr(importlib.import_module(_FACTORIES[name]), "TREES", False)]
 
 
-def option_names(name: str) -> list[str]:
-  """The options drafter `name`'s `make` takes by name (after the target model)."""
+def _make_parameters(name: str) -> list[inspect.Parameter]:
+  """The parameters of drafter `name`'s `make` after the target model."""
   if name not in _FACTORIES:
     raise ValueError(f"unknown drafter {name!r}; available: {', '.join(available())}")
-  parameters = list(inspect.signature(importlib.import_module(_FACTORIES[name]).make).parameters.values())[1:]
-  return [p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+  return list(inspect.signature(importlib.import_module(_FACTORIES[name]).make).parameters.values())[1:]
+
+
+def option_names(name: str) -> list[str]:
+  """The options drafter `name`'s `make` takes by name (after the target model)."""
+  return [p.name for p in _make_parameters(name) if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
 def make_drafter(name: str, model, **options) -> Drafter:
   """Builds a drafter for `model` (the target). Names: see `available()`; options: each module's `make`."""
-  valid = option_names(name)
+  parameters, valid = _make_parameters(name), option_names(name)
   make = importlib.import_module(_FACTORIES[name]).make
-  parameters = list(inspect.signature(make).parameters.values())[1:]  # after the target model
   unknown = sorted(set(options) - set(valid))
   if unknown and not any(p.kind == p.VAR_KEYWORD for p in parameters):  # a **options factory checks its own
     raise TypeError(f"drafter {name!r} has no option {', '.join(map(repr, unknown))}; "
