@@ -60,11 +60,12 @@ def fewer_layers(model: Model, num_layers: int) -> Model:
 
 
 def perturbed(drafter, seed=1, scale=0.3):
-  """Random (untrained) parameters, so drafts are wrong in varied ways."""
+  """Random (untrained) parameters, so drafts are wrong in varied ways. The noise is drawn on the host: a jax.random
+  draw compiles a program for every parameter shape, and the tests perturb dozens of drafters."""
   leaves, treedef = jax.tree.flatten(drafter.params)
-  keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
-  leaves = [x + scale * jax.random.normal(k, x.shape, x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
-            for x, k in zip(leaves, keys)]
+  rng = np.random.default_rng(seed)
+  leaves = [jnp.asarray(np.asarray(x) + scale * rng.standard_normal(x.shape).astype(x.dtype))
+            if jnp.issubdtype(x.dtype, jnp.floating) else x for x in leaves]
   return dataclasses.replace(drafter, params=jax.tree.unflatten(treedef, leaves))
 
 

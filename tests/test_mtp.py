@@ -102,11 +102,14 @@ def test_truncated_vocabulary_drafts_only_mapped_tokens_and_q_is_zero_elsewhere(
 # --------------------------------------------------------------------------------------------- end to end
 
 
+# Slow, every case: the training task's target and caches take 40 s to build; the fast tier trains and exports
+# drafters through their training configs instead (test_train_configs.py: parallel heads, an exit adapter, a draft).
+@pytest.mark.slow
 @pytest.mark.parametrize("name, options", [
     ("mtp_parallel", dict(num_heads=3)),
-    pytest.param("block", dict(block_size=3), marks=pytest.mark.slow),
-    pytest.param("mtp_sequential", dict(depth=3), marks=pytest.mark.slow),
-    pytest.param("mtp_sequential", dict(depth=3, recurrent=True, eagle3=True), marks=pytest.mark.slow),
+    ("block", dict(block_size=3)),
+    ("mtp_sequential", dict(depth=3)),
+    ("mtp_sequential", dict(depth=3, recurrent=True, eagle3=True)),
 ])
 def test_trained_drafter_learns_a_predictable_task_end_to_end(name, options, task_target, task_caches, tmp_path):
   fresh = specjax.make_drafter(name, task_target, path=None, **options)
