@@ -115,7 +115,7 @@ def test_verify_reusing_the_draft_layers_equals_the_plain_verify(name, budget, r
 @pytest.mark.parametrize("adaptive", [False, pytest.param(EAGER, marks=pytest.mark.slow)],
                          ids=["fixed_gamma", "adaptive"])
 @pytest.mark.parametrize("temperature", [0.0, pytest.param(1.0, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("name", ["exit", "adapter"])
+@pytest.mark.parametrize("name", [pytest.param("exit", marks=pytest.mark.slow), "adapter"])
 def test_reusing_the_draft_layers_decodes_the_same_tokens(name, temperature, adaptive, random_target):
   target = random_target
   drafter = free(early_exits(target)[name])

@@ -881,6 +881,7 @@ def test_depth_and_gamma_plots_from_a_summary(tmp_path):
     assert (tmp_path / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # a comparison per batch size (the fast tier runs the comparison at one in the tests above)
 def test_batch_sizes_run_the_comparison_at_each_and_check_every_one(tiny_chat, tmp_path, monkeypatch):
   config = _tiny_config(batch_sizes=(1, 2), only="exit2")
   config.prompts.categories = ("qa",)

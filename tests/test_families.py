@@ -110,9 +110,12 @@ DRAFTERS = {
     "draft_model": ("draft_model", dict(draft="fresh", num_layers=2, token_map=TOKEN_MAP)),
     "block": ("block", dict(path=None, block_size=4, token_map=TOKEN_MAP)),
 }
-# Trees: every tree-drafting drafter on the Gemma 3 and Llama models (fast), and one on each other family (slow).
+# Trees: each tree-drafting drafter once in the fast tier (on the Gemma 3 or the Llama model), every one on both and
+# one on each other family in the whole suite.
 TREES = {"mtp_sequential": 6, "draft_model": 6, "layer_skip_skip": 5}
-TREE_CASES = ([pytest.param(family, drafter) for family in ("gemma3", "llama") for drafter in sorted(TREES)]
+FAST_TREES = {("gemma3", "mtp_sequential"), ("gemma3", "layer_skip_skip"), ("llama", "draft_model")}
+TREE_CASES = ([pytest.param(family, drafter, marks=() if (family, drafter) in FAST_TREES else pytest.mark.slow)
+               for family in ("gemma3", "llama") for drafter in sorted(TREES)]
               + [pytest.param(family, drafter, marks=pytest.mark.slow) for family, drafter in
                  zip(("gemma2", "mistral", "qwen2", "qwen3"), ("draft_model", "layer_skip_skip", "mtp_sequential",
                                                                "draft_model"))])

@@ -42,9 +42,9 @@ def make(name, target, seed=1):
 # Every drafter at gamma 1, 3 and 5; its variants (truncated vocabulary, recurrent, EAGLE-3) at gamma 3.
 GREEDY_GRID = [(name, gamma) for name in ("parallel", "sequential", "block") for gamma in (1, 3, 5)] + [
     (name, 3) for name in sorted(MTP_DRAFTERS) if name not in ("parallel", "sequential", "block")]
-# One of each kind, each over a truncated vocabulary (the sequential one on EAGLE-3 features); the rest are slow.
-# The block drafter's fast cases are in tests/test_families.py (over a truncated vocabulary, on Gemma 3 and Llama).
-FAST = {("parallel_truncated", 3), ("sequential_eagle3_truncated", 3)}
+# The sequential module on EAGLE-3 features over a truncated vocabulary; the rest are slow. The fast tier's other cases
+# of each kind are in tests/test_families.py (over a truncated vocabulary, on every family).
+FAST = {("sequential_eagle3_truncated", 3)}
 
 
 @pytest.mark.parametrize("name, gamma", [row if row in FAST else pytest.param(*row, marks=pytest.mark.slow)

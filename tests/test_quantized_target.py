@@ -72,9 +72,10 @@ def test_the_tiny_target_holds_every_matrix_as_blocks(quantized_tiny):
   assert quantized_tiny.params["embed"].transposed and quantized_tiny.params["lm_head"].kind == "Q4_1"
 
 
-# One case of every family in the fast tier; layer skip's skipped-layer set (a second layer-skip case) is slow.
-FAST = ("prompt_lookup", "layer_skip_exit", "exit_adapter", "mtp_parallel", "mtp_sequential", "draft_model", "block")
-CHAIN_CASES = [pytest.param(d) for d in FAST] + [pytest.param("layer_skip_skip", marks=pytest.mark.slow)]
+# In the fast tier, the two drafters that read most of the quantized target (layer skip's exit: its layers and its
+# head's columns; the sequential module: its hidden states, embedding and head's columns); the rest of the families slow.
+FAST = ("layer_skip_exit", "mtp_sequential")
+CHAIN_CASES = [pytest.param(d) if d in FAST else pytest.param(d, marks=pytest.mark.slow) for d in sorted(DRAFTERS)]
 
 
 @pytest.mark.parametrize("drafter", CHAIN_CASES)
@@ -178,6 +179,7 @@ def test_a_quantized_targets_draft_costs_and_step_bytes_count_the_bytes_it_store
                                 - cost_model.stored_weight_bytes(tiny.params, config))
 
 
+@pytest.mark.slow  # an experiment end to end (the fast tier runs one in tests/test_experiments.py)
 def test_an_experiment_on_a_quantized_target_checks_every_method_against_its_autoregressive_decoding(
     quantized_tiny, tmp_path, monkeypatch):
   """`config.quantized` loads the target with its blocks (`specjax.load(..., quantized=True)`); the baseline decodes
