@@ -72,9 +72,9 @@ def test_the_tiny_target_holds_every_matrix_as_blocks(quantized_tiny):
   assert quantized_tiny.params["embed"].transposed and quantized_tiny.params["lm_head"].kind == "Q4_1"
 
 
-# In the fast tier, the two drafters that read most of the quantized target (layer skip's exit: its layers and its
-# head's columns; the sequential module: its hidden states, embedding and head's columns); the rest of the families slow.
-FAST = ("layer_skip_exit", "mtp_sequential")
+# In the fast tier, the drafter that reads most of the quantized target (the sequential module: its hidden states,
+# embedding and head's columns; layer skip on a quantized target is tests/test_quantized.py's); the rest slow.
+FAST = ("mtp_sequential",)
 CHAIN_CASES = [pytest.param(d) if d in FAST else pytest.param(d, marks=pytest.mark.slow) for d in sorted(DRAFTERS)]
 
 

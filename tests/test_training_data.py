@@ -385,6 +385,7 @@ def test_a_plain_format_cache_holds_a_base_models_greedy_continuations(tiny_base
     prepare_data.run(config, str(tmp_path / "sharegpt_answers"))
 
 
+@pytest.mark.slow  # a second regeneration (the fast tier builds a greedy one and a plain-format one above)
 def test_regenerated_cache_samples_reproducibly_from_its_seed(tiny, tmp_path):
   first = _regenerate(tiny, PROMPTS, tmp_path / "a", temperature=1.0, seed=3)
   again = _regenerate(tiny, PROMPTS, tmp_path / "b", temperature=1.0, seed=3)
