@@ -374,7 +374,7 @@ def test_smollm2_quantized_logits_and_greedy_decoding_match_the_dequantized_mode
 
 @pytest.mark.slow
 def test_smollm2_quantized_speculative_decoding_equals_its_autoregressive_decoding(smollm2_quantized):
-  prompts = spec_bench_prompts(smollm2_quantized, 4)
+  prompts = spec_bench_prompts(smollm2_quantized, 3)  # 53-85 tokens (the fourth, 769, would pad every row's prefill)
   expected = specjax.generate(smollm2_quantized, prompts, max_new_tokens=32)
   out = specjax.generate(smollm2_quantized, prompts, max_new_tokens=32, gamma=4, adaptive=False,
                          drafter=specjax.make_drafter("prompt_lookup", smollm2_quantized))
