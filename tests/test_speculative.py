@@ -156,8 +156,9 @@ TREE_DRAFTERS = {
         [0.5, 0.2, 0.1, 0.05], [0.4, 0.2, 0.1, 0.05], [0.3, 0.2, 0.1, 0.05]])),
 }
 # (drafter, gamma: the depth, tree_nodes, batch): trees of one level, of a chain's size, and bushy ones.
-# The fast tier runs the first two: EAGLE-2's grow over a drafter's expansion of nodes by a forward of its layers over
-# them with their ancestors' K/V (a draft model), and by its own modules (the sequential module); layer skip with an
+# The fast tier runs the first: EAGLE-2's grow over a drafter's expansion of nodes by its own modules (the recurrent
+# sequential module; by a forward of a draft model's layers over them with their ancestors' K/V: the Llama draft
+# model's tree in tests/test_families.py, and the second row here in the whole suite); layer skip with an
 # exit adapter, whose chain rounds hand the draft's layers over to verification and whose tree rounds verify every
 # layer, runs in the fast test_greedy_rounds_of_every_kind_in_one_program_equal_autoregressive (chains, trees and
 # plain steps in turn). The slow rows add the other drafters (the parallel heads add one broadcast to the sequential
