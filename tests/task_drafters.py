@@ -59,6 +59,14 @@ def fewer_layers(model: Model, num_layers: int) -> Model:
   return Model(model.config.replace(num_layers=num_layers), params, None, f"{model.name}-{num_layers}")
 
 
+def tiered(cases, fast) -> list:
+  """pytest params of `cases` (tuples of arguments, or single arguments): those in `fast` in the fast tier, the rest
+  marked slow."""
+  import pytest
+  return [pytest.param(*(case if isinstance(case, tuple) else (case,)),
+                       marks=() if case in fast else pytest.mark.slow) for case in cases]
+
+
 def perturbed(drafter, seed=1, scale=0.3):
   """Random (untrained) parameters, so drafts are wrong in varied ways. The noise is drawn on the host: a jax.random
   draw compiles a program for every parameter shape, and the tests perturb dozens of drafters."""

@@ -16,7 +16,7 @@ from specjax.drafters import DraftInputs, PromptInfo, draft_head, draft_model
 from specjax.loading import CheckpointError, Model
 from specjax.model import init_params
 from specjax.sampling import SamplingParams
-from tests.task_drafters import (VOCAB, assert_greedy_lossless, fewer_layers, perturbed, ragged_prompts,
+from tests.task_drafters import (VOCAB, assert_greedy_lossless, fewer_layers, perturbed, ragged_prompts, tiered,
                                  train_on_task)
 
 # test id -> options of a fresh distilled draft (random_target has 4 layers)
@@ -32,9 +32,7 @@ DRAFTS = {
 FAST = {("one_layer_truncated", 3)}
 
 
-@pytest.mark.parametrize("name, gamma", [(name, gamma) if (name, gamma) in FAST
-                                         else pytest.param(name, gamma, marks=pytest.mark.slow)
-                                         for name in sorted(DRAFTS) for gamma in (1, 3, 5)])
+@pytest.mark.parametrize("name, gamma", tiered([(name, gamma) for name in sorted(DRAFTS) for gamma in (1, 3, 5)], FAST))
 def test_greedy_distilled_draft_speculative_equals_autoregressive(name, gamma, random_target):
   drafter = perturbed(specjax.make_drafter("draft_model", random_target, draft="fresh", **DRAFTS[name]), scale=0.1)
   assert_greedy_lossless(random_target, drafter, gamma)

@@ -11,7 +11,7 @@ from specjax.drafters import draft_head
 from specjax.loading import CheckpointError
 from specjax.train_drafter import train_drafter
 from tests.task_drafters import (VOCAB, assert_greedy_lossless, fewer_layers, perturbed, progression, ragged_prompts,
-                                 train_on_task)
+                                 tiered, train_on_task)
 
 # test id -> options of a fresh adapter
 ADAPTERS = {
@@ -30,9 +30,8 @@ def make(name, target, seed=1):
 FAST = {("attention_only", 3)}
 
 
-@pytest.mark.parametrize("name, gamma", [(name, gamma) if (name, gamma) in FAST
-                                         else pytest.param(name, gamma, marks=pytest.mark.slow)
-                                         for name in sorted(ADAPTERS) for gamma in (1, 3, 5)])
+@pytest.mark.parametrize("name, gamma", tiered([(name, gamma) for name in sorted(ADAPTERS) for gamma in (1, 3, 5)],
+                                               FAST))
 def test_greedy_exit_adapter_speculative_equals_autoregressive(name, gamma, random_target):
   assert_greedy_lossless(random_target, make(name, random_target), gamma)
 

@@ -13,7 +13,7 @@ from specjax.loading import CheckpointError
 from tests.families import (HF_FAMILIES, TINY_FAMILIES, WINDOW, hf_greedy, hf_logits, hf_model, save_tiny_hf,
                             tiny_family_model)
 from tests.multidevice import run_with_devices
-from tests.task_drafters import perturbed
+from tests.task_drafters import perturbed, tiered
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +113,7 @@ DRAFTERS = {
 # one on each other family in the whole suite.
 TREES = {"mtp_sequential": 6, "draft_model": 6, "layer_skip_skip": 5}
 FAST_TREES = {("gemma3", "mtp_sequential"), ("gemma3", "layer_skip_skip"), ("llama", "draft_model")}
-TREE_CASES = ([pytest.param(family, drafter, marks=() if (family, drafter) in FAST_TREES else pytest.mark.slow)
-               for family in ("gemma3", "llama") for drafter in sorted(TREES)]
+TREE_CASES = (tiered([(family, drafter) for family in ("gemma3", "llama") for drafter in sorted(TREES)], FAST_TREES)
               + [pytest.param(family, drafter, marks=pytest.mark.slow) for family, drafter in
                  zip(("gemma2", "mistral", "qwen2", "qwen3"), ("draft_model", "layer_skip_skip", "mtp_sequential",
                                                                "draft_model"))])

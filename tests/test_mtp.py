@@ -19,7 +19,7 @@ from specjax.drafters import DraftInputs, PromptInfo, RoundResult, block, draft_
 from specjax.loading import CheckpointError
 from specjax.sampling import SamplingParams
 from specjax.train_drafter import train_drafter
-from tests.task_drafters import VOCAB, assert_greedy_lossless, fewer_layers, perturbed, progression
+from tests.task_drafters import VOCAB, assert_greedy_lossless, fewer_layers, perturbed, progression, tiered
 
 # test id -> (drafter name, options for fresh parameters)
 MTP_DRAFTERS = {
@@ -47,8 +47,7 @@ GREEDY_GRID = [(name, gamma) for name in ("parallel", "sequential", "block") for
 FAST = {("sequential_eagle3_truncated", 3)}
 
 
-@pytest.mark.parametrize("name, gamma", [row if row in FAST else pytest.param(*row, marks=pytest.mark.slow)
-                                         for row in GREEDY_GRID])
+@pytest.mark.parametrize("name, gamma", tiered(GREEDY_GRID, FAST))
 def test_greedy_mtp_speculative_equals_autoregressive(name, gamma, random_target):
   assert_greedy_lossless(random_target, make(name, random_target), gamma)
 

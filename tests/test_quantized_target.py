@@ -22,7 +22,7 @@ from experiments import cost_model, run
 from specjax import leviathan, speculative
 from specjax.drafters import draft_head
 from specjax.backends import cpu
-from tests.task_drafters import perturbed
+from tests.task_drafters import perturbed, tiered
 from tests.test_families import DRAFTERS, TREES, _prompts
 from tests.test_quantized import quantize_model, write_quantized_gguf
 from tests.test_sampling_lossless import (SAMPLES, SETTINGS, always_accept, chi_square_pvalue, exact_joint,
@@ -75,7 +75,7 @@ def test_the_tiny_target_holds_every_matrix_as_blocks(quantized_tiny):
 # In the fast tier, the drafter that reads most of the quantized target (the sequential module: its hidden states,
 # embedding and head's columns; layer skip on a quantized target is tests/test_quantized.py's); the rest slow.
 FAST = ("mtp_sequential",)
-CHAIN_CASES = [pytest.param(d) if d in FAST else pytest.param(d, marks=pytest.mark.slow) for d in sorted(DRAFTERS)]
+CHAIN_CASES = tiered(sorted(DRAFTERS), FAST)
 
 
 @pytest.mark.parametrize("drafter", CHAIN_CASES)
